@@ -1,0 +1,192 @@
+"""train.py end to end: learning on the embedded corpus, checkpoints, exact resume, signals, bad input."""
+import json
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from checkpoint import COMPILED_PREFIX, load_checkpoint, model_from_checkpoint, save_checkpoint
+from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_script
+from model import GPT, GPTConfig
+from training import TrainConfig, learning_rate, parse_config
+
+
+def train(char_data, out_dir, *extra):
+    result = run_script("train.py", "--data-dir", char_data, "--out-dir", out_dir, *TINY_MODEL, *extra)
+    assert result.returncode == 0, result.stderr
+    return load_checkpoint(str(out_dir / "ckpt.pt"))
+
+
+def test_trains_on_embedded_corpus_and_samples(char_data, tmp_path):
+    ckpt = train(char_data, tmp_path, "--max-iters", "60", "--eval-interval", "30", "--lr", "3e-3")
+    val = ckpt["history"]["val"]
+    assert ckpt["iter_num"] == 60 and len(val) == 3
+    assert val[-1] < val[0] - 0.5, val  # from ~ln(vocab) towards character statistics
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert not any(k.startswith(COMPILED_PREFIX) for k in ckpt["model"])
+
+    genfile = tmp_path / "samples.jsonl"
+    result = run_script("test.py", "--ckpt", tmp_path / "ckpt.pt", "--num-samples", "3", "--max-new-tokens", "40",
+                        "--genfile", genfile, "--device", "cpu", "--prompt", "def ")
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in genfile.read_text().splitlines()]
+    assert len(lines) == 3
+    for line in lines:
+        assert set(line) == {"text", "length", "finished"}
+        assert line["text"].startswith("def ") and 0 < line["length"] <= 40
+    assert lines[0]["text"] in result.stdout
+
+
+def test_resume_is_bitwise_exact(char_data, tmp_path):
+    common = ["--max-iters", "16", "--lr-decay-iters", "16", "--warmup-iters", "4", "--eval-interval", "8",
+              "--dropout", "0.1", "--save-interval", "8"]
+    full = train(char_data, tmp_path / "full", *common)
+    first = train(char_data, tmp_path / "split", *common[:1], "10", *common[2:])
+    assert first["iter_num"] == 10
+    resumed = train(char_data, tmp_path / "split", "--init-from", "resume", "--max-iters", "16")
+    assert resumed["history"]["loss"] == full["history"]["loss"]  # bitwise: dropout RNG and data position too
+    for key, value in full["model"].items():
+        assert torch.equal(value, resumed["model"][key]), key
+
+
+def test_sigterm_saves_a_loadable_checkpoint(char_data, tmp_path):
+    cmd = [sys.executable, str(ROOT / "train.py"), "--data-dir", str(char_data), "--out-dir", str(tmp_path),
+           *TINY_MODEL, "--max-iters", "100000", "--eval-interval", "100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # wait until training is really running
+        if line.startswith("iter 3:"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert 3 <= ckpt["iter_num"] < 100000
+    assert "stopped by signal" in out + err
+
+
+def test_checkpoint_of_compiled_model_loads_in_plain_model(tmp_path):
+    model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8))
+    compiled = torch.compile(model)
+    state = compiled.state_dict()
+    assert all(k.startswith(COMPILED_PREFIX) for k in state)
+    save_checkpoint({"model": state, "model_config": vars(model.config)}, str(tmp_path / "ckpt.pt"))
+    plain = model_from_checkpoint(load_checkpoint(str(tmp_path / "ckpt.pt")))
+    idx = torch.randint(0, 16, (2, 8))
+    assert torch.equal(plain(idx)[0], model(idx)[0])
+
+
+def test_checkpoint_is_written_atomically(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"model": {}, "model_config": {}, "iter_num": 1}, str(path))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left behind
+
+
+def test_learning_rate_schedule():
+    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_iters=10, lr_decay_iters=110, max_iters=200)
+    assert learning_rate(0, cfg) < learning_rate(9, cfg) < 1e-3
+    assert learning_rate(10, cfg) == pytest.approx(1e-3)
+    assert learning_rate(60, cfg) == pytest.approx(5.5e-4)
+    assert learning_rate(110, cfg) == learning_rate(150, cfg) == pytest.approx(1e-4)
+
+
+def test_config_file_and_flag_precedence(tmp_path):
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"n_layer": 6, "lr": 0.01, "batch-size": 8}))
+    cfg, explicit, _ = parse_config(["--config", str(config), "--lr", "0.002"])
+    assert (cfg.n_layer, cfg.lr, cfg.batch_size, cfg.n_head) == (6, 0.002, 8, TrainConfig().n_head)
+    assert {"n_layer", "lr", "batch_size"} <= explicit and "n_head" not in explicit
+
+
+def test_help_lists_flags():
+    result = run_script("train.py", "--help")
+    assert result.returncode == 0
+    for flag in ("--eval-interval", "--eval-iters", "--train-samples", "--init-from", "--grad-accum", "--dtype"):
+        assert flag in result.stdout
+
+
+# ----- bad input: one line, non-zero exit, nothing lost -----
+
+def test_missing_data_dir(tmp_path):
+    result = run_script("train.py", "--data-dir", tmp_path / "nope", "--out-dir", tmp_path, *TINY_MODEL)
+    assert_one_line_error(result, "nope")
+
+
+def test_block_size_longer_than_data(char_data, tmp_path):
+    result = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
+                        "--block-size", "10000000")
+    assert_one_line_error(result, "block")
+
+
+def test_resume_with_conflicting_shape(char_data, tmp_path):
+    train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100")
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    result = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
+                        "--init-from", "resume", "--n-layer", "3")
+    assert_one_line_error(result, "n_layer")
+    assert (tmp_path / "ckpt.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_damaged_checkpoint(char_data, tmp_path, damage):
+    train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100")
+    path = tmp_path / "ckpt.pt"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x00not a checkpoint" * 100)
+    for result in (run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
+                              "--init-from", "resume"),
+                   run_script("test.py", "--ckpt", path, "--device", "cpu")):
+        assert_one_line_error(result, "ckpt.pt")
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (exec, ("open('PWNED', 'w').write('x')",))
+
+
+@pytest.mark.parametrize("writer", ["pickle", "torch.save"])
+def test_pickle_that_is_not_a_checkpoint_never_runs(tmp_path, writer):
+    path = tmp_path / "ckpt.pt"
+    payload = {"model": _Exploit(), "model_config": {}}
+    if writer == "pickle":
+        path.write_bytes(pickle.dumps(payload))
+    else:
+        torch.save(payload, path)
+    result = run_script("test.py", "--ckpt", path, "--device", "cpu", cwd=tmp_path)
+    assert_one_line_error(result, "ckpt.pt")
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_float16_on_cpu_without_support(char_data, tmp_path):
+    if torch.cpu._is_amx_fp16_supported():
+        pytest.skip("this CPU computes float16 natively")
+    result = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL[:-6],
+                        "--dtype", "float16", "--device", "cpu")
+    assert_one_line_error(result, "float16")
+
+
+def test_vocabulary_of_data_differs_from_checkpoint(char_data, tmp_path):
+    train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100")
+    byte_data = tmp_path / "bytes"
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(4):
+        (texts / f"{i}.txt").write_text(f"document {i}: a tiny byte-level corpus. " * 100)
+    assert run_script("tokenizer.py", "--input", texts, "--tokenizer", "byte", "--output-dir", byte_data,
+                      "--val-fraction", "0.5").returncode == 0
+    result = run_script("train.py", "--data-dir", byte_data, "--out-dir", tmp_path, *TINY_MODEL,
+                        "--init-from", "resume")
+    assert_one_line_error(result, "tokenizer")
+
+
+def test_nan_loss_stops_and_keeps_last_checkpoint(char_data, tmp_path):
+    train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100")
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    result = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
+                        "--init-from", "resume", "--max-iters", "50", "--lr", "1e30", "--grad-clip", "0",
+                        "--warmup-iters", "0")
+    assert_one_line_error(result, "loss is")
+    assert (tmp_path / "ckpt.pt").read_bytes() == before
