@@ -12,10 +12,10 @@ TINY_MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size
 
 
 def run_script(script: str, *args: str, cwd: Path | None = None, timeout: float = 300,
-               env: dict | None = None) -> subprocess.CompletedProcess:
+               env: dict | None = None, input: str = "") -> subprocess.CompletedProcess:
     """Run one of the project's scripts in a subprocess, the way a user would."""
     return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=cwd or ROOT, text=True,
-                          capture_output=True, timeout=timeout, env={**os.environ, **(env or {})})
+                          input=input, capture_output=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:

@@ -1,0 +1,92 @@
+"""test.py: sampling from checkpoints and HF directories, streaming, interactive prompts, JSONL output."""
+import json
+
+import pytest
+import torch
+
+from checkpoint import save_checkpoint
+from conftest import assert_one_line_error, run_script
+from model import GPT, GPTConfig
+from tokenizer import load_tokenizer
+
+SAMPLE = ["--device", "cpu", "--max-new-tokens", "24"]
+
+
+def write_checkpoint(path, facts: dict, rig_eot: bool = False) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=facts["vocab_size"], n_layer=1, n_head=2, n_embd=16))
+    if rig_eot:  # every position's hidden state becomes all-ones and the EOT row dominates the logits
+        with torch.no_grad():
+            model.transformer.ln_f.weight.zero_()
+            model.transformer.ln_f.bias.fill_(1.0)
+            model.transformer.wte.weight[facts["eot_id"]] = 10.0
+    save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config), "tokenizer": facts}, str(path))
+    return model
+
+
+@pytest.fixture(scope="module")
+def char_ckpt(char_data, tmp_path_factory):
+    facts = json.loads((char_data / "meta.json").read_text())
+    path = tmp_path_factory.mktemp("ckpt") / "ckpt.pt"
+    write_checkpoint(path, facts)
+    return path
+
+
+def test_streams_samples_with_prompt(char_ckpt):
+    result = run_script("test.py", "--ckpt", char_ckpt, *SAMPLE, "--stream", "--prompt", "def ",
+                        "--num-samples", "2")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("def ") >= 2 and result.stdout.count("-" * 40) == 2
+
+
+def test_same_seed_same_samples_and_prompt_from_file(char_ckpt, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("import os\n")
+    runs = [run_script("test.py", "--ckpt", char_ckpt, *SAMPLE, "--prompt", f"FILE:{prompt}", "--seed", "7")
+            for _ in range(2)]
+    assert runs[0].returncode == 0, runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.startswith("import os\n")
+
+
+def test_interactive_prompt_loop(char_ckpt):
+    result = run_script("test.py", "--ckpt", char_ckpt, *SAMPLE, "--interactive", "--num-samples", "1",
+                        input="class \nfor \n\n")
+    assert result.returncode == 0, result.stderr
+    assert "class " in result.stdout and "for " in result.stdout
+
+
+def test_unconditional_genfile_and_stop_at_eot(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    write_checkpoint(path, {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256}, rig_eot=True)
+    genfile = tmp_path / "gen.jsonl"
+    result = run_script("test.py", "--ckpt", path, *SAMPLE, "--num-samples", "3", "--micro-batch-size", "2",
+                        "--genfile", genfile, "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in genfile.read_text().splitlines()]
+    assert lines == [{"text": "", "length": 0, "finished": True}] * 3
+
+
+def test_samples_from_hf_gpt2_directory(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=50257, n_layer=1, n_head=2, n_embd=16))
+    model.save_pretrained(str(tmp_path / "hf"))
+    genfile = tmp_path / "gen.jsonl"
+    result = run_script("test.py", "--ckpt", tmp_path / "hf", *SAMPLE, "--prompt", "Hello world",
+                        "--genfile", genfile, "--num-samples", "1")
+    assert result.returncode == 0, result.stderr
+    line = json.loads(genfile.read_text())
+    assert line["text"].startswith("Hello world") and 1 <= line["length"] <= 24
+    assert load_tokenizer({"tokenizer": "gpt2"}).encode("Hello world") == [15496, 995]
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--num-samples", "0"], "--num-samples"),
+    (["--prompt", "\u4e2d\u6587"], "not in the char vocabulary"),
+    (["--prompt", "FILE:/nonexistent/prompt.txt"], "prompt.txt"),
+])
+def test_bad_sampling_input(char_ckpt, args, fragment):
+    assert_one_line_error(run_script("test.py", "--ckpt", char_ckpt, *SAMPLE, *args), fragment)
+
+
+def test_missing_checkpoint(tmp_path):
+    assert_one_line_error(run_script("test.py", "--ckpt", tmp_path / "ckpt.pt", "--device", "cpu"), "not found")
