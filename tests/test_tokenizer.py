@@ -1,0 +1,340 @@
+"""tokenizer.py: exact GPT-2 ids, the output formats (read back independently), parallel determinism, bad input."""
+import bz2
+import gzip
+import json
+import lzma
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tiktoken
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import tokenizer  # noqa: E402
+from data import load_corpus  # noqa: E402
+from tokenizer import Tokenizer, is_val_document, load_tokenizer  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "tokenizer.py")
+SAMPLE = "Hello world! The café's naïve 123 tokens\n\n\tdon't  break — 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 <|endoftext|> ok"
+
+
+@pytest.fixture(scope="module")
+def r50k() -> tiktoken.Encoding:
+    """GPT-2 tests must run, not skip: CI installs the vocabulary before pytest."""
+    if not tokenizer.gpt2_vocab_installed():
+        pytest.fail(f"the GPT-2 vocabulary is not in tiktoken's cache; run: {tokenizer.INSTALL_HINT}")
+    return tiktoken.get_encoding("r50k_base")
+
+
+def run_script(*args: str, cwd: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+def write_jsonl(path, texts: list[str], opener=open) -> str:
+    with opener(path, "wt", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+    return str(path)
+
+
+def read_megatron(prefix: str) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Independent reader of Megatron's MMapIndexedDataset, from the byte layout: (dtype code, documents' tokens)."""
+    with open(prefix + ".idx", "rb") as f:
+        idx = f.read()
+    assert idx[:9] == b"MMIDIDX\x00\x00"
+    version, code, n, doc_count = struct.unpack_from("<QBQQ", idx, 9)
+    assert version == 1 and len(idx) == 34 + n * 4 + n * 8 + doc_count * 8
+    sizes = np.frombuffer(idx, "<i4", n, 34)
+    pointers = np.frombuffer(idx, "<i8", n, 34 + 4 * n)
+    doc_idx = np.frombuffer(idx, "<i8", doc_count, 34 + 12 * n)
+    dtype = {8: np.uint16, 4: np.int32}[code]
+    itemsize = np.dtype(dtype).itemsize
+    assert list(doc_idx) == list(range(n + 1))  # one item per document
+    assert list(pointers) == [int(sizes[:i].sum()) * itemsize for i in range(n)]
+    tokens = np.fromfile(prefix + ".bin", dtype=dtype)
+    assert len(tokens) == sizes.sum()
+    return code, [tokens[p // itemsize: p // itemsize + s] for p, s in zip(pointers, sizes)]
+
+
+def documents_text(n: int, seed: int = 0) -> list[str]:
+    """n varied documents of prose from pydoc topics (some empty, which get dropped)."""
+    from pydoc_data.topics import topics
+    rng = np.random.default_rng(seed)
+    keys = sorted(topics)
+    docs = []
+    for i in range(n):
+        text = topics[keys[rng.integers(len(keys))]]
+        start = int(rng.integers(len(text)))
+        docs.append("" if i % 17 == 5 else text[start: start + int(rng.integers(1, 2000))])
+    return docs
+
+
+# ----------------------------------------------------------------------------- GPT-2 vocabulary
+
+
+def test_gpt2_ids_exact(r50k):
+    tok = Tokenizer("gpt2")
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.encode(" the") == [262]
+    assert (tok.vocab_size, tok.eot_id) == (50257, 50256)
+    assert tok.encode(SAMPLE) == r50k.encode_ordinary(SAMPLE)  # <|endoftext|> in text stays ordinary text
+    assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
+
+
+def data_gym_files(ranks: dict[bytes, int], folder) -> tuple[str, str]:
+    """gpt2-vocab.json + gpt2-merges.txt (OpenAI's data_gym format) made from tiktoken ranks."""
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    byte_to_char = {b: chr(b) for b in printable}
+    byte_to_char.update({b: chr(256 + n) for n, b in enumerate(b for b in range(256) if b not in printable)})
+
+    def to_str(token: bytes) -> str:
+        return "".join(byte_to_char[b] for b in token)
+
+    def split_in_two(token: bytes, rank: int) -> list[bytes]:  # BPE with the merges ranked below this token
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:
+            pair_ranks = [ranks.get(a + b, rank) for a, b in zip(parts, parts[1:])]
+            i = min(range(len(pair_ranks)), key=pair_ranks.__getitem__)
+            assert pair_ranks[i] < rank
+            parts[i: i + 2] = [parts[i] + parts[i + 1]]
+        return parts
+
+    merges = [split_in_two(token, rank) for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]) if rank >= 256]
+    vocab, merge_file = os.path.join(folder, "gpt2-vocab.json"), os.path.join(folder, "gpt2-merges.txt")
+    with open(vocab, "w") as f:
+        json.dump({**{to_str(t): r for t, r in ranks.items()}, "<|endoftext|>": 50256}, f)
+    with open(merge_file, "w") as f:
+        f.write("#version: 0.2\n" + "".join(f"{to_str(a)} {to_str(b)}\n" for a, b in merges))
+    return vocab, merge_file
+
+
+def test_vocab_and_merge_files_equal_r50k(r50k, tmp_path):
+    vocab, merges = data_gym_files(r50k._mergeable_ranks, tmp_path)
+    from_files = Tokenizer("gpt2", vocab_file=vocab, merge_file=merges)
+    text = SAMPLE + " ".join(documents_text(20))
+    assert from_files.encode(text) == r50k.encode_ordinary(text)
+    assert (from_files.vocab_size, from_files.eot_id) == (50257, 50256)
+    rebuilt = load_tokenizer(json.loads(json.dumps(from_files.facts())))
+    assert rebuilt.encode(text) == r50k.encode_ordinary(text)
+
+
+def test_tiktoken_vocab_file_equals_r50k(r50k, tmp_path):
+    cached = os.path.join(tokenizer.tiktoken_cache_dir(), tokenizer.R50K_CACHE_NAME)
+    path = tmp_path / "gpt2.tiktoken"
+    path.write_bytes(open(cached, "rb").read())
+    tok = Tokenizer("gpt2", vocab_file=str(path))
+    assert tok.encode(SAMPLE) == r50k.encode_ordinary(SAMPLE)
+    assert tok.facts()["vocab_file"] == str(path) and tok.facts()["encoding"] == "files"
+
+
+def test_missing_gpt2_vocabulary_names_the_install_command(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", ["one", "two"])
+    result = run_script("--input", src, "--output-dir", str(tmp_path / "out"),
+                        env={"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-cache")})
+    assert_one_error_line(result, "--install-gpt2-vocab")
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- char and byte, facts
+
+
+def test_char_round_trip_and_decode_never_fails():
+    text = "héllo wörld\n\tend 𝔘"
+    tok = Tokenizer("char", chars="".join(sorted(set(text))), char_eot=True)
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.eot_id == len(set(text)) == tok.vocab_size - 1
+    assert tok.decode(ids[:3] + [tok.eot_id] + ids[3:] + [999]) == text + "\ufffd"
+    with pytest.raises(ValueError, match="not in the char vocabulary"):
+        tok.encode("x")
+
+
+def test_byte_round_trip_and_invalid_bytes():
+    tok = Tokenizer("byte")
+    assert (tok.vocab_size, tok.eot_id) == (257, 256)
+    assert tok.encode("é") == [0xC3, 0xA9]
+    assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
+    assert tok.decode([104, 256, 105, 0xC3]) == "hi\ufffd"
+
+
+def test_facts_round_trip(r50k):
+    for tok in (Tokenizer("gpt2"), Tokenizer("byte"), Tokenizer("char", chars="ab\n"), Tokenizer("char", chars="xy", char_eot=True)):
+        facts = json.loads(json.dumps(tok.facts()))
+        rebuilt = load_tokenizer(facts)
+        assert rebuilt.facts() == facts
+        assert (rebuilt.vocab_size, rebuilt.eot_id, rebuilt.name) == (tok.vocab_size, tok.eot_id, tok.name)
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def test_megatron_output_is_tiktoken_plus_eot_per_document(r50k, tmp_path):
+    docs = ["Hello world", "", "The second document.\nTwo lines.", "   ", "<|endoftext|> as text"]
+    src = write_jsonl(tmp_path / "in.jsonl", docs)
+    result = run_script("--input", src, "--append-eod", "--format", "megatron", "--output-prefix", str(tmp_path / "gpt"))
+    assert result.returncode == 0, result.stderr
+    code, read_back = read_megatron(str(tmp_path / "gpt_text_document"))
+    expected = [r50k.encode_ordinary(d) + [50256] for d in docs if d]  # the empty document is dropped
+    assert code == 8 and [list(d) for d in read_back] == expected
+    sidecar = json.load(open(tmp_path / "gpt_text_document.json"))
+    assert sidecar["format"] == "megatron" and sidecar["documents"] == 4
+    assert load_tokenizer(sidecar).encode("Hello world") == [15496, 995]
+
+
+@pytest.fixture(scope="module")
+def big_input(tmp_path_factory) -> str:
+    """A .jsonl.xz of ~300 KB, i.e. many chunks at --chunk-mb 0.01."""
+    return write_jsonl(tmp_path_factory.mktemp("big") / "docs.jsonl.xz", documents_text(400), opener=lzma.open)
+
+
+@pytest.mark.parametrize("fmt", ["nanogpt", "megatron"])
+def test_workers_give_identical_bytes(r50k, big_input, tmp_path, fmt):
+    outputs = {}
+    for workers in (1, 4):
+        out = str(tmp_path / f"w{workers}")
+        where = ["--output-dir", out] if fmt == "nanogpt" else ["--output-prefix", out + "/p"]
+        result = run_script("--input", big_input, "--append-eod", "--format", fmt, *where,
+                            "--workers", str(workers), "--chunk-mb", "0.01")
+        assert result.returncode == 0, result.stderr
+        outputs[workers] = {name: open(os.path.join(out, name), "rb").read() for name in sorted(os.listdir(out))}
+    assert outputs[1] == outputs[4]
+    assert len(outputs[1]) == 3 and all(outputs[1].values())
+    corpus = load_corpus(str(tmp_path / "w1"))  # data.py reads both formats back
+    if fmt == "megatron":
+        _, read_back = read_megatron(str(tmp_path / "w1/p_text_document"))
+        expected = [r50k.encode_ordinary(d) + [50256] for d in documents_text(400) if d]
+        assert [list(d) for d in read_back] == expected
+        assert np.concatenate([corpus.train, corpus.val]).tolist() == sum(expected, [])[:len(corpus.train) + len(corpus.val)]
+    else:
+        meta = json.loads(outputs[1]["meta.json"])
+        assert meta["documents"] == meta["train_documents"] + meta["val_documents"] == 376
+        assert 0.05 < meta["val_documents"] / meta["documents"] < 0.15
+        assert (len(corpus.train), len(corpus.val)) == (meta["train_tokens"], meta["val_tokens"])
+        assert len(outputs[1]["train.bin"]) == 2 * meta["train_tokens"]
+
+
+def test_gz_text_folder_char_level(tmp_path):
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    with gzip.open(folder / "a.txt.gz", "wt") as f:
+        f.write("first document\n")
+    with bz2.open(folder / "sub" / "b.txt.bz2", "wt") as f:
+        f.write("second document, ünïcode\n")
+    (folder / "ignored.md").write_text("not matched by --glob *.txt")
+    out = tmp_path / "out"
+    result = run_script("--input", str(folder), "--tokenizer", "char", "--output-dir", str(out))
+    assert result.returncode == 0, result.stderr
+    meta = json.load(open(out / "meta.json"))
+    tok = load_tokenizer(meta)
+    assert meta["chars"] == "".join(sorted(set("first document\nsecond document, ünïcode\n")))
+    assert (meta["eot_id"], meta["documents"], meta["train_documents"], meta["val_documents"]) == (None, 2, 1, 1)
+    split_texts = [tok.decode(np.fromfile(out / name, np.uint16).tolist()) for name in ("train.bin", "val.bin")]
+    assert sorted(split_texts) == ["first document\n", "second document, ünïcode\n"]
+
+
+def test_large_vocabulary_needs_32_bits(tmp_path):
+    text = "".join(chr(c) for c in range(0x4E00, 0x4E00 + 70_000) if not 0xD800 <= c < 0xE000)
+    src = write_jsonl(tmp_path / "wide.jsonl", [text[:35_000], text[35_000:]])
+    refused = run_script("--input", src, "--tokenizer", "char", "--dtype", "uint16", "--output-dir", str(tmp_path / "a"))
+    assert_one_error_line(refused, "does not fit")
+    result = run_script("--input", src, "--tokenizer", "char", "--format", "megatron", "--output-prefix", str(tmp_path / "w"))
+    assert result.returncode == 0, result.stderr
+    code, read_back = read_megatron(str(tmp_path / "w_text_document"))
+    assert code == 4 and len(read_back) == 2 and read_back[1].max() == len(text) - 1
+
+
+def test_default_corpus(tmp_path):
+    result = run_script(cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    folder = tmp_path / "data" / "pydoc_char"
+    meta = json.load(open(folder / "meta.json"))
+    train, val = np.fromfile(folder / "train.bin", np.uint16), np.fromfile(folder / "val.bin", np.uint16)
+    assert (meta["format"], meta["tokenizer"], meta["documents"]) == ("nanogpt", "char", len(tokenizer.default_corpus_documents()))
+    assert 80 <= meta["vocab_size"] <= 130 and meta["vocab_size"] == len(meta["chars"])
+    assert 0.09 < len(val) / (len(train) + len(val)) < 0.11
+    assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
+    assert load_tokenizer(meta).decode(train[:200].tolist()) == "\n\n".join(tokenizer.default_corpus_documents())[:200]
+    before = os.path.getmtime(folder / "train.bin")
+    assert tokenizer.ensure_default_corpus(str(folder)) == str(folder)
+    assert os.path.getmtime(folder / "train.bin") == before
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, *phrases: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+
+
+def bad_inputs(tmp_path) -> dict:
+    """name -> (extra args, phrases the error line must hold); inputs are written here."""
+    many = [json.dumps({"text": f"document {i}"}) for i in range(3000)]
+    (tmp_path / "bad.jsonl").write_text("\n".join(many + ["{not json"] + many) + "\n")
+    (tmp_path / "nokey.jsonl").write_text('{"text": "fine"}\n{"content": "no text key"}\n')
+    (tmp_path / "latin1.txt").write_bytes("ok text, then caf\xe9".encode("latin-1"))
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n\n')
+    (tmp_path / "one.txt").write_text("a second document")
+    return {
+        "missing": (["--input", str(tmp_path / "nope.txt")], ["nope.txt", "not found"]),
+        "empty": (["--input", str(tmp_path / "empty.jsonl")], ["no non-empty documents"]),
+        "non-utf8": (["--input", str(tmp_path / "latin1.txt")], ["latin1.txt", "byte offset 17", "--errors replace"]),
+        "bad-json": (["--input", str(tmp_path / "bad.jsonl")], ["bad.jsonl line 3001", "--skip-bad-lines"]),
+        "no-key": (["--input", str(tmp_path / "nokey.jsonl")], ["nokey.jsonl line 2", "'text'"]),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "non-utf8", "bad-json", "no-key"])
+def test_bad_input_is_one_error_line_and_leaves_nothing(tmp_path, case):
+    args, phrases = bad_inputs(tmp_path)[case]
+    out = tmp_path / "out"
+    result = run_script(*args, "--tokenizer", "byte", "--output-dir", str(out), "--chunk-mb", "0.001")
+    assert_one_error_line(result, *phrases)
+    assert not out.exists() or os.listdir(out) == []  # no final names, no temporary files either
+
+
+def test_bad_input_escape_hatches(tmp_path):
+    bad_inputs(tmp_path)
+    replaced = run_script("--input", str(tmp_path / "latin1.txt"), str(tmp_path / "one.txt"), "--tokenizer", "byte",
+                          "--errors", "replace", "--output-dir", str(tmp_path / "r"))
+    assert replaced.returncode == 0, replaced.stderr
+    skipped = run_script("--input", str(tmp_path / "bad.jsonl"), "--tokenizer", "byte", "--skip-bad-lines",
+                         "--format", "megatron", "--output-prefix", str(tmp_path / "s"))
+    assert skipped.returncode == 0, skipped.stderr
+    assert "1 bad lines skipped" in skipped.stdout and "6,000 documents" in skipped.stdout
+
+
+def test_existing_output_and_missing_output_dir(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", ["one", "two", "three"])
+    assert_one_error_line(run_script("--input", src, "--tokenizer", "byte"), "--output-dir")
+    assert_one_error_line(run_script("--input", src, "--format", "megatron"), "--output-prefix")
+    out = str(tmp_path / "out")
+    assert run_script("--input", src, "--tokenizer", "byte", "--output-dir", out).returncode == 0
+    before = open(os.path.join(out, "meta.json")).read()
+    assert_one_error_line(run_script("--input", src, "--tokenizer", "char", "--output-dir", out), "already exists", "--overwrite")
+    assert open(os.path.join(out, "meta.json")).read() == before
+    assert run_script("--input", src, "--tokenizer", "char", "--output-dir", out, "--overwrite").returncode == 0
+    assert json.load(open(os.path.join(out, "meta.json")))["tokenizer"] == "char"
+
+
+@pytest.mark.parametrize("seed", ["0", "7"])  # seed 0 draws the one document for train, seed 7 for val
+def test_one_text_file_is_split_by_tokens(tmp_path, seed):
+    text = "".join(f"line {i} of the only document\n" for i in range(100))
+    (tmp_path / "input.txt").write_text(text)
+    out = tmp_path / "out"
+    result = run_script("--input", str(tmp_path / "input.txt"), "--tokenizer", "byte", "--output-dir", str(out),
+                        "--seed", seed)
+    assert result.returncode == 0, result.stderr
+    assert is_val_document(int(seed), 0, 0.1) == (seed == "7")
+    train = np.fromfile(out / "train.bin", dtype=np.uint16)
+    val = np.fromfile(out / "val.bin", dtype=np.uint16)
+    assert len(val) == int(len(text) * 0.1)
+    assert bytes(np.concatenate([train, val]).astype(np.uint8)) == text.encode()  # val is the tail
