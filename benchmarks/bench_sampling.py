@@ -1,0 +1,80 @@
+"""
+Sampling speed: nanoGPT's loop (full forward of the last block_size tokens per new token) vs
+GPT.generate without and with the KV cache, on a small random model.
+
+    python benchmarks/bench_sampling.py --repeats 3 --new-tokens 500
+    python benchmarks/bench_sampling.py --vocab-size 50257
+
+Runs are interleaved (A B C A B C ...) so that load from other processes hits all three alike;
+the median new tokens/s of each is reported.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch.nn import functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model import GPT, GPTConfig  # noqa: E402
+
+
+@torch.no_grad()
+def nanogpt_sample(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float) -> torch.Tensor:
+    """nanoGPT's sampling loop: crop to block_size, full forward, last-position logits, sample."""
+    for _ in range(max_new_tokens):
+        idx_cond = idx[:, -model.config.block_size :]
+        logits = model.lm_head(model.hidden_states(idx_cond)[:, [-1], :])  # nanoGPT's inference path
+        probs = F.softmax(logits[:, -1, :] / temperature, dim=-1)
+        idx = torch.cat((idx, torch.multinomial(probs, num_samples=1)), dim=1)
+    return idx
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds per method")
+    p.add_argument("--new-tokens", type=int, default=500)
+    p.add_argument("--vocab-size", type=int, default=103, help="103: a char vocabulary; 50257: GPT-2's")
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=1337)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    torch.manual_seed(args.seed)
+    config = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size, n_layer=4, n_head=4, n_embd=128)
+    model = GPT(config).eval()  # random normal init (std 0.02), not zeros
+    prompt = torch.zeros(1, 1, dtype=torch.long)
+    methods = {
+        "nanogpt loop": lambda: nanogpt_sample(model, prompt, args.new_tokens, 1.0),
+        "generate(use_cache=False)": lambda: model.generate(prompt, args.new_tokens, use_cache=False),
+        "generate(use_cache=True)": lambda: model.generate(prompt, args.new_tokens, use_cache=True),
+    }
+    for run in methods.values():  # warm-up: allocator, kernels
+        torch.manual_seed(args.seed)
+        run()
+
+    rates = {name: [] for name in methods}
+    for r in range(args.repeats):
+        for name, run in methods.items():
+            torch.manual_seed(args.seed)
+            t0 = time.perf_counter()
+            out = run()
+            dt = time.perf_counter() - t0
+            rates[name].append((out.size(1) - prompt.size(1)) / dt)
+        print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in rates.items()), flush=True)
+
+    print(f"\nthreads {torch.get_num_threads()}, vocab {args.vocab_size}, block {args.block_size}, "
+          f"{args.new_tokens} new tokens, median of {args.repeats}:")
+    med = {name: statistics.median(v) for name, v in rates.items()}
+    for name, v in med.items():
+        spread = f"{min(rates[name]):,.0f}-{max(rates[name]):,.0f}"
+        print(f"  {name:28s} {v:9,.0f} tokens/s  (range {spread})")
+    print(f"  cache / nanogpt loop: {med['generate(use_cache=True)'] / med['nanogpt loop']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

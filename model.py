@@ -1,0 +1,626 @@
+"""
+GPT-2 in one file: the model, a chunked fused LM-head loss, KV-cached sampling, and
+loading/saving in the Hugging Face GPT-2 directory format.
+
+Numerics follow OpenAI's GPT-2 exactly (pre-LN blocks, LayerNorm eps 1e-5, tanh-approximated
+GELU, learned positions, tied embedding/LM head), so HF GPT-2 checkpoints load bit-compatibly.
+"""
+import functools
+import glob
+import json
+import math
+import os
+import pathlib
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50257
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+    attn_kernel: str = "auto"  # auto | flash | efficient | math | cudnn
+
+
+PRESETS: dict[str, dict] = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+}
+for _preset in PRESETS.values():
+    _preset.update(block_size=1024, vocab_size=50257, bias=True)
+
+_KERNELS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
+
+
+@functools.cache
+def _runnable_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, ...]:
+    """Kernels that can run causal attention for these inputs, found by trying each once."""
+    q = torch.zeros(1, 1, 2, head_dim, device=device, dtype=dtype)
+    runnable = ["auto"]
+    for name, backend in _KERNELS.items():
+        try:
+            with warnings.catch_warnings(), sdpa_kernel([backend]):
+                warnings.simplefilter("ignore")  # torch explains each refusal in a warning
+                F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            runnable.append(name)
+        except RuntimeError:
+            pass
+    return tuple(runnable)
+
+
+class KVCache:
+    """Keys and values of one attention layer, preallocated for block_size positions.
+
+    Writing into a preallocated buffer costs one position per step, while torch.cat copies the
+    whole cache every step: on CPU, cat was ~2 us faster per step for B=1, head size 32, but 10x
+    slower for B=8, head size 64, 255 positions. Buffers are allocated on first use, in the
+    dtype the layer produces (so autocast works).
+    """
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.len = 0
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v of shape (B, H, T, D) after the cached positions; return all keys/values so far."""
+        if self.k is None:
+            shape = (k.size(0), k.size(1), self.max_len, k.size(3))
+            self.k = k.new_empty(shape)
+            self.v = v.new_empty(shape)
+        end = self.len + k.size(2)
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; cannot append up to {end}")
+        self.k[:, :, self.len:end] = k
+        self.v[:, :, self.len:end] = v
+        self.len = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.kernel = config.attn_kernel
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        B, T, C = x.shape
+        # (B, T, 3C) -> three (B, n_head, T, head_dim) views
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        past = 0
+        if kv_cache is not None:
+            past = kv_cache.len
+            k, v = kv_cache.append(k, v)
+        # is_causal aligns the mask top-left, which is right only without cached keys; a single new
+        # query may see every key; several new queries after cached keys need an explicit mask.
+        mask = None
+        if past and T > 1:
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+        dropout_p = self.dropout if self.training else 0.0
+        if self.kernel == "auto":
+            y = F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal=past == 0)
+        else:
+            runnable = _runnable_kernels(q.device, q.dtype, q.size(-1))
+            if self.kernel not in runnable:
+                raise ValueError(
+                    f"attn_kernel '{self.kernel}' cannot run on {q.device.type} "
+                    f"({q.dtype}, head size {q.size(-1)}); available: {', '.join(runnable)}"
+                )
+            with sdpa_kernel([_KERNELS[self.kernel]]):
+                y = F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal=past == 0)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+# Rows of logits per chunk of the fused loss. On CPU, glibc serves blocks above 32 MB with fresh
+# mmaps, page-faulted in on every allocation; 4M fp32 elements (16 MB) stay in the reused heap.
+# CUDA's caching allocator has no such cost, so bigger chunks there mean fewer kernel launches.
+_CHUNK_ELEMENTS = {"cpu": 4 * 2**20}
+_CHUNK_ELEMENTS_DEFAULT = 32 * 2**20
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of x @ weight.T that never holds all logits; gradients are made in forward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, compute_dtype, need_grad):
+        N, V = x.size(0), weight.size(0)
+        xs, w = x.to(compute_dtype), weight.to(compute_dtype)
+        valid = targets != -1
+        scale = (valid / valid.sum()).unsqueeze(1)  # mean over non-ignored rows; ignored rows get 0
+        tgt = targets.clamp(min=0).unsqueeze(1)
+        loss = torch.zeros((), device=x.device, dtype=torch.float32)
+        if need_grad:
+            grad_x = torch.empty_like(xs)
+            grad_w = torch.zeros(weight.shape, device=x.device, dtype=torch.float32)
+            # in low precision each chunk's weight gradient lands in one reused buffer, then is
+            # accumulated in fp32
+            grad_w_chunk = None if compute_dtype == torch.float32 else torch.empty_like(w)
+        rows = max(1, _CHUNK_ELEMENTS.get(x.device.type, _CHUNK_ELEMENTS_DEFAULT) // V)
+        for s in range(0, N, rows):
+            xc, tc, sc = xs[s : s + rows], tgt[s : s + rows], scale[s : s + rows]
+            logits = (xc @ w.t()).float()  # softmax statistics in fp32 even under autocast
+            target_logit = logits.gather(1, tc)
+            top = logits.amax(dim=1, keepdim=True)
+            probs = logits.sub_(top).exp_()  # unnormalised softmax, in place: one exp pass per chunk
+            total = probs.sum(dim=1, keepdim=True)
+            loss += ((top + total.log() - target_logit) * sc).sum()
+            if need_grad:
+                # d loss / d logits = (softmax - onehot(target)) * scale
+                g = probs.mul_(sc / total).scatter_add_(1, tc, -sc).to(compute_dtype)
+                torch.mm(g, w, out=grad_x[s : s + rows])
+                if grad_w_chunk is None:
+                    grad_w.addmm_(g.t(), xc)
+                else:
+                    grad_w += torch.mm(g.t(), xc, out=grad_w_chunk)
+        if need_grad:
+            ctx.save_for_backward(grad_x.to(x.dtype), grad_w.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_loss, grad_w * grad_loss, None, None, None
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits x @ weight.T against targets (-1 = ignored), chunked by rows.
+
+    Same value and gradients as F.cross_entropy(x @ weight.T, targets, ignore_index=-1), without
+    materialising the (N, V) logits or their gradient. Under autocast the matmuls run in the
+    autocast dtype and the softmax statistics in fp32.
+    """
+    x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+    dev = x.device.type
+    compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(x, weight, targets, compute_dtype, need_grad)
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if config.attn_kernel not in ("auto", *_KERNELS):
+            choices = ", ".join(("auto", *_KERNELS))
+            raise ValueError(f"unknown attn_kernel '{config.attn_kernel}'; choose from {choices}")
+        if config.n_embd % config.n_head:
+            raise ValueError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
+        self.apply(self._init_weights)
+        # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer): each block adds two
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; non_embedding leaves out the position embeddings (the token embedding
+        is counted because it doubles as the LM head)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def _check_idx(self, idx: torch.Tensor) -> None:
+        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"idx must be a (batch, time) integer tensor, got {tuple(idx.shape)} {idx.dtype}")
+        if idx.size(1) > self.config.block_size:
+            raise ValueError(f"sequence of length {idx.size(1)} is longer than block_size {self.config.block_size}")
+        vocab = self.config.vocab_size
+        if idx.numel() and (idx.min() < 0 or idx.max() >= vocab):
+            raise ValueError(f"token ids must lie in [0, {vocab}); got min {idx.min().item()}, max {idx.max().item()}")
+
+    def _trunk(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None, start: int = 0):
+        """Final-LayerNorm hidden states of idx placed at positions start, start+1, ... (unchecked)."""
+        pos = torch.arange(start, start + idx.size(1), device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, kv_caches[i] if kv_caches else None)
+        return self.transformer.ln_f(x)
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T, n_embd) states after the final LayerNorm, i.e. the LM head's input."""
+        self._check_idx(idx)
+        return self._trunk(idx)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Without targets: (logits (B, T, V), None). With targets (-1 = ignore): (None, mean loss);
+        logits are then not returned because the fused loss never materialises them."""
+        x = self.hidden_states(idx)
+        if targets is None:
+            return self.lm_head(x), None
+        return None, linear_cross_entropy(x, self.lm_head.weight, targets)
+
+    def crop_block_size(self, block_size: int) -> None:
+        """Shrink the context length, e.g. to fine-tune a pretrained model on shorter blocks."""
+        if not 0 < block_size <= self.config.block_size:
+            raise ValueError(f"block_size must be in [1, {self.config.block_size}], got {block_size}")
+        self.config.block_size = block_size
+        wpe = self.transformer.wpe
+        wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
+        wpe.num_embeddings = block_size
+
+    def configure_optimizers(
+        self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str
+    ) -> torch.optim.AdamW:
+        """AdamW decaying only matrices and embeddings (dim >= 2), not biases or LayerNorm gains."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        impl = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **impl)
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (forward + backward): 6N for the weights plus attention scores,
+        as in the PaLM paper (appendix B)."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size
+
+    def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float) -> float:
+        """Model FLOPs utilisation: achieved training FLOP/s over peak_flops (e.g. 312e12 for A100 bf16)."""
+        return self.flops_per_token() * tokens_per_iter / dt / peak_flops
+
+    # ------------------------------------------------------------------ sampling
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token: int | None = None,
+        use_cache: bool = True,
+    ) -> torch.Tensor:
+        """Extend the prompts idx (B, T) by up to max_new_tokens tokens; returns (B, T + n).
+
+        See generate_stream for the options and the context policy. With eos_token, n is smaller
+        than max_new_tokens when every sequence has finished early.
+        """
+        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, eos_token, use_cache))
+        return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx.clone()
+
+    def generate_stream(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token: int | None = None,
+        use_cache: bool = True,
+    ) -> Iterator[torch.Tensor]:
+        """Yield the (B,) next tokens of each step, sampling from the prompts idx (B, T).
+
+        temperature 0 is greedy decoding; top_k keeps the k likeliest tokens; top_p keeps the
+        smallest set of likeliest tokens whose probability reaches top_p. With eos_token, a
+        sequence that has emitted it keeps emitting it, and the stream ends once all have.
+
+        Context policy: positions are learned and absolute, so a KV cache cannot slide. A prompt
+        longer than block_size is cut to its last block_size tokens; when the context would grow
+        past block_size it is cut to its last block_size // 2 tokens and the cache is rebuilt by
+        one prefill, so the rebuild cost is amortised over block_size // 2 steps. use_cache=False
+        recomputes the same contexts from scratch, so both give identical greedy outputs.
+        (nanoGPT instead cuts to the last block_size tokens at every step.)
+
+        Runs without autograd in eval mode; the model's training mode is restored when the stream
+        ends or is closed.
+        """
+        if idx.dim() != 2 or idx.size(1) == 0:
+            raise ValueError(f"prompt must be a non-empty (batch, time) tensor, got shape {tuple(idx.shape)}")
+        self._check_idx(idx[:, -self.config.block_size :])
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if eos_token is not None and not 0 <= eos_token < self.config.vocab_size:
+            raise ValueError(f"eos_token must be in [0, {self.config.vocab_size}), got {eos_token}")
+        sample = functools.partial(_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+        return self._stream(idx, max_new_tokens, sample, eos_token, use_cache)
+
+    @torch.no_grad()
+    def _stream(self, idx, max_new_tokens, sample, eos_token, use_cache):
+        was_training = self.training
+        self.eval()
+        try:
+            block_size = self.config.block_size
+            ctx = idx[:, -block_size:]
+            caches = None  # None means: (re)build by a prefill of ctx
+            finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+            for _ in range(max_new_tokens):
+                if not use_cache:
+                    h = self._trunk(ctx)
+                elif caches is None:
+                    caches = [KVCache(block_size) for _ in self.transformer.h]
+                    h = self._trunk(ctx, caches)
+                else:
+                    h = self._trunk(ctx[:, -1:], caches, start=ctx.size(1) - 1)
+                tok = sample(self.lm_head(h[:, -1]).float())
+                if eos_token is not None:
+                    tok = tok.masked_fill(finished, eos_token)
+                    finished |= tok == eos_token
+                yield tok
+                if eos_token is not None and finished.all():
+                    return
+                ctx = torch.cat([ctx, tok[:, None]], dim=1)
+                if ctx.size(1) > block_size:
+                    ctx = ctx[:, -max(1, block_size // 2) :]
+                    caches = None
+        finally:
+            self.train(was_training)
+
+    # ------------------------------------------------------------------ HF GPT-2 format
+
+    @classmethod
+    def from_pretrained(cls, path: str, attn_kernel: str = "auto", dropout: float = 0.0) -> "GPT":
+        """Load a local Hugging Face GPT-2 directory (config.json + model.safetensors or
+        pytorch_model.bin), or gpt2 / gpt2-medium / gpt2-large / gpt2-xl (optionally prefixed
+        openai-community/) if already in the local HF cache. Never downloads."""
+        directory = _resolve_model_dir(path)
+        hf = _read_hf_config(directory)
+        config = GPTConfig(
+            block_size=hf["n_positions"],
+            vocab_size=hf["vocab_size"],
+            n_layer=hf["n_layer"],
+            n_head=hf["n_head"],
+            n_embd=hf["n_embd"],
+            dropout=dropout,
+            bias=True,
+            attn_kernel=attn_kernel,
+        )
+        with torch.device("meta"):  # skip the random init; every tensor is replaced below
+            model = cls(config)
+        expected = model.state_dict()
+        state = {}
+        for key, tensor in _read_weights(directory).items():
+            key = key.removeprefix("transformer.")
+            if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+                continue  # causal-mask buffers; the head is tied to wte
+            if key.endswith(_CONV1D_WEIGHTS):
+                tensor = tensor.t()
+            state["transformer." + key] = tensor.float().contiguous()
+        state["lm_head.weight"] = state.get("transformer.wte.weight")
+        missing = sorted(k for k in expected if state.get(k) is None)
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"{directory}: not a GPT-2 checkpoint; missing {missing[:3]}, unexpected {unexpected[:3]}")
+        for k, t in state.items():
+            if t.shape != expected[k].shape:
+                raise ValueError(f"{directory}: {k} has shape {tuple(t.shape)}, config implies {tuple(expected[k].shape)}")
+        model.load_state_dict(state, assign=True)
+        model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced the tied parameter
+        return model
+
+    def save_pretrained(self, out_dir: str) -> None:
+        """Write config.json and model.safetensors that transformers' GPT2LMHeadModel loads as
+        the same model. bias=False is written as zero biases (the same function)."""
+        from safetensors.torch import save_file
+
+        c = self.config
+        hf = {
+            "model_type": "gpt2",
+            "architectures": ["GPT2LMHeadModel"],
+            "vocab_size": c.vocab_size,
+            "n_positions": c.block_size,
+            "n_ctx": c.block_size,
+            "n_embd": c.n_embd,
+            "n_layer": c.n_layer,
+            "n_head": c.n_head,
+            "n_inner": None,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-5,
+            "resid_pdrop": c.dropout,
+            "embd_pdrop": c.dropout,
+            "attn_pdrop": c.dropout,
+            "initializer_range": 0.02,
+            "scale_attn_weights": True,
+            "tie_word_embeddings": True,
+        }
+        if c.vocab_size == 50257:  # the GPT-2 BPE vocabulary: <|endoftext|>
+            hf.update(bos_token_id=50256, eos_token_id=50256)
+        tensors = {}
+        for name, module in self.named_modules():
+            if not isinstance(module, (nn.Linear, nn.LayerNorm, nn.Embedding)) or name == "lm_head":
+                continue
+            weight = module.weight.detach()
+            if name.endswith(_CONV1D_MODULES):
+                weight = weight.t()
+            tensors[f"{name}.weight"] = weight.contiguous().cpu()
+            if not isinstance(module, nn.Embedding):
+                bias = module.bias if module.bias is not None else module.weight.new_zeros(module.weight.size(0))
+                tensors[f"{name}.bias"] = bias.detach().contiguous().cpu()
+        os.makedirs(out_dir, exist_ok=True)
+        weights_path = os.path.join(out_dir, "model.safetensors")
+        _atomic_write(weights_path, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+        text = json.dumps(hf, indent=2) + "\n"
+        _atomic_write(os.path.join(out_dir, "config.json"), lambda p: pathlib.Path(p).write_text(text))
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Draw one token per row of (B, V) fp32 logits."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the likelier ones already reach top_p (the likeliest always stays)
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    # inverse-CDF sampling draws one random number per row; torch.multinomial draws one per
+    # vocabulary entry on CPU (~1 ms per token at vocab 50257, vs ~0.05 ms here)
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)
+    u = torch.rand(cdf.size(0), 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.size(1) - 1)
+
+
+# HF GPT-2 stores these layers as Conv1D: weights transposed relative to nn.Linear
+_CONV1D_MODULES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+_CONV1D_WEIGHTS = tuple(m + ".weight" for m in _CONV1D_MODULES)
+_HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def _hub_cache_dir() -> str:
+    """The Hugging Face hub cache folder, found as huggingface_hub finds it."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(os.environ.get("HF_HOME") or os.path.join(cache_home, "huggingface"), "hub")
+
+
+def _resolve_model_dir(path: str) -> str:
+    if os.path.isdir(path):
+        return path
+    name = path.removeprefix("openai-community/")
+    if name not in _HUB_NAMES:
+        raise FileNotFoundError(
+            f"no model directory at '{path}'; pass a local GPT-2 directory (config.json + model.safetensors "
+            f"or pytorch_model.bin) or one of {', '.join(_HUB_NAMES)}"
+        )
+    hub = _hub_cache_dir()
+    snapshots = []
+    for repo in (f"models--{name}", f"models--openai-community--{name}"):
+        snapshots += glob.glob(os.path.join(hub, repo, "snapshots", "*", "config.json"))
+    for config_path in sorted(snapshots, key=os.path.getmtime, reverse=True):
+        snapshot = os.path.dirname(config_path)
+        if any(os.path.exists(os.path.join(snapshot, f)) for f in _WEIGHT_FILES):
+            return snapshot
+    raise FileNotFoundError(
+        f"'{path}' is not in the local Hugging Face cache ({hub}) and is never downloaded; on a machine with "
+        f"internet run `huggingface-cli download openai-community/{name} --local-dir DIR`, copy DIR here and pass DIR"
+    )
+
+
+# GPT2Config fields (with transformers' defaults) whose other values would change the function
+_HF_REQUIRED = {
+    "activation_function": ("gelu_new", ("gelu_new", "gelu_pytorch_tanh")),
+    "n_inner": (None, (None,)),
+    "scale_attn_weights": (True, (True,)),
+    "scale_attn_by_inverse_layer_idx": (False, (False,)),
+    "add_cross_attention": (False, (False,)),
+    "tie_word_embeddings": (True, (True,)),
+}
+
+
+def _read_hf_config(directory: str) -> dict:
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{directory}: no config.json; expected a Hugging Face GPT-2 model directory")
+    try:
+        with open(config_path) as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path}: invalid JSON ({e})") from None
+    if hf.get("model_type") != "gpt2":
+        raise ValueError(f"{config_path}: model_type is {hf.get('model_type')!r}, only 'gpt2' is supported")
+    if hf.get("n_inner") == 4 * hf.get("n_embd", 768):
+        hf["n_inner"] = None  # the same as the default
+    for key, (default, allowed) in _HF_REQUIRED.items():
+        if hf.get(key, default) not in allowed:
+            raise ValueError(f"{config_path}: {key}={hf[key]!r} is not GPT-2-compatible (need one of {allowed})")
+    if not math.isclose(hf.get("layer_norm_epsilon", 1e-5), 1e-5):
+        raise ValueError(f"{config_path}: layer_norm_epsilon={hf['layer_norm_epsilon']} is not GPT-2's 1e-5")
+    hf.setdefault("n_positions", hf.get("n_ctx", 1024))
+    for key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"):
+        if not isinstance(hf.get(key), int):
+            raise ValueError(f"{config_path}: missing or non-integer {key}")
+    return hf
+
+
+def _read_weights(directory: str) -> dict[str, torch.Tensor]:
+    path = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(path):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    path = os.path.join(directory, "pytorch_model.bin")
+    if os.path.isfile(path):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{directory}: no model.safetensors or pytorch_model.bin")
+
+
+def _atomic_write(path: str, write: Callable[[str], object]) -> None:
+    """Write via a temporary file in the same folder, so a crash never leaves a half-written file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

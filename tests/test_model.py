@@ -1,0 +1,295 @@
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model
+from model import GPT, PRESETS, GPTConfig
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+VOCAB = 211
+
+
+def tiny_config(**kw) -> GPTConfig:
+    return GPTConfig(**{**dict(block_size=32, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=64), **kw})
+
+
+def perturb(m: torch.nn.Module, std: float = 0.05, seed: int = 0) -> torch.nn.Module:
+    """Add noise to every parameter so biases and LayerNorms are not at their trivial init."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+    return m.eval()
+
+
+def tiny_gpt(seed: int = 0, std: float = 0.05, **kw) -> GPT:
+    torch.manual_seed(seed)
+    return perturb(GPT(tiny_config(**kw)), std, seed)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def random_hf_model():
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(cfg)
+    hf.config._attn_implementation = "eager"
+    return perturb(hf)
+
+
+@torch.no_grad()
+def test_load_hf_safetensors_matches_transformers(tmp_path):
+    hf = random_hf_model()
+    hf.save_pretrained(tmp_path)
+    m = GPT.from_pretrained(str(tmp_path))
+    idx = torch.randint(0, VOCAB, (2, 32))
+    assert rel_err(m(idx)[0], hf(idx).logits) < 1e-5
+    assert m.lm_head.weight is m.transformer.wte.weight
+
+
+@torch.no_grad()
+def test_load_hf_bin_without_prefix(tmp_path):
+    hf = random_hf_model()
+    hf.config.to_json_file(tmp_path / "config.json")
+    state = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    state["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 32, 32))  # old checkpoints carry mask buffers
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    m = GPT.from_pretrained(str(tmp_path))
+    idx = torch.randint(0, VOCAB, (2, 17))
+    assert rel_err(m(idx)[0], hf(idx).logits) < 1e-5
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@torch.no_grad()
+def test_save_pretrained_loads_in_transformers(tmp_path, bias):
+    m = tiny_gpt(bias=bias)
+    m.save_pretrained(str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    idx = torch.randint(0, VOCAB, (2, 32))
+    assert rel_err(m(idx)[0], hf(idx).logits) < 1e-5
+    again = GPT.from_pretrained(str(tmp_path / "out"))
+    assert torch.equal(again(idx)[0], GPT.from_pretrained(str(tmp_path / "out"))(idx)[0])
+    assert rel_err(again(idx)[0], m(idx)[0]) < 1e-6
+
+
+def test_from_pretrained_rejects_incompatible_config(tmp_path):
+    m = tiny_gpt()
+    m.save_pretrained(str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "activation_function": "relu"}))
+    with pytest.raises(ValueError, match="activation_function"):
+        GPT.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "layer_norm_epsilon": 1e-6}))
+    with pytest.raises(ValueError, match="layer_norm_epsilon"):
+        GPT.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type"):
+        GPT.from_pretrained(str(tmp_path))
+
+
+def test_from_pretrained_hub_names_only_from_local_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(FileNotFoundError) as e:
+        GPT.from_pretrained("gpt2")
+    assert "\n" not in str(e.value) and "huggingface-cli download openai-community/gpt2" in str(e.value)
+    with pytest.raises(FileNotFoundError, match="no model directory"):
+        GPT.from_pretrained(str(tmp_path / "missing"))
+    # a snapshot in the cache is found under either repository name
+    m = tiny_gpt()
+    m.save_pretrained(str(tmp_path / "hub" / "models--openai-community--gpt2" / "snapshots" / "abc123"))
+    idx = torch.randint(0, VOCAB, (1, 8))
+    for name in ("gpt2", "openai-community/gpt2"):
+        assert torch.allclose(GPT.from_pretrained(name)(idx)[0], m(idx)[0], atol=1e-6)
+
+
+@torch.no_grad()
+def test_bad_inputs_raise_clear_value_errors():
+    m = tiny_gpt()
+    with pytest.raises(ValueError, match="longer than block_size 32"):
+        m(torch.zeros(1, 33, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 211\)"):
+        m(torch.full((1, 4), VOCAB))
+    with pytest.raises(ValueError, match="token ids"):
+        m.generate(torch.full((1, 4), -1), 3)
+    with pytest.raises(ValueError, match="unknown attn_kernel"):
+        GPT(tiny_config(attn_kernel="fast"))
+
+
+@torch.no_grad()
+def test_attention_kernels_agree_on_cpu():
+    ref = tiny_gpt(attn_kernel="math")
+    idx = torch.randint(0, VOCAB, (2, 32))
+    flash = GPT(tiny_config(attn_kernel="flash")).eval()
+    flash.load_state_dict(ref.state_dict())
+    assert torch.allclose(flash(idx)[0], ref(idx)[0], atol=1e-5)
+    auto = GPT(tiny_config()).eval()
+    auto.load_state_dict(ref.state_dict())
+    assert torch.allclose(auto(idx)[0], ref(idx)[0], atol=1e-5)
+    for kernel in ("efficient", "cudnn"):
+        m = GPT(tiny_config(attn_kernel=kernel))
+        with pytest.raises(ValueError, match=f"attn_kernel '{kernel}' cannot run on cpu.*available: auto, flash, math"):
+            m(idx)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "math", "flash"])
+@torch.no_grad()
+def test_kv_cache_forward_matches_full_forward(kernel):
+    m = tiny_gpt(attn_kernel=kernel)
+    idx = torch.randint(0, VOCAB, (2, 20))
+    full = m.hidden_states(idx)
+    caches = [model.KVCache(32) for _ in m.transformer.h]
+    parts = [m._trunk(idx[:, :7], caches), m._trunk(idx[:, 7:8], caches, start=7), m._trunk(idx[:, 8:], caches, start=8)]
+    assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
+
+
+def reference_greedy(m: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """The documented context policy, written out naively."""
+    bs = m.config.block_size
+    out, ctx = idx, idx[:, -bs:]
+    for _ in range(n):
+        tok = m(ctx)[0][:, -1].argmax(-1, keepdim=True)
+        out, ctx = torch.cat([out, tok], 1), torch.cat([ctx, tok], 1)
+        if ctx.size(1) > bs:
+            ctx = ctx[:, -(bs // 2) :]
+    return out
+
+
+@pytest.mark.parametrize("batch,prompt_len", [(1, 5), (3, 4), (2, 40)])
+@torch.no_grad()
+def test_greedy_kv_cache_equals_no_cache(batch, prompt_len):
+    m = tiny_gpt(std=0.3, block_size=16)
+    idx = torch.randint(0, VOCAB, (batch, prompt_len))
+    cached = m.generate(idx, 50, temperature=0)
+    uncached = m.generate(idx, 50, temperature=0, use_cache=False)
+    assert cached.shape == (batch, prompt_len + 50)
+    assert torch.equal(cached, uncached)
+    assert torch.equal(cached, reference_greedy(m, idx, 50))
+    assert cached[:, prompt_len:].unique().numel() > 1
+
+
+@torch.no_grad()
+def test_top_k_1_and_tiny_top_p_equal_greedy():
+    m = tiny_gpt(std=0.3)
+    idx = torch.randint(0, VOCAB, (2, 3))
+    greedy = m.generate(idx, 20, temperature=0)
+    assert torch.equal(m.generate(idx, 20, top_k=1), greedy)
+    assert torch.equal(m.generate(idx, 20, temperature=0.8, top_p=1e-6), greedy)
+
+
+@torch.no_grad()
+def test_eos_stops_each_sequence():
+    m = tiny_gpt(std=0.3)
+    idx = torch.randint(0, VOCAB, (2, 3))
+    new = m.generate(idx, 30, temperature=0)[:, 3:]
+    # an eos that both rows emit, first at different steps
+    firsts = {t: [row.tolist().index(t) for row in new] for t in set(new[0].tolist()) & set(new[1].tolist())}
+    eos, (f0, f1) = next((t, f) for t, f in firsts.items() if f[0] != f[1])
+    out = m.generate(idx, 30, temperature=0, eos_token=eos)[:, 3:]
+    assert out.size(1) == max(f0, f1) + 1 < 30
+    for row, first in zip(range(2), (f0, f1)):
+        assert torch.equal(out[row, : first + 1], new[row, : first + 1])
+        assert (out[row, first:] == eos).all()
+
+
+def test_generate_stream_matches_generate_and_restores_mode():
+    m = tiny_gpt(std=0.3).train()
+    idx = torch.randint(0, VOCAB, (2, 3))
+    torch.manual_seed(1)
+    out = m.generate(idx, 40, top_k=20, top_p=0.9)
+    assert m.training
+    torch.manual_seed(1)
+    steps = list(m.generate_stream(idx, 40, top_k=20, top_p=0.9))
+    assert m.training and all(s.shape == (2,) and not s.requires_grad for s in steps)
+    assert torch.equal(torch.cat([idx, torch.stack(steps, 1)], 1), out)
+
+
+def naive_loss(m: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = m.lm_head(m.hidden_states(idx))
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def loss_and_grads(m, loss_fn):
+    m.zero_grad()
+    loss = loss_fn()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("chunk_elements", [None, 1000])  # 1000: several row chunks
+def test_fused_loss_matches_naive(monkeypatch, chunk_elements):
+    if chunk_elements:
+        monkeypatch.setitem(model._CHUNK_ELEMENTS, "cpu", chunk_elements)
+    m = tiny_gpt().train()
+    idx = torch.randint(0, VOCAB, (3, 32))
+    targets = torch.randint(0, VOCAB, (3, 32))
+    targets[0, :10] = -1
+    targets[2, -1] = -1
+    fused, fused_grads = loss_and_grads(m, lambda: m(idx, targets)[1])
+    assert m(idx, targets)[0] is None
+    ref, ref_grads = loss_and_grads(m, lambda: naive_loss(m, idx, targets))
+    assert torch.allclose(fused, ref, rtol=1e-6)
+    for name, g in ref_grads.items():
+        assert rel_err(fused_grads[name], g) < 1e-5, name
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused, fused_grads = loss_and_grads(m, lambda: m(idx, targets)[1])
+        ref, ref_grads = loss_and_grads(m, lambda: naive_loss(m, idx, targets))
+    assert fused.dtype == torch.float32 and torch.allclose(fused, ref, rtol=1e-2)
+    for name, g in ref_grads.items():
+        assert fused_grads[name].dtype == torch.float32
+        assert rel_err(fused_grads[name], g) < 3e-2, name
+
+
+def test_fused_loss_without_grad():
+    m = tiny_gpt()
+    idx, targets = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
+    with torch.no_grad():
+        _, loss = m(idx, targets)
+        assert torch.allclose(loss, naive_loss(m, idx, targets), rtol=1e-6)
+
+
+def test_param_count_and_flops():
+    with torch.device("meta"):
+        gpt2 = GPT(GPTConfig(**PRESETS["gpt2"]))
+    assert gpt2.num_params(non_embedding=False) == 124_439_808
+    assert gpt2.num_params() == 124_439_808 - 1024 * 768
+    assert gpt2.flops_per_token() == 6 * gpt2.num_params() + 12 * 12 * 12 * 64 * 1024
+    assert gpt2.estimate_mfu(tokens_per_iter=500, dt=2.0, peak_flops=gpt2.flops_per_token() * 250) == 1.0
+
+
+def test_crop_block_size_and_optimizer():
+    m = tiny_gpt()
+    m.crop_block_size(16)
+    assert m.config.block_size == 16 and m.transformer.wpe.weight.shape == (16, 64)
+    assert m(torch.zeros(1, 16, dtype=torch.long))[0].shape == (1, 16, VOCAB)
+    with pytest.raises(ValueError):
+        m.crop_block_size(17)
+    opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and all(p.dim() < 2 for p in no_decay["params"])
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == m.num_params(non_embedding=False)
+
+
+def test_sampling_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(40000, 4)
+    torch.manual_seed(0)
+
+    def freqs(**kw):
+        return torch.bincount(model._sample(logits, **kw), minlength=4) / 40000
+
+    assert torch.allclose(freqs(temperature=1.0, top_k=None, top_p=None), logits[0].softmax(-1), atol=0.01)
+    assert torch.allclose(freqs(temperature=2.0, top_k=None, top_p=None), (logits[0] / 2).softmax(-1), atol=0.01)
+    top2 = torch.tensor([1.0, 1.0, 0.0, 0.0]) * logits[0].softmax(-1) / logits[0].softmax(-1)[:2].sum()
+    assert torch.allclose(freqs(temperature=1.0, top_k=2, top_p=None), top2, atol=0.01)
+    # softmax is about [0.64, 0.24, 0.09, 0.03]: top_p 0.8 keeps the first two
+    assert torch.allclose(freqs(temperature=1.0, top_k=None, top_p=0.8), top2, atol=0.01)
