@@ -1,0 +1,244 @@
+"""train_ddp.py under torchrun, real processes on CPU with gloo: equality with one process, two "nodes",
+restart after a killed rank, checkpoints shared with train.py, signals and bad input."""
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import load_checkpoint
+from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_script
+from training import add_config_arguments
+from train_ddp import extra_arguments
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds worker processes in /proc")
+
+# 8 sequences per step: 4 per micro-batch x 2 micro-batches (1 per rank with 2 ranks, 2 in sequence in one process)
+COMMON = [*TINY_MODEL, "--grad-accum", "2", "--lr", "3e-3", "--warmup-iters", "2", "--lr-decay-iters", "10",
+          "--eval-interval", "5"]
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+WORKER_TRACEBACK = re.compile(r'File "[^"]*(train_ddp|training|model|data)\.py"')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(launcher: list, *args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *launcher, str(ROOT / "train_ddp.py"), *map(str, args)]
+
+
+def popen(cmd: list[str], **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, **ENV}, **kwargs)
+
+
+def torchrun(nproc: int, *args, launcher=("--standalone",), timeout=300) -> subprocess.CompletedProcess:
+    cmd = torchrun_cmd([*launcher, "--nproc_per_node", str(nproc)], *args)
+    return subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=timeout, env={**os.environ, **ENV})
+
+
+def ok(result) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def train_py(*args) -> subprocess.CompletedProcess:
+    return ok(run_script("train.py", *args, env=ENV))
+
+
+def assert_same_training(a: dict, b: dict, tol=1e-5) -> None:
+    assert a["iter_num"] == b["iter_num"]
+    assert a["history"]["iter"] == b["history"]["iter"]
+    assert a["history"]["loss"] == pytest.approx(b["history"]["loss"], abs=tol)
+    assert a.keys() == b.keys()
+    for key, value in a["model"].items():
+        assert torch.allclose(value, b["model"][key], rtol=0, atol=tol), key
+
+
+def workers(launcher_pid: int) -> dict[int, int]:
+    """{RANK: pid} of the worker processes torchrun started (its direct children)."""
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            env = dict(v.split(b"=", 1) for v in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0") if b"=" in v)
+        except (OSError, IndexError, ValueError):
+            continue
+        if b"RANK" in env:
+            found[int(env[b"RANK"])] = int(entry)
+    return found
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill a launcher that is still running and its workers (killing torchrun alone would orphan them)."""
+    if proc.poll() is None:
+        for pid in workers(proc.pid).values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+        proc.wait()
+
+
+def wait_for(condition, timeout=120, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def reference(char_data, tmp_path_factory) -> dict:
+    """One process, 10 steps: what every DDP variant below must reproduce."""
+    out = tmp_path_factory.mktemp("reference")
+    train_py("--data-dir", char_data, "--out-dir", out, *COMMON, "--max-iters", "10")
+    return load_checkpoint(str(out / "ckpt.pt"))
+
+
+def test_two_ranks_train_exactly_like_one_process(char_data, tmp_path, reference):
+    port = free_port()
+    result = ok(torchrun(2, "--data-dir", char_data, "--out-dir", tmp_path, *COMMON, "--max-iters", "10",
+                         launcher=("--master_port", str(port))))
+    assert "4 micro x 1 accumulation x 2 processes = 8 sequences" in result.stdout
+    assert result.stdout.count("step 10: train loss") == 1  # rank 0 alone logs
+    ddp = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert_same_training(ddp, reference)
+    assert ddp["history"]["eval_iter"] == reference["history"]["eval_iter"] == [0, 5, 10]
+    assert ddp["history"]["val"] == pytest.approx(reference["history"]["val"], abs=1e-5)
+
+
+def test_two_nodes_over_localhost_then_sample(char_data, tmp_path, reference):
+    port = free_port()
+    procs = [popen(torchrun_cmd(["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+                                 "--master_addr", "127.0.0.1", "--master_port", str(port)],
+                                "--data-dir", char_data, "--out-dir", tmp_path, *COMMON, "--max-iters", "10",
+                                "--timeout", "60"))
+             for node in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            stop(p)
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, out[-2000:] + err[-2000:]
+    assert "1 accumulation x 2 processes" in outputs[0][0] and "done:" not in outputs[1][0]
+    ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert_same_training(ckpt, reference)
+    sample = run_script("test.py", "--ckpt", tmp_path / "ckpt.pt", "--device", "cpu", "--num-samples", "1",
+                        "--max-new-tokens", "30", "--prompt", "def ")
+    assert sample.returncode == 0, sample.stderr
+    assert sample.stdout.startswith("def ") and len(sample.stdout) > 10
+
+
+def test_checkpoints_move_between_train_py_and_train_ddp(char_data, tmp_path, reference):
+    common = ["--data-dir", char_data, *COMMON]
+    # DDP for 6 steps, then train.py resumes to 10
+    ok(torchrun(2, *common, "--out-dir", tmp_path / "a", "--max-iters", "6"))
+    assert load_checkpoint(str(tmp_path / "a" / "ckpt.pt"))["iter_num"] == 6
+    train_py(*common, "--out-dir", tmp_path / "a", "--init-from", "resume", "--max-iters", "10")
+    assert_same_training(load_checkpoint(str(tmp_path / "a" / "ckpt.pt")), reference)
+    # train.py for 6 steps, then DDP resumes to 10
+    train_py(*common, "--out-dir", tmp_path / "b", "--max-iters", "6")
+    result = ok(torchrun(2, *common, "--out-dir", tmp_path / "b", "--init-from", "resume", "--max-iters", "10"))
+    assert "iter 7:" in result.stdout and "iter 6:" not in result.stdout
+    assert_same_training(load_checkpoint(str(tmp_path / "b" / "ckpt.pt")), reference)
+
+
+def test_killed_rank_restarts_and_resumes_from_checkpoint(char_data, tmp_path):
+    proc = popen(torchrun_cmd(["--standalone", "--nproc_per_node", "2", "--max-restarts", "1"],
+                              "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--grad-accum", "2",
+                              "--max-iters", "300", "--save-interval", "10", "--eval-interval", "1000",
+                              "--log-interval", "10"))
+    try:
+        wait_for(lambda: (tmp_path / "ckpt.pt").exists() or proc.poll() is not None, what="the first checkpoint")
+        victim = workers(proc.pid).get(1)
+        assert victim, "rank 1 not found"
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, out[-3000:] + "\n".join(line for line in err.splitlines()
+                                                          if re.search(r"error|Error|restart|exitcode|signal", line))
+    resumed = re.search(r"resumed from \S+ at iteration (\d+) after restart 1", out)
+    assert resumed and 10 <= int(resumed.group(1)) < 300, out[-2000:]
+    ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert ckpt["iter_num"] == 300
+    assert ckpt["history"]["iter"] == list(range(10, 301, 10))  # restored history, no step logged twice
+
+
+@pytest.mark.parametrize("target", ["launcher", "workers"])
+def test_sigterm_saves_and_stops_all_ranks(char_data, tmp_path, target):
+    proc = popen(torchrun_cmd(["--standalone", "--nproc_per_node", "2"], "--data-dir", char_data,
+                              "--out-dir", tmp_path, *TINY_MODEL, "--grad-accum", "2", "--max-iters", "100000",
+                              "--eval-interval", "100000"))
+    try:
+        for line in proc.stdout:  # training is really running in both ranks
+            if line.startswith("iter 3:"):
+                break
+        pids = [proc.pid] if target == "launcher" else list(workers(proc.pid).values())
+        assert pids
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        stop(proc)
+    assert "stopped by signal" in out, out[-2000:] + err[-2000:]
+    assert not WORKER_TRACEBACK.search(err), err
+    # torchrun itself re-raises a signal it received (torch/distributed/launcher/api.py) and exits 1 after its
+    # workers saved and exited 0; when only the workers get the signal, torchrun exits 0.
+    assert proc.returncode == (1 if target == "launcher" else 0), err[-3000:]
+    ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert 3 <= ckpt["iter_num"] < 100000
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--grad-accum", "3"], "--grad-accum 3 cannot be split across 2 processes"),
+    (["--device", "cuda"], "CUDA is not available"),
+])
+def test_bad_input_is_one_line_from_rank_0(char_data, tmp_path, flags, message):
+    start = time.monotonic()
+    result = torchrun(2, "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--max-iters", "5", *flags,
+                      timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stdout + result.stderr
+    assert not WORKER_TRACEBACK.search(result.stderr), result.stderr  # torchrun adds its own failure report
+    assert time.monotonic() - start < 90
+
+
+def test_without_torchrun_or_peers_fails_fast_with_one_line(char_data, tmp_path):
+    clean = {k: "" for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in clean}
+    plain = subprocess.run([sys.executable, str(ROOT / "train_ddp.py"), "--data-dir", str(char_data)], cwd=ROOT,
+                           text=True, capture_output=True, timeout=60, env=env)
+    assert_one_line_error(plain, "torchrun")
+    lonely = run_script("train_ddp.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--timeout", "2",
+                        env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                             "MASTER_PORT": str(free_port())}, timeout=60)
+    assert_one_line_error(lonely, "rendezvous at 127.0.0.1:", "2 processes expected")
+
+
+def test_no_flag_collides_with_torchrun_options():
+    """argparse matches abbreviations of torchrun's own options even after the script name."""
+    from torch.distributed.run import get_args_parser
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    extra_arguments(parser)
+    ours = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    assert "--backend" in ours and "--grad-accum" in ours
+    for flag in ours:
+        args = get_args_parser().parse_args(["--nproc_per_node", "2", "train_ddp.py", flag, "1"])
+        assert args.training_script_args == [flag, "1"], flag
