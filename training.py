@@ -59,7 +59,7 @@ class TrainConfig:
     # optimisation
     batch_size: int = _opt(16, "micro-batch size per process")
     grad_accum: int = _opt(1, "micro-batches per optimizer step over ALL processes (split across ranks)")
-    max_iters: int = _opt(2000, "optimizer steps")
+    max_iters: int = _opt(1200, "optimizer steps")
     train_samples: int | None = _opt(None, "train on this many samples instead (Megatron); sets max_iters")
     lr: float = _opt(1e-3, "peak learning rate")
     min_lr: float | None = _opt(None, "final learning rate of the cosine decay (default lr/10)")
@@ -70,7 +70,7 @@ class TrainConfig:
     beta2: float = _opt(0.99, "AdamW beta2")
     grad_clip: float = _opt(1.0, "clip gradients at this global norm (0 = off)")
     # evaluation, logging, checkpoints
-    eval_interval: int = _opt(250, "evaluate every N steps")
+    eval_interval: int = _opt(200, "evaluate every N steps")
     eval_iters: int = _opt(20, "batches per evaluation and split")
     log_interval: int = _opt(10, "print the training loss every N steps")
     save_interval: int = _opt(0, "also save a checkpoint every N steps (0 = only at the end)")

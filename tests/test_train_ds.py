@@ -1,0 +1,215 @@
+"""train_ds.py and test_ds.py end to end, through the real `deepspeed` launcher, 2 ranks on the CPU (gloo).
+
+One ZeRO-3 + CPU offload run (real DeepSpeedCPUAdam) is shared by several tests; DeepSpeed's C++ ops are
+built (or found in the cache) once per session before any launch.
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_script
+
+pytest.importorskip("deepspeed")
+
+ENV = {"DS_ACCELERATOR": "cpu"}  # the CPU path even on a machine with GPUs
+COMMON = ["--max-iters", "12", "--lr-decay-iters", "12", "--warmup-iters", "2", "--lr", "3e-3", "--grad-accum", "4",
+          "--eval-interval", "6"]
+DUMP = "TRAIN_DS_DUMP_WEIGHTS"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_cmd(hostfile, *extra_launcher_args) -> list[str]:
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *extra_launcher_args]
+
+
+def train_ds_args(data, out_dir, *extra, config="ds_config.json") -> list[str]:
+    return [str(ROOT / "train_ds.py"), "--deepspeed", "--deepspeed_config", str(ROOT / config),
+            "--data-dir", str(data), "--out-dir", str(out_dir), *TINY_MODEL, *map(str, extra)]
+
+
+def launch(hostfile, data, out_dir, *extra, config="ds_config.json", env=None, timeout=300):
+    cmd = launcher_cmd(hostfile, "--no_ssh_check") + train_ds_args(data, out_dir, *extra, config=config)
+    return subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=timeout,
+                          env={**os.environ, **ENV, **(env or {})})
+
+
+def train_state(out_dir) -> dict:
+    ds = out_dir / "ds"
+    return json.loads((ds / (ds / "latest").read_text().strip() / "train_state.json").read_text())
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert set(a) == set(b), set(a) ^ set(b)
+    different = {k: (a[k].float() - b[k].float()).abs().max().item() for k in a if not torch.equal(a[k].float(), b[k].float())}
+    assert not different, different
+
+
+@pytest.fixture(scope="session")
+def ds_ops():
+    """Build (or load from ~/.cache/torch_extensions) cpu_adam and shm_comm once, before parallel ranks need them."""
+    code = ("from deepspeed.accelerator import get_accelerator as g; "
+            "[g().create_op_builder(n).load() for n in ('CPUAdamBuilder', 'ShareMemCommBuilder')]")
+    result = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=900,
+                            env={**os.environ, **ENV})
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="session")
+def hostfile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hosts") / "hostfile"
+    path.write_text("localhost slots=2\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def zero3_run(ds_ops, char_data, hostfile, tmp_path_factory):
+    """12 steps of ZeRO-3 with CPU offload on 2 ranks; the engine's final weights gathered into dump.pt."""
+    out = tmp_path_factory.mktemp("zero3")
+    result = launch(hostfile, char_data, out, *COMMON, env={DUMP: str(out / "dump.pt")})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, result, torch.load(out / "dump.pt", weights_only=True)
+
+
+def test_zero3_offload_trains_converts_and_samples(zero3_run, tmp_path):
+    out, result, engine_weights = zero3_run
+    assert "ZeRO stage 3, optimizer offload to cpu, param offload to cpu, optimizer DeepSpeedCPUAdam" in result.stdout
+    assert "global batch: 4 micro x 2 accumulation x 2 processes = 16 sequences" in result.stdout
+    port = result.args[result.args.index("--master_port") + 1]
+    if os.path.isdir("/dev/shm"):  # DeepSpeed's CPU all-reduce buffers are released, not left behind
+        assert not [name for name in os.listdir("/dev/shm") if f"_127.0.0.1_{port}_" in name]
+    state = train_state(out)
+    assert state["iter_num"] == 12 and state["world_size"] == 2 and state["zero_stage"] == 3
+    assert state["train_config"]["dtype"] == "float32" and state["tokenizer"]["vocab_size"] > 0
+    loss, val = state["history"]["loss"], state["history"]["val"]
+    assert loss[-1] < loss[0] - 0.3 and val[-1] < val[0] - 0.3, (loss, val)
+
+    # the seed's flow: cd ckpt/ds && python zero_to_fp32.py . ckpt_ds.pt (an output folder now)
+    ds = out / "ds"
+    conv = subprocess.run([sys.executable, "zero_to_fp32.py", ".", "ckpt_ds.pt"], cwd=ds, text=True,
+                          capture_output=True, timeout=120, env={**os.environ, **ENV})
+    assert conv.returncode == 0, conv.stderr[-2000:]
+    cli_weights = torch.load(ds / "ckpt_ds.pt" / "pytorch_model.bin", weights_only=True)
+    assert_same_weights(cli_weights, engine_weights)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    assert_same_weights(get_fp32_state_dict_from_zero_checkpoint(str(ds)), engine_weights)
+
+    for ckpt in (ds / "ckpt_ds.pt", ds):  # converted output, and the checkpoint folder (in memory)
+        genfile = tmp_path / f"{ckpt.name}.jsonl"
+        sampled = run_script("test_ds.py", "--ckpt", ckpt, "--num-samples", "2", "--max-new-tokens", "20",
+                             "--device", "cpu", "--prompt", "def ", "--genfile", genfile, env=ENV)
+        assert sampled.returncode == 0, sampled.stderr[-2000:]
+        lines = [json.loads(line) for line in genfile.read_text().splitlines()]
+        assert len(lines) == 2 and all(line["text"].startswith("def ") for line in lines)
+    # both sources hold the same weights, so the same seed gives the same samples
+    assert (tmp_path / "ckpt_ds.pt.jsonl").read_text() == (tmp_path / "ds.jsonl").read_text()
+
+    exported = run_script("test_ds.py", "--ckpt", ds, "--export-hf", tmp_path / "hf", env=ENV)
+    assert exported.returncode == 0, exported.stderr
+    from model import GPT
+    hf = GPT.from_pretrained(str(tmp_path / "hf"))
+    assert_same_weights(hf.state_dict(), engine_weights)
+
+
+def test_zero3_offload_matches_train_py(zero3_run, char_data, tmp_path):
+    """2 ranks x 2 micro-steps under ZeRO-3 offload = 1 process x 4 micro-steps of train.py (fp32 AdamW)."""
+    out, _, _ = zero3_run
+    single = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, *COMMON)
+    assert single.returncode == 0, single.stderr
+    reference = torch.load(tmp_path / "ckpt.pt", weights_only=True)["history"]["loss"]
+    losses = train_state(out)["history"]["loss"]
+    assert len(losses) == len(reference) == 12
+    assert max(abs(a - b) for a, b in zip(losses, reference)) < 1e-4, (losses, reference)
+
+
+def test_zero2_config_matches_train_py(zero3_run, char_data, hostfile, tmp_path):
+    """The shipped ZeRO-2 (optimizer offload) config trains the same model: first 6 steps within 1e-4."""
+    result = launch(hostfile, char_data, tmp_path, *COMMON[:1], "6", *COMMON[2:], config="ds_config_zero2.json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "ZeRO stage 2, optimizer offload to cpu, optimizer DeepSpeedCPUAdam" in result.stdout
+    losses, zero3 = train_state(tmp_path)["history"]["loss"], train_state(zero3_run[0])["history"]["loss"]
+    assert len(losses) == 6 and max(abs(a - b) for a, b in zip(losses, zero3)) < 1e-4, (losses, zero3)
+
+
+def test_two_node_no_ssh_then_exact_resume(zero3_run, char_data, hostfile, tmp_path):
+    """Steps 1-6 on two "nodes" (two launchers, no ssh), resumed by one launcher to step 12: the weights
+    equal those of the uninterrupted run."""
+    _, _, engine_weights = zero3_run
+    nodes = tmp_path / "nodes"
+    nodes.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    port = str(free_port())
+    args = train_ds_args(char_data, tmp_path, *COMMON[:1], "6", *COMMON[2:])
+    procs = [subprocess.Popen([sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(nodes),
+                               "--no_ssh", "--node_rank", str(rank), "--master_addr", "127.0.0.1",
+                               "--master_port", port, *args], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env={**os.environ, **ENV}) for rank in (0, 1)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs[0][-3000:] + outputs[1][-3000:]
+    assert "1 micro x" not in outputs[0] and "2 processes" in outputs[0]
+    assert train_state(tmp_path)["iter_num"] == 6
+
+    resumed = launch(hostfile, char_data, tmp_path, "--init-from", "resume", "--max-iters", "12",
+                     env={DUMP: str(tmp_path / "dump.pt")})
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    assert_same_weights(torch.load(tmp_path / "dump.pt", weights_only=True), engine_weights)
+    assert train_state(tmp_path)["history"]["loss"] == train_state(zero3_run[0])["history"]["loss"]
+    assert sorted(p.name for p in (tmp_path / "ds").glob("global_step*")) == ["global_step12"]
+
+
+def test_resume_with_another_world_size_is_one_line(zero3_run, char_data, tmp_path):
+    one = tmp_path / "one"
+    one.write_text("localhost slots=1\n")
+    out = tmp_path / "copy"
+    shutil.copytree(zero3_run[0] / "ds", out / "ds")
+    result = launch(one, char_data, out, "--init-from", "resume", "--max-iters", "14")
+    assert_one_line_error(result, "written by 2 processes", "this run has 1")
+
+
+def test_flag_contradicting_ds_config_is_one_line(ds_ops, char_data, hostfile, tmp_path):
+    config = json.loads((ROOT / "ds_config.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 4
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    cmd = launcher_cmd(hostfile, "--no_ssh_check") + train_ds_args(char_data, tmp_path, "--batch-size", "8",
+                                                                   "--max-iters", "2")
+    cmd[cmd.index("--deepspeed_config") + 1] = str(tmp_path / "ds.json")
+    result = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300, env={**os.environ, **ENV})
+    assert_one_line_error(result, "train_micro_batch_size_per_gpu 4", "--batch-size 8")
+    assert not (tmp_path / "ds").exists()
+
+
+def test_test_ds_bad_input_is_one_line(tmp_path):
+    assert_one_line_error(run_script("test_ds.py", "--ckpt", tmp_path / "missing", env=ENV), "not found")
+    (tmp_path / "junk").mkdir()
+    assert_one_line_error(run_script("test_ds.py", "--ckpt", tmp_path / "junk", env=ENV),
+                          "not a DeepSpeed checkpoint")
+
+
+def test_ctrl_c_saves_a_resumable_checkpoint(ds_ops, char_data, hostfile, tmp_path):
+    """Ctrl-C signals every process of the job (the launcher then also sends SIGTERM to each rank): the ranks
+    finish the step together and save a complete checkpoint."""
+    cmd = launcher_cmd(hostfile, "--no_ssh_check") + train_ds_args(char_data, tmp_path, "--max-iters", "100000",
+                                                                   "--eval-interval", "100000")
+    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, **ENV}, start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("iter 3:"):
+            break
+    os.killpg(proc.pid, signal.SIGINT)  # the whole job, as a terminal's Ctrl-C
+    out = proc.communicate(timeout=120)[0]
+    assert "stopped by signal" in out, out[-3000:]
+    state = train_state(tmp_path)
+    assert 3 <= state["iter_num"] < 100000 and state["world_size"] == 2
+    assert state["train_config"]["grad_accum"] == 2  # the default: one micro-batch per process
