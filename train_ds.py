@@ -43,8 +43,8 @@ from checkpoint import clean_state_dict
 from cli import CLIError
 from data import get_batch, window_offsets
 from model import GPT, GPTConfig
-from training import (EVAL_TRAIN_STREAM, EVAL_VAL_STREAM, TrainConfig, Trainer, parse_config, resolve_device,
-                      resolve_dtype)
+from training import (EVAL_TRAIN_STREAM, EVAL_VAL_STREAM, TrainConfig, Trainer, parse_config, read_json_object,
+                      resolve_device, resolve_dtype)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DS_CONFIG = os.path.join(HERE, "ds_config.json")
@@ -65,19 +65,6 @@ def extra_arguments(parser) -> None:
 
 
 # ----- ds_config.json versus the flags -----
-def read_ds_config(path: str) -> dict:
-    try:
-        with open(path) as f:
-            ds = json.load(f)
-    except FileNotFoundError:
-        raise CLIError(f"DeepSpeed config not found: {path}") from None
-    except json.JSONDecodeError as e:
-        raise CLIError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(ds, dict):
-        raise CLIError(f"{path} must hold a JSON object (a DeepSpeed config)")
-    return ds
-
-
 def config_precision(ds: dict) -> str | None:
     """float32 / bfloat16 / float16 as the config's bf16 and fp16 sections set it; None when it has neither."""
     bf16 = ds.get("bf16", ds.get("bfloat16"))
@@ -447,7 +434,7 @@ def release_shm_buffer() -> None:
 def main() -> None:
     cfg, explicit, args = parse_config(description=__doc__, extra_arguments=extra_arguments)
     ds_path = args.deepspeed_config or args.deepscale_config or DEFAULT_DS_CONFIG
-    ds = read_ds_config(ds_path)
+    ds = read_json_object(ds_path, "DeepSpeed config")
     init_distributed(cfg, args)
     trainer = DeepSpeedTrainer(cfg, explicit, ds, ds_path, args.keep_checkpoints)
     if trainer.master and cfg.init_from == "resume":

@@ -135,17 +135,23 @@ def parse_config(argv: list[str] | None = None, description: str = "Train a GPT.
     return TrainConfig(**values), explicit, args
 
 
-def read_json_config(path: str) -> dict:
-    """Option values from a JSON object; keys are TrainConfig names (snake_case or kebab-case)."""
+def read_json_object(path: str, what: str = "config file") -> dict:
+    """A JSON object from a file, or a one-line CLIError saying what is wrong with it."""
     try:
         with open(path) as f:
             raw = json.load(f)
     except FileNotFoundError:
-        raise CLIError(f"config file not found: {path}") from None
+        raise CLIError(f"{what} not found: {path}") from None
     except json.JSONDecodeError as e:
         raise CLIError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
-        raise CLIError(f"{path} must hold a JSON object of option values")
+        raise CLIError(f"{path} must hold a JSON object")
+    return raw
+
+
+def read_json_config(path: str) -> dict:
+    """Option values from a JSON object; keys are TrainConfig names (snake_case or kebab-case)."""
+    raw = read_json_object(path)
     known = {f.name for f in fields(TrainConfig)}
     values = {k.replace("-", "_"): v for k, v in raw.items()}
     unknown = sorted(set(values) - known)
