@@ -1,4 +1,6 @@
 """Command-line plumbing shared by every script: bad input becomes one line on stderr, not a traceback."""
+import datetime
+import os
 import sys
 from typing import Callable
 
@@ -18,3 +20,53 @@ def run(main: Callable[[], None]) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def report_distributed_error(message: str) -> None:
+    """In a process group: rank 0 prints the error; another rank prints its own only when rank 0 did not
+    report the same one (e.g. data missing on one node only), found through the group's key-value store."""
+    import torch.distributed as dist
+    rank = int(os.environ.get("RANK", "0"))
+    key = "cli_error/0"
+    store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        if store is not None:
+            store.set(key, message)
+        return
+    if store is None:  # failed before the process group existed: every rank failed the same way
+        return
+    try:
+        store.wait([key], datetime.timedelta(seconds=3))
+        same = store.get(key).decode() == message
+    except Exception:  # rank 0 reported nothing in time
+        same = False
+    if not same:
+        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+
+
+def run_distributed(main: Callable[[], None]) -> None:
+    """run()'s contract in every rank of a launcher (torchrun, deepspeed): user errors are one line from
+    rank 0, a lost peer is one line, and the process group is always destroyed before the non-zero exit."""
+    import torch.distributed as dist
+    status = 0
+    try:
+        main()
+    except (CLIError, ValueError, OSError) as e:
+        report_distributed_error(" ".join(str(e).split()) or type(e).__name__)
+        status = 1
+    except RuntimeError as e:  # a peer died or hung: the launcher stops (or restarts) the job anyway
+        if not isinstance(e, dist.DistError) and "gloo" not in str(e):
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"error: lost contact with another process ({first})", file=sys.stderr, flush=True)
+        status = 1
+    except KeyboardInterrupt:  # a second SIGINT/SIGTERM while saving
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("interrupted", file=sys.stderr)
+        status = 130
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(status)

@@ -29,7 +29,6 @@ torchrun (no RANK/WORLD_SIZE in the environment) it stops with an error: use tra
 """
 import datetime
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -105,52 +104,5 @@ def main() -> None:
     trainer.fit()
 
 
-def report_error(message: str) -> None:
-    """Rank 0 prints the error; another rank prints its own only when rank 0 did not report the same one
-    (e.g. data missing on one node only), found through the process group's key-value store."""
-    rank = int(os.environ.get("RANK", "0"))
-    key = "train_ddp_error/"
-    store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
-    if rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        if store is not None:
-            store.set(key + "0", message)
-        return
-    if store is None:  # failed before the process group existed: every rank failed the same way
-        return
-    try:
-        store.wait([key + "0"], datetime.timedelta(seconds=3))
-        same = store.get(key + "0").decode() == message
-    except Exception:  # rank 0 reported nothing in time
-        same = False
-    if not same:
-        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
-
-
-def run() -> None:
-    """cli.run's contract in every rank: user errors are one line (from rank 0), then a non-zero exit."""
-    status = 0
-    try:
-        main()
-    except (cli.CLIError, ValueError, OSError) as e:
-        report_error(" ".join(str(e).split()) or type(e).__name__)
-        status = 1
-    except RuntimeError as e:  # a peer died or hung: torchrun stops (or restarts) the job anyway
-        if not isinstance(e, dist.DistError) and "gloo" not in str(e):
-            raise
-        if int(os.environ.get("RANK", "0")) == 0:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"error: lost contact with another process ({first})", file=sys.stderr, flush=True)
-        status = 1
-    except KeyboardInterrupt:  # a second SIGINT/SIGTERM while saving
-        if int(os.environ.get("RANK", "0")) == 0:
-            print("interrupted", file=sys.stderr)
-        status = 130
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    sys.exit(status)
-
-
 if __name__ == "__main__":
-    run()
+    cli.run_distributed(main)

@@ -29,7 +29,6 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import time
 from dataclasses import asdict
 
@@ -446,48 +445,5 @@ def main() -> None:
     dist.barrier()  # leave together: a rank whose peer (the store's host) already exited can abort in teardown
 
 
-def report_error(message: str) -> None:
-    """Rank 0 prints the error; another rank only when rank 0 did not report the same one."""
-    rank = int(os.environ.get("RANK", "0"))
-    store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
-    key = "train_ds_error/0"
-    if rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        if store is not None:
-            store.set(key, message)
-        return
-    if store is None:  # failed before the process group existed: every rank failed the same way
-        return
-    try:
-        store.wait([key], datetime.timedelta(seconds=3))
-        same = store.get(key).decode() == message
-    except Exception:
-        same = False
-    if not same:
-        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
-
-
-def run() -> None:
-    status = 0
-    try:
-        main()
-    except (CLIError, ValueError, OSError) as e:
-        report_error(" ".join(str(e).split()) or type(e).__name__)
-        status = 1
-    except dist.DistError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"error: lost contact with another process ({first})", file=sys.stderr, flush=True)
-        status = 1
-    except KeyboardInterrupt:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print("interrupted", file=sys.stderr)
-        status = 130
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    sys.exit(status)
-
-
 if __name__ == "__main__":
-    run()
+    cli.run_distributed(main)
