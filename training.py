@@ -10,10 +10,12 @@ windows and each rank / micro-step takes its slice, so the iteration number is t
 N ranks train exactly like one process with the same global batch, and resume is exact.
 """
 import argparse
+import ctypes
 import json
 import math
 import os
 import signal
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
@@ -187,6 +189,25 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device(name)
 
 
+def keep_freed_memory_in_heap() -> None:
+    """Make glibc keep big freed blocks for reuse instead of unmapping them.
+
+    By default glibc serves blocks above 32 MB with fresh mmaps that are zero-filled page by page on
+    first touch, and gives the heap top back on free; a CPU step that allocates the same big
+    temporaries every time (the GPT-2-vocabulary logits chunks) pays those page faults at every step.
+    Only called for CPU training; no-op off glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from <malloc.h>
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """auto = bfloat16 where the hardware computes it natively (CUDA Ampere+, AVX512-BF16/AMX CPUs)."""
     if name == "auto":
@@ -243,6 +264,8 @@ class Trainer:
         self.max_iters = (math.ceil(cfg.train_samples / self.global_batch) if cfg.train_samples else cfg.max_iters)
         self.device = resolve_device(cfg.device, self.local_rank)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_heap()
 
         if cfg.data_dir == DEFAULT_DATA_DIR and not os.path.exists(DEFAULT_DATA_DIR) and self.master:
             tokenizer.ensure_default_corpus(DEFAULT_DATA_DIR)

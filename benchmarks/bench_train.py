@@ -69,13 +69,17 @@ def nanogpt_command(nanogpt_dir: str, data_dir: str, vocab: str, iters: int, eva
     return [sys.executable, os.path.join(nanogpt_dir, "train.py"), config, *args], run_dir
 
 
-def our_command(data_dir: str, dtype: str, iters: int, eval_iters: int, workdir: str) -> tuple[list[str], str]:
-    """train.py with nanoGPT's shakespeare_char optimizer settings, so only the implementation differs."""
+def our_command(data_dir: str, variant: str, iters: int, eval_iters: int, workdir: str) -> tuple[list[str], str]:
+    """train.py with nanoGPT's shakespeare_char optimizer settings, so only the implementation differs.
+    variant is a dtype, optionally with "+compile"."""
+    dtype, _, compile_ = variant.partition("+")
     out_dir = tempfile.mkdtemp(dir=workdir, prefix=f"ours_{dtype}_")
     args = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()] + [
         f"--data-dir={data_dir}", f"--out-dir={out_dir}", "--device=cpu", f"--dtype={dtype}", "--dropout=0.0",
         "--no-bias", "--lr=1e-3", "--min-lr=1e-4", "--warmup-iters=100", "--lr-decay-iters=5000", "--beta2=0.99",
         f"--max-iters={iters}", f"--eval-interval={iters}", f"--eval-iters={eval_iters}", "--log-interval=1"]
+    if compile_:
+        args.append("--compile")
     return [sys.executable, os.path.join(ROOT, "train.py"), *args], out_dir
 
 
@@ -99,15 +103,16 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=400)
     parser.add_argument("--eval-iters", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of all variants")
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="dtypes of this project's runs")
+    parser.add_argument("--ours", default="float32,bfloat16,bfloat16+compile",
+                        help="this project's runs: dtypes, each optionally +compile (default: %(default)s)")
     parser.add_argument("--malloc-tuned", action="store_true",
                         help="also run nanoGPT with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184")
     args = parser.parse_args()
 
     workdir = tempfile.mkdtemp(prefix="bench_train_")
     data_dir = prepare_data(args.vocab, workdir)
-    variants = {f"ours {d}": our_command(data_dir, d, args.iters, args.eval_iters, workdir)
-                for d in args.dtypes.split(",")}
+    variants = {f"ours {v}": our_command(data_dir, v, args.iters, args.eval_iters, workdir)
+                for v in args.ours.split(",")}
     env = dict(os.environ)
     if args.nanogpt_dir:
         nano_dir = os.path.abspath(args.nanogpt_dir)

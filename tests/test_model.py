@@ -228,7 +228,7 @@ def loss_and_grads(m, loss_fn):
 @pytest.mark.parametrize("chunk_elements", [None, 1000])  # 1000: several row chunks
 def test_fused_loss_matches_naive(monkeypatch, chunk_elements):
     if chunk_elements:
-        monkeypatch.setitem(model._CHUNK_ELEMENTS, "cpu", chunk_elements)
+        monkeypatch.setattr(model, "_CHUNK_ELEMENTS", chunk_elements)
     m = tiny_gpt().train()
     idx = torch.randint(0, VOCAB, (3, 32))
     targets = torch.randint(0, VOCAB, (3, 32))
@@ -247,6 +247,18 @@ def test_fused_loss_matches_naive(monkeypatch, chunk_elements):
     for name, g in ref_grads.items():
         assert fused_grads[name].dtype == torch.float32
         assert rel_err(fused_grads[name], g) < 3e-2, name
+
+
+def test_compiled_gelu_form_equals_tanh_gelu():
+    """The sigmoid form used under torch.compile is GPT-2's tanh GELU, values and gradients."""
+    x = torch.linspace(-8, 8, 4001, dtype=torch.float64)
+    compiled = torch.compile(model.gelu_tanh, backend="aot_eager")  # traces the compile-only branch
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    y_compiled, y_eager = compiled(xs[0]), F.gelu(xs[1], approximate="tanh")
+    y_compiled.sum().backward()
+    y_eager.sum().backward()
+    assert torch.allclose(y_compiled, y_eager, rtol=0, atol=1e-12)
+    assert torch.allclose(xs[0].grad, xs[1].grad, rtol=0, atol=1e-12)
 
 
 def test_fused_loss_without_grad():

@@ -85,6 +85,30 @@ def test_checkpoint_is_written_atomically(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left behind
 
 
+# Counts glibc's mmapped blocks (mallinfo2().hblks) around allocating a 64 MB tensor, before and after
+# keep_freed_memory_in_heap, in a fresh process so the test sees glibc's defaults.
+MMAP_PROBE = """
+import ctypes, torch, training
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split())]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+def mmapped_during_alloc():
+    before = libc.mallinfo2().hblks
+    t = torch.empty(16 * 2**20)
+    return libc.mallinfo2().hblks - before
+print(mmapped_during_alloc(), end=" ")
+training.keep_freed_memory_in_heap()
+print(mmapped_during_alloc())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_big_cpu_blocks_come_from_the_heap():
+    out = subprocess.run([sys.executable, "-c", MMAP_PROBE], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "0"]
+
+
 def test_learning_rate_schedule():
     cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_iters=10, lr_decay_iters=110, max_iters=200)
     assert learning_rate(0, cfg) < learning_rate(9, cfg) < 1e-3
