@@ -69,4 +69,10 @@ def run_distributed(main: Callable[[], None]) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    sys.exit(status)
+    # Leave without interpreter finalization. DeepSpeed keeps references to its gloo groups, whose C++
+    # worker threads are then torn down during finalization and can abort a run that has finished and
+    # saved ("terminate called without an active exception", SIGABRT; pytorch/pytorch#190489). Everything
+    # is written and flushed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -28,6 +28,14 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
         assert fragment in lines[0], lines[0]
 
 
+def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar written under log_dir, as {tag: [(step, value), ...]}, read back by TensorBoard itself."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
 @pytest.fixture(scope="session")
 def char_data(tmp_path_factory) -> Path:
     """The embedded default corpus (Python's documentation, char level), prepared by `python tokenizer.py`."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpoint import COMPILED_PREFIX, load_checkpoint, model_from_checkpoint, save_checkpoint
-from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_script
+from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_script, tensorboard_scalars
 from model import GPT, GPTConfig
 from training import TrainConfig, learning_rate, parse_config
 
@@ -28,6 +28,10 @@ def test_trains_on_embedded_corpus_and_samples(char_data, tmp_path):
     assert val[-1] < val[0] - 0.5, val  # from ~ln(vocab) towards character statistics
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert not any(k.startswith(COMPILED_PREFIX) for k in ckpt["model"])
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert [step for step, _ in scalars["loss/train"]] == list(range(1, 61))  # --log-interval 1
+    assert [v for _, v in scalars["loss/val"]] == pytest.approx(val)
+    assert {"loss/train_eval", "loss/val_ppl", "lr", "perf/tokens_per_s"} <= set(scalars)
 
     genfile = tmp_path / "samples.jsonl"
     result = run_script("test.py", "--ckpt", tmp_path / "ckpt.pt", "--num-samples", "3", "--max-new-tokens", "40",

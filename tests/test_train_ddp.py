@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint
-from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_script
+from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_script, tensorboard_scalars
 from training import add_config_arguments
 from train_ddp import extra_arguments
 
@@ -118,6 +118,9 @@ def test_two_ranks_train_exactly_like_one_process(char_data, tmp_path, reference
     assert_same_training(ddp, reference)
     assert ddp["history"]["eval_iter"] == reference["history"]["eval_iter"] == [0, 5, 10]
     assert ddp["history"]["val"] == pytest.approx(reference["history"]["val"], abs=1e-5)
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")  # rank 0's, flushed before the workers exit
+    assert [step for step, _ in scalars["loss/train"]] == list(range(1, 11))
+    assert [v for _, v in scalars["loss/val"]] == pytest.approx(ddp["history"]["val"])
 
 
 def test_two_nodes_over_localhost_then_sample(char_data, tmp_path, reference):
