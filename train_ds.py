@@ -40,10 +40,9 @@ from deepspeed.accelerator import get_accelerator
 import cli
 from checkpoint import clean_state_dict
 from cli import CLIError
-from data import get_batch, window_offsets
+from data import get_batch
 from model import GPT, GPTConfig
-from training import (EVAL_TRAIN_STREAM, EVAL_VAL_STREAM, TrainConfig, Trainer, parse_config, read_json_object,
-                      resolve_device, resolve_dtype)
+from training import TrainConfig, Trainer, parse_config, read_json_object, resolve_device, resolve_dtype
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DS_CONFIG = os.path.join(HERE, "ds_config.json")
@@ -259,30 +258,8 @@ class DeepSpeedTrainer(Trainer):
             total += loss.detach().float() / len(batches)
         return total.item()
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """As the core's, but every rank runs the same number of forwards (ZeRO-3 gathers are collective)."""
-        cfg = self.cfg
-        self.engine.eval()
-        losses = {}
-        rounds = math.ceil(cfg.eval_iters / self.world_size)
-        for split, stream in (("train", EVAL_TRAIN_STREAM), ("val", EVAL_VAL_STREAM)):
-            tokens = getattr(self.corpus, split)
-            offsets = window_offsets(len(tokens), cfg.block_size, cfg.eval_iters * cfg.batch_size, cfg.seed, 0, stream)
-            total, count = 0.0, 0
-            for r in range(rounds):
-                i = self.rank + r * self.world_size
-                real = i < cfg.eval_iters
-                j = i if real else 0  # a padding forward keeps this rank in step with the others
-                x, y = get_batch(tokens, offsets[j * cfg.batch_size:(j + 1) * cfg.batch_size], cfg.block_size,
-                                 self.device)
-                _, loss = self.engine(x, y)
-                if real:
-                    total, count = total + loss.item(), count + 1
-            total, count = self.all_reduce_sum([total, count])
-            losses[split] = total / count
-        self.engine.train()
-        return losses
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.engine(x, y)[1]  # no autocast: DeepSpeed's config owns the precision
 
     def install_signal_handlers(self) -> None:
         """As the core's (finish the step, save, exit), but a repeat within a few seconds is the same request:

@@ -463,7 +463,9 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Mean loss over eval_iters fixed batches per split, shared out over all ranks and all-reduced."""
+        """Mean loss over eval_iters fixed batches per split, shared out over all ranks and all-reduced. Every rank
+        runs the same number of forwards (a rank short of batches repeats one, uncounted), so an engine whose
+        forward is collective (ZeRO-3 gathers the parameters) stays in step."""
         cfg = self.cfg
         self.model.eval()
         losses = {}
@@ -471,16 +473,22 @@ class Trainer:
             tokens = getattr(self.corpus, split)
             offsets = window_offsets(len(tokens), cfg.block_size, cfg.eval_iters * cfg.batch_size, cfg.seed, 0, stream)
             total, count = 0.0, 0
-            for i in range(self.rank, cfg.eval_iters, self.world_size):
-                x, y = get_batch(tokens, offsets[i * cfg.batch_size:(i + 1) * cfg.batch_size], cfg.block_size,
+            for i in range(self.rank, math.ceil(cfg.eval_iters / self.world_size) * self.world_size, self.world_size):
+                real = i < cfg.eval_iters
+                j = i if real else 0
+                x, y = get_batch(tokens, offsets[j * cfg.batch_size:(j + 1) * cfg.batch_size], cfg.block_size,
                                  self.device)
-                with autocast(self.device, self.dtype):
-                    _, loss = self.model(x, y)
-                total, count = total + loss.item(), count + 1
+                loss = self.eval_loss(x, y)
+                if real:
+                    total, count = total + loss.item(), count + 1
             total, count = self.all_reduce_sum([total, count])
             losses[split] = total / count
         self.model.train()
         return losses
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with autocast(self.device, self.dtype):
+            return self.model(x, y)[1]
 
     def evaluate_and_log(self) -> None:
         losses = self.evaluate()
