@@ -2,6 +2,7 @@
 import datetime
 import os
 import sys
+import time
 from typing import Callable
 
 
@@ -34,7 +35,8 @@ def report_distributed_error(message: str) -> None:
         if store is not None:
             store.set(key, message)
         return
-    if store is None:  # failed before the process group existed: every rank failed the same way
+    if store is None:  # failed before the process group existed: every rank failed the same way, and
+        time.sleep(3)  # rank 0 must print it before the launcher, seeing this rank exit, stops the job
         return
     try:
         store.wait([key], datetime.timedelta(seconds=3))

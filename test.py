@@ -13,7 +13,7 @@ import torch
 
 import cli
 from checkpoint import load_checkpoint, model_from_checkpoint
-from model import GPT
+from model import ATTN_KERNELS, GPT
 from tokenizer import Tokenizer, load_tokenizer
 from training import autocast, resolve_device, resolve_dtype
 
@@ -34,7 +34,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--attn-kernel", default="auto", choices=["auto", "flash", "efficient", "math", "cudnn"])
+    parser.add_argument("--attn-kernel", default="auto", choices=ATTN_KERNELS, help="attention implementation")
     parser.add_argument("--genfile", help="write samples as JSONL lines {text, length, finished} (Megatron)")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="print tokens as they come (default: when stdout is a terminal)")

@@ -29,7 +29,7 @@ import tokenizer
 from checkpoint import clean_state_dict, load_checkpoint, model_from_checkpoint, save_checkpoint
 from cli import CLIError
 from data import get_batch, load_corpus, window_offsets
-from model import GPT, GPTConfig, PRESETS
+from model import ATTN_KERNELS, GPT, GPTConfig, PRESETS
 
 DEFAULT_DATA_DIR = "data/pydoc_char"
 TRAIN_STREAM, EVAL_TRAIN_STREAM, EVAL_VAL_STREAM = 0, 1, 2  # independent random streams of windows
@@ -56,8 +56,8 @@ class TrainConfig:
     block_size: int = _opt(256, "context length in tokens")
     dropout: float = _opt(0.0, "dropout probability (may change on resume)")
     bias: bool = _opt(True, "biases in Linear and LayerNorm layers, as GPT-2")
-    attn_kernel: str = _opt("auto", "SDPA kernel (may change on resume)",
-                            choices=["auto", "flash", "efficient", "math", "cudnn"])
+    attn_kernel: str = _opt("auto", "attention: manual (written out; auto's pick for bfloat16 on CPU) or an "
+                            "SDPA kernel (may change on resume)", choices=ATTN_KERNELS)
     # optimisation
     batch_size: int = _opt(16, "micro-batch size per process")
     grad_accum: int = _opt(1, "micro-batches per optimizer step over ALL processes (split across ranks)")

@@ -71,15 +71,14 @@ def nanogpt_command(nanogpt_dir: str, data_dir: str, vocab: str, iters: int, eva
 
 def our_command(data_dir: str, variant: str, iters: int, eval_iters: int, workdir: str) -> tuple[list[str], str]:
     """train.py with nanoGPT's shakespeare_char optimizer settings, so only the implementation differs.
-    variant is a dtype, optionally with "+compile"."""
-    dtype, _, compile_ = variant.partition("+")
+    variant is a dtype, optionally with "+compile" and/or "+<attention kernel>", e.g. bfloat16+compile+manual."""
+    dtype, *options = variant.split("+")
     out_dir = tempfile.mkdtemp(dir=workdir, prefix=f"ours_{dtype}_")
     args = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()] + [
         f"--data-dir={data_dir}", f"--out-dir={out_dir}", "--device=cpu", f"--dtype={dtype}", "--dropout=0.0",
         "--no-bias", "--lr=1e-3", "--min-lr=1e-4", "--warmup-iters=100", "--lr-decay-iters=5000", "--beta2=0.99",
         f"--max-iters={iters}", f"--eval-interval={iters}", f"--eval-iters={eval_iters}", "--log-interval=1"]
-    if compile_:
-        args.append("--compile")
+    args += ["--compile" if option == "compile" else f"--attn-kernel={option}" for option in options]
     return [sys.executable, os.path.join(ROOT, "train.py"), *args], out_dir
 
 
@@ -104,7 +103,8 @@ def main() -> None:
     parser.add_argument("--eval-iters", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of all variants")
     parser.add_argument("--ours", default="float32,bfloat16,bfloat16+compile",
-                        help="this project's runs: dtypes, each optionally +compile (default: %(default)s)")
+                        help="this project's runs: dtypes, each optionally +compile and +<attention kernel> "
+                             "(default: %(default)s)")
     parser.add_argument("--malloc-tuned", action="store_true",
                         help="also run nanoGPT with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184")
     args = parser.parse_args()

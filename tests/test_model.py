@@ -132,16 +132,37 @@ def test_attention_kernels_agree_on_cpu():
     flash = GPT(tiny_config(attn_kernel="flash")).eval()
     flash.load_state_dict(ref.state_dict())
     assert torch.allclose(flash(idx)[0], ref(idx)[0], atol=1e-5)
-    auto = GPT(tiny_config()).eval()
-    auto.load_state_dict(ref.state_dict())
-    assert torch.allclose(auto(idx)[0], ref(idx)[0], atol=1e-5)
+    for kernel in ("auto", "manual"):
+        m = GPT(tiny_config(attn_kernel=kernel)).eval()
+        m.load_state_dict(ref.state_dict())
+        assert torch.allclose(m(idx)[0], ref(idx)[0], atol=1e-5)
     for kernel in ("efficient", "cudnn"):
         m = GPT(tiny_config(attn_kernel=kernel))
-        with pytest.raises(ValueError, match=f"attn_kernel '{kernel}' cannot run on cpu.*available: auto, flash, math"):
+        with pytest.raises(ValueError, match=f"attn_kernel '{kernel}' cannot run on cpu.*available: auto, manual, flash, math"):
             m(idx)
 
 
-@pytest.mark.parametrize("kernel", ["auto", "math", "flash"])
+@torch.no_grad()
+def test_auto_kernel_writes_attention_out_for_bfloat16_on_cpu():
+    ref = tiny_gpt(attn_kernel="manual").to(torch.bfloat16)
+    idx = torch.randint(0, VOCAB, (2, 32))
+    for kernel, same in (("auto", True), ("flash", False)):
+        m = GPT(tiny_config(attn_kernel=kernel)).to(torch.bfloat16).eval()
+        m.load_state_dict(ref.state_dict())
+        assert torch.equal(m(idx)[0], ref(idx)[0]) == same
+
+
+def test_manual_attention_matches_sdpa_in_gradients_and_drops_attention_weights():
+    q, k, v = (torch.randn(2, 3, 10, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    grad = torch.randn(2, 3, 10, 8, dtype=torch.float64)
+    ours = torch.autograd.grad(model.manual_attention(q, k, v, 0.0), (q, k, v), grad)
+    sdpa = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad)
+    for a, b in zip(ours, sdpa):
+        assert torch.allclose(a, b, atol=1e-12)
+    assert torch.equal(model.manual_attention(q, k, v, 1.0), torch.zeros_like(q))  # every weight dropped
+
+
+@pytest.mark.parametrize("kernel", ["auto", "manual", "math", "flash"])
 @torch.no_grad()
 def test_kv_cache_forward_matches_full_forward(kernel):
     m = tiny_gpt(attn_kernel=kernel)
