@@ -1,6 +1,9 @@
-"""Command-line plumbing shared by every script: bad input becomes one line on stderr, not a traceback."""
+"""Command-line plumbing shared by every script: argument parsers, and bad input as one line on stderr,
+not a traceback."""
+import argparse
 import datetime
 import os
+import socket
 import sys
 import time
 from typing import Callable
@@ -8,6 +11,13 @@ from typing import Callable
 
 class CLIError(Exception):
     """A problem with the user's input or files; printed as `error: <message>` with exit status 1."""
+
+
+def argument_parser(description: str | None) -> argparse.ArgumentParser:
+    """An ArgumentParser that keeps the description's layout and takes no abbreviations: with prefix
+    matching, Megatron's --save would be read as a prefix of --save-interval."""
+    return argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   allow_abbrev=False)
 
 
 def run(main: Callable[[], None]) -> None:
@@ -21,6 +31,13 @@ def run(main: Callable[[], None]) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def free_port() -> int:
+    """A TCP port on this machine that nothing listens on now (for a launcher's --master_port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def report_distributed_error(message: str) -> None:

@@ -1,15 +1,22 @@
 """
-Token data for training: load a prepared corpus (memory-mapped) and draw batches of random windows.
+The on-disk token formats, both ways, and batches of random windows for training.
 
-    corpus = load_corpus("data/pydoc_char")            # nanoGPT folder: train.bin, val.bin, meta.json
-    corpus = load_corpus("data/oscar_text_document")  # Megatron .bin/.idx prefix, split by documents
+Formats (tokenizer.py writes them, the trainers read them):
+  * nanoGPT: a folder with train.bin and val.bin (raw token ids, uint16 or uint32, no header) and
+    meta.json (tokenizer facts, dtype and token counts).
+  * Megatron-LM's MMapIndexedDataset: PREFIX.bin (token ids of all documents) + PREFIX.idx (34-byte
+    header: magic, version 1, dtype code, item count, doc count; then int32 sizes, int64 byte pointers,
+    int64 doc_idx), one item per document; plus this toolkit's PREFIX.json sidecar of tokenizer facts.
+
+    corpus = load_corpus("data/pydoc_char")            # nanoGPT folder
+    corpus = load_corpus("data/oscar_text_document")  # Megatron prefix, split by documents
     offsets = window_offsets(len(corpus.train), block_size, batch_size, seed, step=iter_num)
     x, y = get_batch(corpus.train, offsets, block_size, device)
 
 Windows are drawn from (seed, step, stream) alone, so every run and every DDP rank sees the same global
 draw; each rank takes its own slice of it.
 """
-import json
+import hashlib
 import os
 import struct
 import sys
@@ -19,6 +26,8 @@ import numpy as np
 import torch
 
 from cli import CLIError
+from files import atomic_write, read_json, temporary_name, write_json
+from gpt2_vocab import GPT2_FACTS
 
 
 @dataclass
@@ -29,11 +38,19 @@ class Corpus:
 
 
 NANOGPT_FILES = ("train.bin", "val.bin", "meta.json")
+MEGATRON_EXTENSIONS = (".bin", ".idx", ".json")
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, len, doc_count: 34 bytes
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}  # integer codes only
-# what Megatron's own preprocess_data.py writes with the GPT-2 tokenizer, for data that has no .json sidecar
-MEGATRON_GPT2_FACTS = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "encoding": "r50k_base"}
+
+
+def megatron_document_prefix(output_prefix: str, json_key: str = "text") -> str:
+    """The file prefix Megatron's preprocess_data.py writes for --output-prefix: PREFIX_text_document."""
+    return f"{output_prefix}_{json_key}_document"
+
+
+# -----------------------------------------------------------------------------
+# Reading
 
 
 def load_corpus(path: str, split: str = "969,30,1") -> Corpus:
@@ -59,14 +76,12 @@ def load_corpus(path: str, split: str = "969,30,1") -> Corpus:
     raise CLIError(f"data not found: {path} (expected a folder with train.bin/val.bin/meta.json or a Megatron prefix)")
 
 
-def read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CLIError(f"{path} is not valid JSON: {e}")
-    if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size"), int):
-        raise CLIError(f"{path} has no integer vocab_size")
+def read_meta(path: str) -> dict:
+    """Tokenizer facts of prepared data (meta.json or a Megatron .json sidecar)."""
+    meta = read_json(path, "token data metadata")
+    vocab_size = meta.get("vocab_size")
+    if type(vocab_size) is not int or not 0 < vocab_size <= 2**32:
+        raise CLIError(f"{path}: vocab_size must be an integer from 1 to 2**32, got {vocab_size!r}")
     return meta
 
 
@@ -83,14 +98,28 @@ def load_nanogpt(folder: str) -> Corpus:
     for name in NANOGPT_FILES:
         if not os.path.isfile(os.path.join(folder, name)):
             raise CLIError(f"{os.path.join(folder, name)} is missing (prepare the data with tokenizer.py)")
-    meta = read_json(os.path.join(folder, "meta.json"))
-    try:
-        dtype = np.dtype(meta.get("dtype", "uint16"))
-    except TypeError:
-        raise CLIError(f"{os.path.join(folder, 'meta.json')} has an unknown dtype {meta.get('dtype')!r}")
-    train = memmap_tokens(os.path.join(folder, "train.bin"), dtype)
-    val = memmap_tokens(os.path.join(folder, "val.bin"), dtype)
-    return Corpus(train=train, val=val, meta=meta)
+    meta = read_meta(os.path.join(folder, "meta.json"))
+    dtype = meta.get("dtype", "uint16")
+    if dtype not in ("uint16", "uint32"):
+        raise CLIError(f"{os.path.join(folder, 'meta.json')} has an unknown dtype {dtype!r} (uint16 or uint32)")
+    splits = {}
+    for split in ("train", "val"):
+        path = os.path.join(folder, f"{split}.bin")
+        splits[split] = check_token_ids(memmap_tokens(path, np.dtype(dtype)), meta["vocab_size"], path)
+        expected = meta.get(f"{split}_tokens")
+        if expected is not None and expected != len(splits[split]):
+            raise CLIError(f"{path} holds {len(splits[split]):,} tokens but meta.json records {expected:,} "
+                           f"(truncated or replaced); prepare the data again")
+    return Corpus(train=splits["train"], val=splits["val"], meta=meta)
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, path: str) -> np.ndarray:
+    """Every id below vocab_size (checked once here, not in every forward pass)."""
+    largest = max((int(tokens[i:i + 2**26].max()) for i in range(0, len(tokens), 2**26)), default=0)
+    if largest >= vocab_size or (tokens.dtype.kind == "i" and len(tokens) and int(tokens.min()) < 0):
+        raise CLIError(f"{path} holds token ids outside the vocabulary of {vocab_size} (largest {largest}); "
+                       f"the data and its metadata do not belong together")
+    return tokens
 
 
 def read_megatron_index(idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
@@ -157,16 +186,21 @@ def load_megatron(prefix: str, split: str) -> Corpus:
         return int(pointers[item]) // dtype.itemsize if item < len(pointers) else n_tokens
 
     if os.path.exists(prefix + ".json"):
-        meta = read_json(prefix + ".json")
+        meta = read_meta(prefix + ".json")
     else:
         if dtype != np.uint16:
             raise CLIError(f"{prefix}.json (tokenizer facts) is missing and {dtype.name} tokens are not GPT-2's")
         print(f"warning: {prefix}.json is missing; assuming the GPT-2 tokenizer (Megatron's preprocess_data.py)", file=sys.stderr)
-        meta = dict(MEGATRON_GPT2_FACTS)
+        meta = dict(GPT2_FACTS)
+    check_token_ids(tokens, meta["vocab_size"], prefix + ".bin")
     train, val = tokens[: token_offset(train_end)], tokens[token_offset(train_end): token_offset(val_end)]
     if len(train) == 0 or len(val) == 0:
         raise CLIError(f"{prefix}: the {'train' if len(train) == 0 else 'val'} documents of split {split!r} hold no tokens")
     return Corpus(train=train, val=val, meta=meta)
+
+
+# -----------------------------------------------------------------------------
+# Batches
 
 
 def window_offsets(n_tokens: int, block_size: int, count: int, seed: int, step: int, stream: int = 0) -> np.ndarray:
@@ -188,3 +222,157 @@ def get_batch(tokens: np.ndarray, offsets: np.ndarray, block_size: int,
     if torch.device(device).type == "cuda":  # pinned memory lets the copy overlap with compute
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
+
+
+# -----------------------------------------------------------------------------
+# Writing: temporary files next to the outputs, renamed to the final names only on success
+
+
+def refuse_existing(paths: list[str], overwrite: bool) -> None:
+    existing = [p for p in paths if os.path.exists(p)]
+    if existing and not overwrite:
+        raise CLIError(f"{existing[0]} already exists; use --overwrite to replace it")
+
+
+def write_nanogpt(folder: str, train: np.ndarray, val: np.ndarray, meta: dict) -> dict:
+    """A nanoGPT folder from two token arrays (already split); returns the meta.json written."""
+    os.makedirs(folder, exist_ok=True)
+    meta = {"format": "nanogpt", **meta, "dtype": train.dtype.name, "train_tokens": len(train), "val_tokens": len(val)}
+    for name, ids in (("train.bin", train), ("val.bin", val)):
+        atomic_write(os.path.join(folder, name), ids.tofile)
+    write_json(os.path.join(folder, "meta.json"), meta)  # last: its presence means complete
+    return meta
+
+
+def output_dtype(vocab_size: int, requested: str, fmt: str) -> np.dtype:
+    """uint16 when every id fits, else 32 bits (uint32 for nanoGPT; int32 for Megatron, which has no uint32 code)."""
+    wide = "int32" if fmt == "megatron" else "uint32"
+    name = requested if requested != "auto" else ("uint16" if vocab_size <= 2**16 else wide)
+    if name not in ("uint16", wide):
+        raise CLIError(f"--dtype {name} is not available for --format {fmt} (use uint16 or {wide})")
+    if vocab_size - 1 > np.iinfo(name).max:
+        raise CLIError(f"vocabulary of {vocab_size} ids does not fit --dtype {name}; use --dtype {wide} or auto")
+    return np.dtype(name)
+
+
+def is_val_document(seed: int, index: int, val_fraction: float) -> bool:
+    """Deterministic per (seed, document index), so the split streams and does not depend on --workers."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2**64
+
+
+class NanoGPTWriter:
+    """train.bin / val.bin (raw token ids) and meta.json in one folder; documents are split by is_val_document."""
+
+    def __init__(self, out_dir: str, dtype: np.dtype, val_fraction: float, seed: int):
+        os.makedirs(out_dir, exist_ok=True)
+        self.final = {name: os.path.join(out_dir, name) for name in NANOGPT_FILES}
+        self.tmp = {name: temporary_name(self.final[name]) for name in ("train.bin", "val.bin")}
+        self.files = {split: open(self.tmp[f"{split}.bin"], "wb+") for split in ("train", "val")}
+        self.dtype, self.val_fraction, self.seed = dtype, val_fraction, seed
+        self.documents = {"train": 0, "val": 0}
+        self.tokens = {"train": 0, "val": 0}
+        self.last_length = {"train": 0, "val": 0}  # tokens of each split's last document
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        lengths = lengths[lengths > 0]  # empty documents are dropped
+        first = self.documents["train"] + self.documents["val"]
+        is_val = np.array([is_val_document(self.seed, first + i, self.val_fraction) for i in range(len(lengths))], bool)
+        token_is_val = np.repeat(is_val, lengths)
+        for split, doc_mask, token_mask in (("train", ~is_val, ~token_is_val), ("val", is_val, token_is_val)):
+            if doc_mask.any():
+                self.files[split].write(tokens[token_mask].tobytes())
+                self.documents[split] += int(doc_mask.sum())
+                self.tokens[split] += int(lengths[doc_mask].sum())
+                self.last_length[split] = int(lengths[doc_mask][-1])
+
+    def move_tail(self, source: str, target: str, n: int, documents: int) -> None:
+        """Move the last n tokens (the last `documents` documents) from one split's file to the other's."""
+        f = self.files[source]
+        f.seek(-n * self.dtype.itemsize, os.SEEK_END)
+        self.files[target].write(f.read())
+        f.seek(-n * self.dtype.itemsize, os.SEEK_END)
+        f.truncate()
+        self.documents[source] -= documents
+        self.documents[target] += documents
+        self.tokens[source] -= n
+        self.tokens[target] += n
+
+    def finish(self, meta: dict) -> dict:
+        total = self.documents["train"] + self.documents["val"]
+        if total == 1:  # one text file (e.g. shakespeare's input.txt): its last val_fraction becomes val
+            if self.documents["val"]:  # it was drawn for val: swap the files so it is train's
+                for d in (self.files, self.documents, self.tokens):
+                    d["train"], d["val"] = d["val"], d["train"]
+                self.tmp["train.bin"], self.tmp["val.bin"] = self.tmp["val.bin"], self.tmp["train.bin"]
+            self.move_tail("train", "val", max(1, int(self.tokens["train"] * self.val_fraction)), documents=0)
+        else:
+            for empty, full in (("val", "train"), ("train", "val")):
+                if self.documents[empty] == 0:  # give the empty split one whole document
+                    self.move_tail(full, empty, self.last_length[full], documents=1)
+        meta = {"format": "nanogpt", **meta, "dtype": self.dtype.name, "documents": total,
+                "train_documents": self.documents["train"], "val_documents": self.documents["val"],
+                "train_tokens": self.tokens["train"], "val_tokens": self.tokens["val"],
+                "val_fraction": self.val_fraction, "seed": self.seed}
+        for f in self.files.values():
+            f.close()
+        for name in ("train.bin", "val.bin"):
+            os.replace(self.tmp[name], self.final[name])
+        write_json(self.final["meta.json"], meta)  # last: its presence means complete
+        return meta
+
+    def discard(self) -> None:
+        for f in self.files.values():
+            f.close()
+        for path in self.tmp.values():
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def write_megatron_index(path: str, dtype: np.dtype, sizes: np.ndarray) -> None:
+    """MMapIndexedDataset .idx: header, sizes, byte pointers, doc_idx (one item per document)."""
+    sizes = sizes.astype("<i4")
+    pointers = np.zeros(len(sizes), dtype="<i8")
+    np.cumsum(sizes[:-1].astype("<i8") * dtype.itemsize, out=pointers[1:])
+    doc_idx = np.arange(len(sizes) + 1, dtype="<i8")
+    code = next(c for c, t in MEGATRON_DTYPES.items() if np.dtype(t) == dtype)
+    with open(path, "wb") as f:
+        f.write(MEGATRON_HEADER.pack(MEGATRON_MAGIC, 1, code, len(sizes), len(doc_idx)))
+        f.write(sizes.tobytes())
+        f.write(pointers.tobytes())
+        f.write(doc_idx.tobytes())
+
+
+class MegatronWriter:
+    """{prefix}.bin (token ids) + {prefix}.idx (Megatron MMapIndexedDataset) + {prefix}.json (tokenizer facts)."""
+
+    def __init__(self, prefix: str, dtype: np.dtype):
+        if os.path.dirname(prefix):
+            os.makedirs(os.path.dirname(prefix), exist_ok=True)
+        self.final = {ext: prefix + ext for ext in MEGATRON_EXTENSIONS}
+        self.tmp = {ext: temporary_name(self.final[ext]) for ext in (".bin", ".idx")}
+        self.file = open(self.tmp[".bin"], "wb")
+        self.dtype = dtype
+        self.sizes = []  # one int32 array per chunk: the .idx needs all sizes before the pointers
+        self.tokens = 0
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        self.file.write(tokens.tobytes())
+        self.sizes.append(lengths[lengths > 0].astype(np.int32))  # empty documents are dropped
+        self.tokens += len(tokens)
+
+    def finish(self, meta: dict) -> dict:
+        sizes = np.concatenate(self.sizes) if self.sizes else np.zeros(0, np.int32)
+        self.file.close()
+        meta = {"format": "megatron", **meta, "dtype": self.dtype.name, "documents": len(sizes), "tokens": self.tokens}
+        write_megatron_index(self.tmp[".idx"], self.dtype, sizes)
+        for ext in (".bin", ".idx"):
+            os.replace(self.tmp[ext], self.final[ext])
+        write_json(self.final[".json"], meta)  # last: its presence means complete
+        return meta
+
+    def discard(self) -> None:
+        self.file.close()
+        for path in self.tmp.values():
+            if os.path.exists(path):
+                os.remove(path)

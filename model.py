@@ -1,20 +1,16 @@
 """
-GPT-2 in one file: the model, a chunked fused LM-head loss, KV-cached sampling, and
-loading/saving in the Hugging Face GPT-2 directory format.
+GPT-2 in one file: the network, a chunked fused LM-head loss and KV-cached sampling.
 
 Numerics follow OpenAI's GPT-2 exactly (pre-LN blocks, LayerNorm eps 1e-5, tanh-approximated
-GELU, learned positions, tied embedding/LM head), so HF GPT-2 checkpoints load bit-compatibly.
+GELU, learned positions, tied embedding/LM head), so HF GPT-2 checkpoints load bit-compatibly
+(GPT.from_pretrained / save_pretrained; the format itself lives in hf.py).
 """
 import contextlib
 import functools
-import glob
-import json
 import math
-import os
-import pathlib
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -32,6 +28,14 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
     attn_kernel: str = "auto"  # one of ATTN_KERNELS
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters of this shape, counted without building it. non_embedding leaves out the position
+        embeddings (the token embedding is counted because it doubles as the LM head)."""
+        C, biases = self.n_embd, int(self.bias)
+        per_layer = 12 * C * C + (9 * biases + 2 * (1 + biases)) * C  # matrices, their biases, 2 LayerNorms
+        n = self.vocab_size * C + self.n_layer * per_layer + (1 + biases) * C  # + final LayerNorm
+        return n if non_embedding else n + self.block_size * C
 
 
 PRESETS: dict[str, dict] = {
@@ -51,6 +55,39 @@ _KERNELS = {
 }
 # "manual" is the attention written out below; "auto" uses it for bfloat16 on CPU, else lets SDPA choose.
 ATTN_KERNELS = ("auto", "manual", *_KERNELS)
+
+
+def check_config(config: GPTConfig) -> None:
+    """Refuse a shape that cannot be built, or whose float32 weights alone exceed the memory available,
+    before anything is allocated (ValueError)."""
+    for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+        value = getattr(config, name)
+        if type(value) is not int or value < 1:
+            raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+    if config.n_embd % config.n_head:
+        raise ValueError(f"model config: n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
+    if type(config.bias) is not bool:
+        raise ValueError(f"model config: bias must be true or false, got {config.bias!r}")
+    if type(config.dropout) not in (int, float) or not 0 <= config.dropout < 1:
+        raise ValueError(f"model config: dropout must be in [0, 1), got {config.dropout!r}")
+    if config.attn_kernel not in ATTN_KERNELS:
+        raise ValueError(f"unknown attn_kernel '{config.attn_kernel}'; choose from {', '.join(ATTN_KERNELS)}")
+    n, available = config.num_params(non_embedding=False), _available_memory()
+    if torch.empty(0).device.type != "meta" and available is not None and 4 * n > available:
+        raise ValueError(f"model config: {n:,} parameters need {4 * n / 2**30:,.1f} GiB for their float32 weights "
+                         f"alone, more than the {available / 2**30:,.1f} GiB of memory available")
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the system can still give (MemAvailable on Linux), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 @functools.cache
@@ -269,11 +306,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        if config.attn_kernel not in ATTN_KERNELS:
-            choices = ", ".join(ATTN_KERNELS)
-            raise ValueError(f"unknown attn_kernel '{config.attn_kernel}'; choose from {choices}")
-        if config.n_embd % config.n_head:
-            raise ValueError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
+        check_config(config)
         self.config = config
         self.transformer = nn.ModuleDict(
             dict(
@@ -299,16 +332,18 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; non_embedding leaves out the position embeddings (the token embedding
-        is counted because it doubles as the LM head)."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        """Parameter count (from the config, so it also holds while ZeRO-3 partitions the weights)."""
+        return self.config.num_params(non_embedding)
 
-    def _check_idx(self, idx: torch.Tensor) -> None:
+    def _check_shape(self, idx: torch.Tensor) -> None:
+        """Shape and type only: no device sync, no graph break. Token ids are checked where they enter
+        (data.load_corpus, generate)."""
         if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"idx must be a (batch, time) integer tensor, got {tuple(idx.shape)} {idx.dtype}")
         if idx.size(1) > self.config.block_size:
             raise ValueError(f"sequence of length {idx.size(1)} is longer than block_size {self.config.block_size}")
+
+    def _check_ids(self, idx: torch.Tensor) -> None:
         vocab = self.config.vocab_size
         if idx.numel() and (idx.min() < 0 or idx.max() >= vocab):
             raise ValueError(f"token ids must lie in [0, {vocab}); got min {idx.min().item()}, max {idx.max().item()}")
@@ -323,7 +358,7 @@ class GPT(nn.Module):
 
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T, n_embd) states after the final LayerNorm, i.e. the LM head's input."""
-        self._check_idx(idx)
+        self._check_shape(idx)
         return self._trunk(idx)
 
     def forward(
@@ -345,17 +380,20 @@ class GPT(nn.Module):
         wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
         wpe.num_embeddings = block_size
 
-    def configure_optimizers(
-        self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str
-    ) -> torch.optim.AdamW:
-        """AdamW decaying only matrices and embeddings (dim >= 2), not biases or LayerNorm gains."""
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Optimizer groups: weight decay on matrices and embeddings (dim >= 2), not on biases or LayerNorm gains."""
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
+        return [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
+
+    def configure_optimizers(
+        self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str
+    ) -> torch.optim.AdamW:
+        """AdamW over param_groups; fused on CUDA, foreach elsewhere."""
         impl = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **impl)
+        return torch.optim.AdamW(self.param_groups(weight_decay), lr=learning_rate, betas=betas, **impl)
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token (forward + backward): 6N for the weights plus attention scores,
@@ -416,7 +454,8 @@ class GPT(nn.Module):
         """
         if idx.dim() != 2 or idx.size(1) == 0:
             raise ValueError(f"prompt must be a non-empty (batch, time) tensor, got shape {tuple(idx.shape)}")
-        self._check_idx(idx[:, -self.config.block_size :])
+        self._check_shape(idx[:, -self.config.block_size :])
+        self._check_ids(idx)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if temperature < 0:
@@ -461,91 +500,19 @@ class GPT(nn.Module):
         finally:
             self.train(was_training)
 
-    # ------------------------------------------------------------------ HF GPT-2 format
+    # ------------------------------------------------------------------ HF GPT-2 format (hf.py)
 
     @classmethod
-    def from_pretrained(cls, path: str, attn_kernel: str = "auto", dropout: float = 0.0) -> "GPT":
-        """Load a local Hugging Face GPT-2 directory (config.json + model.safetensors or
-        pytorch_model.bin), or gpt2 / gpt2-medium / gpt2-large / gpt2-xl (optionally prefixed
-        openai-community/) if already in the local HF cache. Never downloads."""
-        directory = _resolve_model_dir(path)
-        hf = _read_hf_config(directory)
-        config = GPTConfig(
-            block_size=hf["n_positions"],
-            vocab_size=hf["vocab_size"],
-            n_layer=hf["n_layer"],
-            n_head=hf["n_head"],
-            n_embd=hf["n_embd"],
-            dropout=dropout,
-            bias=True,
-            attn_kernel=attn_kernel,
-        )
-        with torch.device("meta"):  # skip the random init; every tensor is replaced below
-            model = cls(config)
-        expected = model.state_dict()
-        state = {}
-        for key, tensor in _read_weights(directory).items():
-            key = key.removeprefix("transformer.")
-            if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
-                continue  # causal-mask buffers; the head is tied to wte
-            if key.endswith(_CONV1D_WEIGHTS):
-                tensor = tensor.t()
-            state["transformer." + key] = tensor.float().contiguous()
-        state["lm_head.weight"] = state.get("transformer.wte.weight")
-        missing = sorted(k for k in expected if state.get(k) is None)
-        unexpected = sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"{directory}: not a GPT-2 checkpoint; missing {missing[:3]}, unexpected {unexpected[:3]}")
-        for k, t in state.items():
-            if t.shape != expected[k].shape:
-                raise ValueError(f"{directory}: {k} has shape {tuple(t.shape)}, config implies {tuple(expected[k].shape)}")
-        model.load_state_dict(state, assign=True)
-        model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced the tied parameter
-        return model
+    def from_pretrained(cls, path: str, **overrides) -> "GPT":
+        """A local HF GPT-2 folder, or gpt2 / gpt2-medium / gpt2-large / gpt2-xl from the local HF cache
+        (never downloaded); overrides set e.g. attn_kernel or dropout."""
+        import hf
+        return hf.load_gpt2(path, **overrides)
 
-    def save_pretrained(self, out_dir: str) -> None:
-        """Write config.json and model.safetensors that transformers' GPT2LMHeadModel loads as
-        the same model. bias=False is written as zero biases (the same function)."""
-        from safetensors.torch import save_file
-
-        c = self.config
-        hf = {
-            "model_type": "gpt2",
-            "architectures": ["GPT2LMHeadModel"],
-            "vocab_size": c.vocab_size,
-            "n_positions": c.block_size,
-            "n_ctx": c.block_size,
-            "n_embd": c.n_embd,
-            "n_layer": c.n_layer,
-            "n_head": c.n_head,
-            "n_inner": None,
-            "activation_function": "gelu_new",
-            "layer_norm_epsilon": 1e-5,
-            "resid_pdrop": c.dropout,
-            "embd_pdrop": c.dropout,
-            "attn_pdrop": c.dropout,
-            "initializer_range": 0.02,
-            "scale_attn_weights": True,
-            "tie_word_embeddings": True,
-        }
-        if c.vocab_size == 50257:  # the GPT-2 BPE vocabulary: <|endoftext|>
-            hf.update(bos_token_id=50256, eos_token_id=50256)
-        tensors = {}
-        for name, module in self.named_modules():
-            if not isinstance(module, (nn.Linear, nn.LayerNorm, nn.Embedding)) or name == "lm_head":
-                continue
-            weight = module.weight.detach()
-            if name.endswith(_CONV1D_MODULES):
-                weight = weight.t()
-            tensors[f"{name}.weight"] = weight.contiguous().cpu()
-            if not isinstance(module, nn.Embedding):
-                bias = module.bias if module.bias is not None else module.weight.new_zeros(module.weight.size(0))
-                tensors[f"{name}.bias"] = bias.detach().contiguous().cpu()
-        os.makedirs(out_dir, exist_ok=True)
-        weights_path = os.path.join(out_dir, "model.safetensors")
-        _atomic_write(weights_path, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-        text = json.dumps(hf, indent=2) + "\n"
-        _atomic_write(os.path.join(out_dir, "config.json"), lambda p: pathlib.Path(p).write_text(text))
+    def save_pretrained(self, out_dir: str, eot_id: int | None = None) -> None:
+        """config.json + model.safetensors that transformers' GPT2LMHeadModel loads as the same model."""
+        import hf
+        hf.save_gpt2(self, out_dir, eot_id)
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -567,101 +534,3 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: 
     cdf = logits.softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)
     u = torch.rand(cdf.size(0), 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.size(1) - 1)
-
-
-# HF GPT-2 stores these layers as Conv1D: weights transposed relative to nn.Linear
-_CONV1D_MODULES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-_CONV1D_WEIGHTS = tuple(m + ".weight" for m in _CONV1D_MODULES)
-_HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-
-
-def _hub_cache_dir() -> str:
-    """The Hugging Face hub cache folder, found as huggingface_hub finds it."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(os.environ.get("HF_HOME") or os.path.join(cache_home, "huggingface"), "hub")
-
-
-def _resolve_model_dir(path: str) -> str:
-    if os.path.isdir(path):
-        return path
-    name = path.removeprefix("openai-community/")
-    if name not in _HUB_NAMES:
-        raise FileNotFoundError(
-            f"no model directory at '{path}'; pass a local GPT-2 directory (config.json + model.safetensors "
-            f"or pytorch_model.bin) or one of {', '.join(_HUB_NAMES)}"
-        )
-    hub = _hub_cache_dir()
-    snapshots = []
-    for repo in (f"models--{name}", f"models--openai-community--{name}"):
-        snapshots += glob.glob(os.path.join(hub, repo, "snapshots", "*", "config.json"))
-    for config_path in sorted(snapshots, key=os.path.getmtime, reverse=True):
-        snapshot = os.path.dirname(config_path)
-        if any(os.path.exists(os.path.join(snapshot, f)) for f in _WEIGHT_FILES):
-            return snapshot
-    raise FileNotFoundError(
-        f"'{path}' is not in the local Hugging Face cache ({hub}) and is never downloaded; on a machine with "
-        f"internet run `huggingface-cli download openai-community/{name} --local-dir DIR`, copy DIR here and pass DIR"
-    )
-
-
-# GPT2Config fields (with transformers' defaults) whose other values would change the function
-_HF_REQUIRED = {
-    "activation_function": ("gelu_new", ("gelu_new", "gelu_pytorch_tanh")),
-    "n_inner": (None, (None,)),
-    "scale_attn_weights": (True, (True,)),
-    "scale_attn_by_inverse_layer_idx": (False, (False,)),
-    "add_cross_attention": (False, (False,)),
-    "tie_word_embeddings": (True, (True,)),
-}
-
-
-def _read_hf_config(directory: str) -> dict:
-    config_path = os.path.join(directory, "config.json")
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{directory}: no config.json; expected a Hugging Face GPT-2 model directory")
-    try:
-        with open(config_path) as f:
-            hf = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path}: invalid JSON ({e})") from None
-    if hf.get("model_type") != "gpt2":
-        raise ValueError(f"{config_path}: model_type is {hf.get('model_type')!r}, only 'gpt2' is supported")
-    if hf.get("n_inner") == 4 * hf.get("n_embd", 768):
-        hf["n_inner"] = None  # the same as the default
-    for key, (default, allowed) in _HF_REQUIRED.items():
-        if hf.get(key, default) not in allowed:
-            raise ValueError(f"{config_path}: {key}={hf[key]!r} is not GPT-2-compatible (need one of {allowed})")
-    if not math.isclose(hf.get("layer_norm_epsilon", 1e-5), 1e-5):
-        raise ValueError(f"{config_path}: layer_norm_epsilon={hf['layer_norm_epsilon']} is not GPT-2's 1e-5")
-    hf.setdefault("n_positions", hf.get("n_ctx", 1024))
-    for key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"):
-        if not isinstance(hf.get(key), int):
-            raise ValueError(f"{config_path}: missing or non-integer {key}")
-    return hf
-
-
-def _read_weights(directory: str) -> dict[str, torch.Tensor]:
-    path = os.path.join(directory, "model.safetensors")
-    if os.path.isfile(path):
-        from safetensors.torch import load_file
-
-        return load_file(path)
-    path = os.path.join(directory, "pytorch_model.bin")
-    if os.path.isfile(path):
-        return torch.load(path, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{directory}: no model.safetensors or pytorch_model.bin")
-
-
-def _atomic_write(path: str, write: Callable[[str], object]) -> None:
-    """Write via a temporary file in the same folder, so a crash never leaves a half-written file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

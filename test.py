@@ -6,18 +6,15 @@ or an HF GPT-2 directory. Prints samples as they are generated, writes Megatron-
 """
 import argparse
 import json
-import os
 import sys
 
 import torch
 
 import cli
-from checkpoint import load_checkpoint, model_from_checkpoint
+from checkpoint import load_model
+from device import autocast, resolve_device, resolve_dtype
 from model import ATTN_KERNELS, GPT
 from tokenizer import Tokenizer, load_tokenizer
-from training import autocast, resolve_device, resolve_dtype
-
-GPT2_FACTS = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256}
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,15 +36,6 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="print tokens as they come (default: when stdout is a terminal)")
     parser.add_argument("--interactive", action="store_true", help="read prompts from stdin in a loop")
-
-
-def load_model(path: str, attn_kernel: str = "auto") -> tuple[GPT, Tokenizer]:
-    """A checkpoint file of this toolkit, or an HF GPT-2 directory or cached name (GPT-2 tokenizer)."""
-    if os.path.isdir(path) or not os.path.exists(path) and not path.endswith(".pt"):
-        return GPT.from_pretrained(path, attn_kernel=attn_kernel), load_tokenizer(GPT2_FACTS)
-    checkpoint = load_checkpoint(path)
-    model = model_from_checkpoint(checkpoint, attn_kernel=attn_kernel, dropout=0.0)
-    return model, load_tokenizer(checkpoint.get("tokenizer", GPT2_FACTS))
 
 
 def read_prompt(prompt: str) -> str:
@@ -165,13 +153,13 @@ def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = cli.argument_parser(__doc__)
     parser.add_argument("--ckpt", default="ckpt/ckpt.pt",
                         help="checkpoint file, or an HF GPT-2 directory / cached name (default: ckpt/ckpt.pt)")
     add_sampling_arguments(parser)
     args = parser.parse_args()
-    model, tok = load_model(args.ckpt, args.attn_kernel)
-    run_sampling(model, tok, args)
+    model, facts = load_model(args.ckpt, attn_kernel=args.attn_kernel)
+    run_sampling(model, load_tokenizer(facts), args)
 
 
 if __name__ == "__main__":

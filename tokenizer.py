@@ -7,25 +7,21 @@ Prepare token data for training: text in, token ids out (nanoGPT train.bin/val.b
     python tokenizer.py --input oscar-1GB.jsonl.xz --tokenizer gpt2 --append-eod --workers 4 \\
         --format megatron --output-prefix data/oscar     # -> data/oscar_text_document.bin/.idx/.json
 
-One plain text file is one document, one JSON line is one document. Also importable: Tokenizer,
-load_tokenizer (rebuilds a tokenizer from the facts stored in meta.json), ensure_default_corpus,
-install_gpt2_vocab.
+One plain text file is one document, one JSON line is one document. The file holds the tokenizers
+(Tokenizer; load_tokenizer rebuilds one from the facts stored in meta.json and checkpoints), the document
+readers, the parallel encoder, the embedded default corpus and the command line; the on-disk formats are
+data.py's, the GPT-2 vocabulary installer is gpt2_vocab.py.
 """
 import argparse
 import bz2
 import fnmatch
 import gzip
-import hashlib
 import json
 import lzma
 import multiprocessing
 import os
 import signal
-import struct
-import subprocess
 import sys
-import tarfile
-import tempfile
 import time
 import zlib
 from collections import deque
@@ -38,71 +34,17 @@ import tiktoken.load
 from tiktoken_ext.openai_public import r50k_pat_str
 from tqdm import tqdm
 
-from cli import CLIError, run
+import cli
+import gpt2_vocab
+from cli import CLIError
+from data import NANOGPT_FILES, MegatronWriter, NanoGPTWriter, megatron_document_prefix, output_dtype, \
+    refuse_existing, write_nanogpt
 
 DEFAULT_CORPUS_DIR = "data/pydoc_char"
 EOT_TEXT = "<|endoftext|>"
-# tiktoken caches r50k_base (= GPT-2) under sha1 of its download URL; openai-whisper's sdist ships the same file
-R50K_CACHE_NAME = "0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4"
-R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-WHISPER_SDIST = "openai-whisper==20250625"
-WHISPER_MEMBER = "whisper/assets/gpt2.tiktoken"
-INSTALL_HINT = "python tokenizer.py --install-gpt2-vocab"
 
 # -----------------------------------------------------------------------------
-# The GPT-2 vocabulary, offline
-
-
-def tiktoken_cache_dir() -> str:
-    """Where tiktoken looks for its downloaded vocabularies (same rules as tiktoken.load)."""
-    if "TIKTOKEN_CACHE_DIR" in os.environ:
-        return os.environ["TIKTOKEN_CACHE_DIR"]
-    if "DATA_GYM_CACHE_DIR" in os.environ:
-        return os.environ["DATA_GYM_CACHE_DIR"]
-    return os.path.join(tempfile.gettempdir(), "data-gym-cache")
-
-
-def gpt2_vocab_installed() -> bool:
-    """True when tiktoken will find r50k_base in its cache, i.e. will not try the network."""
-    cache_dir = tiktoken_cache_dir()
-    if not cache_dir:  # an empty TIKTOKEN_CACHE_DIR disables tiktoken's cache
-        return False
-    path = os.path.join(cache_dir, R50K_CACHE_NAME)
-    if not os.path.isfile(path):
-        return False
-    with open(path, "rb") as f:  # tiktoken deletes a file with the wrong hash and downloads again
-        return hashlib.sha256(f.read()).hexdigest() == R50K_SHA256
-
-
-def install_gpt2_vocab() -> str:
-    """Put GPT-2's vocabulary (from the openai-whisper sdist on PyPI) into tiktoken's cache; returns its path."""
-    cache_dir = tiktoken_cache_dir()
-    if not cache_dir:
-        raise CLIError("TIKTOKEN_CACHE_DIR is set but empty, which disables tiktoken's cache; unset it or name a folder")
-    path = os.path.join(cache_dir, R50K_CACHE_NAME)
-    if gpt2_vocab_installed():
-        return path
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", WHISPER_SDIST, "-d", tmp]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            last_line = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise CLIError(f"'{' '.join(cmd[1:])}' failed: {last_line}")
-        sdists = [name for name in os.listdir(tmp) if name.endswith(".tar.gz")]
-        if len(sdists) != 1:
-            raise CLIError(f"expected one .tar.gz from pip download of {WHISPER_SDIST}, got {sorted(os.listdir(tmp))}")
-        with tarfile.open(os.path.join(tmp, sdists[0])) as tar:
-            members = [m for m in tar.getmembers() if m.name.endswith("/" + WHISPER_MEMBER)]
-            if len(members) != 1:
-                raise CLIError(f"{sdists[0]} has no {WHISPER_MEMBER}")
-            data = tar.extractfile(members[0]).read()
-    if hashlib.sha256(data).hexdigest() != R50K_SHA256:
-        raise CLIError(f"{WHISPER_MEMBER} from {sdists[0]} has an unexpected sha256; refusing to install it")
-    os.makedirs(cache_dir, exist_ok=True)
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-    os.replace(path + ".tmp", path)
-    return path
+# The GPT-2 BPE: tiktoken's r50k_base (installed by gpt2_vocab.py), or the same from vocabulary files
 
 
 def load_local_ranks(vocab_file: str, merge_file: str | None) -> dict[bytes, int]:
@@ -129,8 +71,9 @@ def load_local_ranks(vocab_file: str, merge_file: str | None) -> dict[bytes, int
 def gpt2_encoding(vocab_file: str | None = None, merge_file: str | None = None) -> tiktoken.Encoding:
     """GPT-2's BPE: tiktoken's r50k_base, or the same split pattern and <|endoftext|> over ranks from files."""
     if vocab_file is None:
-        if not gpt2_vocab_installed():
-            raise CLIError(f"the GPT-2 vocabulary is not in tiktoken's cache ({tiktoken_cache_dir()}); run: {INSTALL_HINT}")
+        if not gpt2_vocab.installed():
+            raise CLIError(f"the GPT-2 vocabulary is not in tiktoken's cache ({gpt2_vocab.tiktoken_cache_dir()}); "
+                           f"run: {gpt2_vocab.INSTALL_HINT}")
         return tiktoken.get_encoding("r50k_base")
     ranks = load_local_ranks(vocab_file, merge_file)
     return tiktoken.Encoding(name=f"gpt2:{os.path.basename(vocab_file)}", pat_str=r50k_pat_str,
@@ -315,17 +258,6 @@ def read_documents(files: list[str], key: str = "text", errors: str = "strict", 
 # Encoding in parallel, in order, with bounded memory
 
 
-def output_dtype(vocab_size: int, requested: str, fmt: str) -> np.dtype:
-    """uint16 when every id fits, else 32 bits (uint32 for nanoGPT; int32 for Megatron, which has no uint32 code)."""
-    wide = "int32" if fmt == "megatron" else "uint32"
-    name = requested if requested != "auto" else ("uint16" if vocab_size <= 2**16 else wide)
-    if name not in ("uint16", wide):
-        raise CLIError(f"--dtype {name} is not available for --format {fmt} (use uint16 or {wide})")
-    if vocab_size - 1 > np.iinfo(name).max:
-        raise CLIError(f"vocabulary of {vocab_size} ids does not fit --dtype {name}; use --dtype {wide} or auto")
-    return np.dtype(name)
-
-
 def encode_chunk(tokenizer: Tokenizer, texts: list[str], append_eod: bool, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """All documents' tokens back to back (EOT after each non-empty one if asked), and each document's length."""
     # one thread per process: 2 tiktoken threads in one process measured 21 MB/s, 2 processes 25 MB/s (1: 15.5)
@@ -387,152 +319,6 @@ def encode_in_order(chunks: Iterator[tuple[list[str], int]], tokenizer: Tokenize
 
 
 # -----------------------------------------------------------------------------
-# Writers: temporary files next to the outputs, renamed to the final names only on success
-
-
-def temporary_name(path: str) -> str:
-    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}")
-
-
-def refuse_existing(paths: list[str], overwrite: bool) -> None:
-    existing = [p for p in paths if os.path.exists(p)]
-    if existing and not overwrite:
-        raise CLIError(f"{existing[0]} already exists; use --overwrite to replace it")
-
-
-def write_json(path: str, obj: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-
-
-def is_val_document(seed: int, index: int, val_fraction: float) -> bool:
-    """Deterministic per (seed, document index), so the split streams and does not depend on --workers."""
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < val_fraction * 2**64
-
-
-class NanoGPTWriter:
-    """train.bin / val.bin (raw token ids) and meta.json in one folder; documents are split by is_val_document."""
-
-    def __init__(self, out_dir: str, dtype: np.dtype, val_fraction: float, seed: int):
-        os.makedirs(out_dir, exist_ok=True)
-        self.final = {name: os.path.join(out_dir, name) for name in ("train.bin", "val.bin", "meta.json")}
-        self.tmp = {name: temporary_name(path) for name, path in self.final.items()}
-        self.files = {split: open(self.tmp[f"{split}.bin"], "wb+") for split in ("train", "val")}
-        self.dtype, self.val_fraction, self.seed = dtype, val_fraction, seed
-        self.documents = {"train": 0, "val": 0}
-        self.tokens = {"train": 0, "val": 0}
-        self.last_length = {"train": 0, "val": 0}  # tokens of each split's last document
-
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        lengths = lengths[lengths > 0]  # empty documents are dropped
-        first = self.documents["train"] + self.documents["val"]
-        is_val = np.array([is_val_document(self.seed, first + i, self.val_fraction) for i in range(len(lengths))], bool)
-        token_is_val = np.repeat(is_val, lengths)
-        for split, doc_mask, token_mask in (("train", ~is_val, ~token_is_val), ("val", is_val, token_is_val)):
-            if doc_mask.any():
-                self.files[split].write(tokens[token_mask].tobytes())
-                self.documents[split] += int(doc_mask.sum())
-                self.tokens[split] += int(lengths[doc_mask].sum())
-                self.last_length[split] = int(lengths[doc_mask][-1])
-
-    def move_tail(self, source: str, target: str, n: int, documents: int) -> None:
-        """Move the last n tokens (the last `documents` documents) from one split's file to the other's."""
-        f = self.files[source]
-        f.seek(-n * self.dtype.itemsize, os.SEEK_END)
-        self.files[target].write(f.read())
-        f.seek(-n * self.dtype.itemsize, os.SEEK_END)
-        f.truncate()
-        self.documents[source] -= documents
-        self.documents[target] += documents
-        self.tokens[source] -= n
-        self.tokens[target] += n
-
-    def finish(self, meta: dict) -> dict:
-        total = self.documents["train"] + self.documents["val"]
-        if total == 1:  # one text file (e.g. shakespeare's input.txt): its last val_fraction becomes val
-            if self.documents["val"]:  # it was drawn for val: swap the files so it is train's
-                for d in (self.files, self.documents, self.tokens):
-                    d["train"], d["val"] = d["val"], d["train"]
-                self.tmp["train.bin"], self.tmp["val.bin"] = self.tmp["val.bin"], self.tmp["train.bin"]
-            self.move_tail("train", "val", max(1, int(self.tokens["train"] * self.val_fraction)), documents=0)
-        else:
-            for empty, full in (("val", "train"), ("train", "val")):
-                if self.documents[empty] == 0:  # give the empty split one whole document
-                    self.move_tail(full, empty, self.last_length[full], documents=1)
-        meta = {"format": "nanogpt", **meta, "dtype": self.dtype.name, "documents": total,
-                "train_documents": self.documents["train"], "val_documents": self.documents["val"],
-                "train_tokens": self.tokens["train"], "val_tokens": self.tokens["val"],
-                "val_fraction": self.val_fraction, "seed": self.seed}
-        for f in self.files.values():
-            f.close()
-        write_json(self.tmp["meta.json"], meta)
-        for name in ("train.bin", "val.bin", "meta.json"):  # meta.json last: its presence means complete
-            os.replace(self.tmp[name], self.final[name])
-        return meta
-
-    def discard(self) -> None:
-        for f in self.files.values():
-            f.close()
-        for path in self.tmp.values():
-            if os.path.exists(path):
-                os.remove(path)
-
-
-MEGATRON_DTYPE_CODES = {np.dtype("uint16"): 8, np.dtype("int32"): 4}
-
-
-def write_megatron_index(path: str, dtype: np.dtype, sizes: np.ndarray) -> None:
-    """MMapIndexedDataset .idx: header, sizes, byte pointers, doc_idx (one item per document)."""
-    sizes = sizes.astype("<i4")
-    pointers = np.zeros(len(sizes), dtype="<i8")
-    np.cumsum(sizes[:-1].astype("<i8") * dtype.itemsize, out=pointers[1:])
-    doc_idx = np.arange(len(sizes) + 1, dtype="<i8")
-    with open(path, "wb") as f:
-        f.write(b"MMIDIDX\x00\x00")
-        f.write(struct.pack("<QBQQ", 1, MEGATRON_DTYPE_CODES[dtype], len(sizes), len(doc_idx)))
-        f.write(sizes.tobytes())
-        f.write(pointers.tobytes())
-        f.write(doc_idx.tobytes())
-
-
-class MegatronWriter:
-    """{prefix}.bin (token ids) + {prefix}.idx (Megatron MMapIndexedDataset) + {prefix}.json (tokenizer facts)."""
-
-    def __init__(self, prefix: str, dtype: np.dtype):
-        if os.path.dirname(prefix):
-            os.makedirs(os.path.dirname(prefix), exist_ok=True)
-        self.final = {ext: prefix + ext for ext in (".bin", ".idx", ".json")}
-        self.tmp = {ext: temporary_name(path) for ext, path in self.final.items()}
-        self.file = open(self.tmp[".bin"], "wb")
-        self.dtype = dtype
-        self.sizes = []  # one int32 array per chunk: the .idx needs all sizes before the pointers
-        self.tokens = 0
-
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        self.file.write(tokens.tobytes())
-        self.sizes.append(lengths[lengths > 0].astype(np.int32))  # empty documents are dropped
-        self.tokens += len(tokens)
-
-    def finish(self, meta: dict) -> dict:
-        sizes = np.concatenate(self.sizes) if self.sizes else np.zeros(0, np.int32)
-        self.file.close()
-        meta = {"format": "megatron", **meta, "dtype": self.dtype.name, "documents": len(sizes), "tokens": self.tokens}
-        write_megatron_index(self.tmp[".idx"], self.dtype, sizes)
-        write_json(self.tmp[".json"], meta)
-        for ext in (".bin", ".idx", ".json"):
-            os.replace(self.tmp[ext], self.final[ext])
-        return meta
-
-    def discard(self) -> None:
-        self.file.close()
-        for path in self.tmp.values():
-            if os.path.exists(path):
-                os.remove(path)
-
-
-# -----------------------------------------------------------------------------
 # The default corpus: Python's own documentation, shipped with every CPython
 
 
@@ -548,16 +334,8 @@ def prepare_default_corpus(data_dir: str = DEFAULT_CORPUS_DIR) -> dict:
     tokenizer = Tokenizer("char", chars="".join(sorted(set(text))))
     ids = tokenizer.encode_array(text).astype(np.uint16)
     n_train = int(len(ids) * 0.9)
-    os.makedirs(data_dir, exist_ok=True)
-    final = {name: os.path.join(data_dir, name) for name in ("train.bin", "val.bin", "meta.json")}
-    meta = {"format": "nanogpt", **tokenizer.facts(), "dtype": "uint16", "documents": len(documents),
-            "train_tokens": n_train, "val_tokens": len(ids) - n_train, "source": "pydoc_data.topics"}
-    ids[:n_train].tofile(temporary_name(final["train.bin"]))
-    ids[n_train:].tofile(temporary_name(final["val.bin"]))
-    write_json(temporary_name(final["meta.json"]), meta)
-    for path in final.values():
-        os.replace(temporary_name(path), path)
-    return meta
+    meta = {**tokenizer.facts(), "documents": len(documents), "source": "pydoc_data.topics"}
+    return write_nanogpt(data_dir, ids[:n_train], ids[n_train:], meta)
 
 
 def describe_default_corpus(data_dir: str, meta: dict) -> str:
@@ -610,7 +388,7 @@ def prepare(args: argparse.Namespace) -> dict:
     if args.format == "nanogpt":
         writer = NanoGPTWriter(args.output_dir, dtype, args.val_fraction, args.seed)
     else:
-        writer = MegatronWriter(f"{args.output_prefix}_{args.json_key}_document", dtype)
+        writer = MegatronWriter(megatron_document_prefix(args.output_prefix, args.json_key), dtype)
     stats = ReadStats()
     start, documents, tokens, nbytes = time.time(), 0, 0, 0
     try:
@@ -638,7 +416,7 @@ def prepare(args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.argument_parser(__doc__)
     p.add_argument("--input", nargs="+", metavar="PATH",
                    help="text files, folders (recursive, see --glob) or JSON-lines files (.jsonl/.json); "
                         ".gz/.bz2/.xz are decompressed on the fly. Without --input: the default pydoc corpus")
@@ -665,7 +443,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--install-gpt2-vocab", action="store_true",
-                   help=f"download GPT-2's vocabulary (from the {WHISPER_SDIST} sdist on PyPI) into tiktoken's cache")
+                   help=f"download GPT-2's vocabulary (from the {gpt2_vocab.WHISPER_SDIST} sdist on PyPI) "
+                        f"into tiktoken's cache")
     return p.parse_args(argv)
 
 
@@ -698,7 +477,7 @@ def check_args(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.install_gpt2_vocab:
-        print(f"GPT-2 vocabulary installed: {install_gpt2_vocab()}")
+        print(f"GPT-2 vocabulary installed: {gpt2_vocab.install()}")
         if not args.input:
             return
     check_args(args)
@@ -710,12 +489,13 @@ def main(argv: list[str] | None = None) -> None:
             print(describe_default_corpus(out_dir, prepare_default_corpus(out_dir)))
         return
     if args.format == "nanogpt":
-        outputs = [os.path.join(args.output_dir, n) for n in ("train.bin", "val.bin", "meta.json")]
+        outputs = [os.path.join(args.output_dir, n) for n in NANOGPT_FILES]
     else:
-        outputs = [f"{args.output_prefix}_{args.json_key}_document{ext}" for ext in (".bin", ".idx", ".json")]
+        prefix = megatron_document_prefix(args.output_prefix, args.json_key)
+        outputs = [prefix + ext for ext in (".bin", ".idx", ".json")]
     refuse_existing(outputs, args.overwrite)
     prepare(args)
 
 
 if __name__ == "__main__":
-    run(main)
+    cli.run(main)

@@ -5,12 +5,12 @@ level) and trains a small model on it in a few minutes on a laptop CPU, then `py
 samples from ckpt/ckpt.pt. Every option is listed by --help; see README.md for recipes.
 """
 import cli
-from training import Trainer, parse_config
+from training import TorchEngine, Trainer, parse_config
 
 
 def main() -> None:
     cfg, explicit, _ = parse_config(description=__doc__)
-    Trainer(cfg, explicit).fit()
+    Trainer(cfg, explicit, TorchEngine(cfg.out_dir)).fit()
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ Same flags as train.py, plus --backend and --timeout. Launch it with torchrun, o
     torchrun --nnodes M --node_rank R --master_addr A --master_port P --nproc_per_node N train_ddp.py [flags]
 
 --batch-size is the micro-batch of one process and --grad-accum counts micro-batches per optimizer step
-over ALL processes, so the same flags train the same model (same data, same global batch) on any
-number of processes; --grad-accum must be a multiple of the number of processes. Each step draws one
+over ALL processes (default: one per process), so the same flags train the same model (same data, same
+global batch) on any number of processes; --grad-accum must be a multiple of the number of processes. Each step draws one
 global set of windows and every rank takes its slice; evaluation is averaged over all ranks; rank 0
 alone prints, writes TensorBoard logs and writes OUT_DIR/ckpt.pt, in train.py's format (so train.py
 resumes a DDP run and the reverse, and test.py samples from it).
@@ -24,7 +24,7 @@ torchrun waits 30 s for that (--shutdown-timeout) before killing the workers.
 Timeouts: --timeout bounds waits inside the job (a hung peer, rank 0 saving); torchrun's own wait for
 the other nodes defaults to 600 s: `--rdzv-conf timeout=60` shortens it. Errors (e.g. --grad-accum not
 a multiple of the world size) are one line from rank 0; torchrun adds its own failure report.
-On CPU, OMP_NUM_THREADS (torchrun sets 1 when N > 1) is each process's thread count. Started without
+On CPU, OMP_NUM_THREADS (torchrun sets 1 when N > 1) is each process's thread count (device.set_job_threads). Started without
 torchrun (no RANK/WORLD_SIZE in the environment) it stops with an error: use train.py for one process.
 """
 import datetime
@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 
 import cli
-from training import Trainer, parse_config, resolve_device
+from checkpoint import CHECKPOINT_FILE
+from device import resolve_device, set_job_threads
+from training import TorchEngine, Trainer, add_distributed_arguments, parse_config
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -42,9 +44,7 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 def extra_arguments(parser) -> None:
     parser.add_argument("--backend", choices=["nccl", "gloo"], default=None,
                         help="process group backend (default: nccl on CUDA, gloo otherwise)")
-    parser.add_argument("--timeout", type=float, default=300,
-                        help="seconds a process waits for the others at the rendezvous or in any collective "
-                             "(e.g. while rank 0 saves) before failing (default: 300)")
+    add_distributed_arguments(parser)
 
 
 def init_distributed(cfg, args) -> None:
@@ -60,8 +60,8 @@ def init_distributed(cfg, args) -> None:
         raise cli.CLIError(f"--backend nccl needs CUDA devices, but the device is {device}; use --backend gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    elif "OMP_NUM_THREADS" in os.environ:
-        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+    else:
+        set_job_threads()
     if args.timeout <= 0:
         raise cli.CLIError("--timeout must be positive")
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -82,11 +82,11 @@ def resume_after_restart(cfg, device_type: str) -> None:
     """After torchrun restarted the workers (a rank died), continue from OUT_DIR/ckpt.pt when it exists."""
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 or cfg.init_from == "resume":
         return
-    seen = torch.tensor([float(os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt")))],
+    seen = torch.tensor([float(os.path.isfile(os.path.join(cfg.out_dir, CHECKPOINT_FILE)))],
                         device="cuda" if device_type == "cuda" else "cpu")
     dist.all_reduce(seen)  # every rank must take the same decision
     if 0 < seen.item() < dist.get_world_size():
-        raise cli.CLIError(f"{cfg.out_dir}/ckpt.pt is visible to only some processes; "
+        raise cli.CLIError(f"{os.path.join(cfg.out_dir, CHECKPOINT_FILE)} is visible to only some processes; "
                            f"--out-dir must be on a filesystem shared by all nodes to resume")
     if seen.item():
         cfg.init_from = "resume"
@@ -96,10 +96,10 @@ def main() -> None:
     cfg, explicit, args = parse_config(description=__doc__, extra_arguments=extra_arguments)
     init_distributed(cfg, args)
     resume_after_restart(cfg, resolve_device(cfg.device).type)
-    trainer = Trainer(cfg, explicit)
+    trainer = Trainer(cfg, explicit, TorchEngine(cfg.out_dir))
     if trainer.master and cfg.init_from == "resume":
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        print(f"resumed from {trainer.ckpt_path} at iteration {trainer.iter_num}"
+        print(f"resumed from {trainer.engine.path} at iteration {trainer.iter_num}"
               + (f" after restart {restart}" if restart else ""), flush=True)
     trainer.fit()
 

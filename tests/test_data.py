@@ -16,12 +16,12 @@ from data import Corpus, get_batch, load_corpus, window_offsets  # noqa: E402
 FACTS = {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256}
 
 
-def write_nanogpt(folder, train: np.ndarray, val: np.ndarray, dtype: str = "uint16") -> str:
+def write_nanogpt(folder, train: np.ndarray, val: np.ndarray, dtype: str = "uint16", **meta) -> str:
     os.makedirs(folder, exist_ok=True)
     train.astype(dtype).tofile(os.path.join(folder, "train.bin"))
     val.astype(dtype).tofile(os.path.join(folder, "val.bin"))
     with open(os.path.join(folder, "meta.json"), "w") as f:
-        json.dump({"format": "nanogpt", **FACTS, "dtype": dtype}, f)
+        json.dump({"format": "nanogpt", **FACTS, "dtype": dtype, **meta}, f)
     return str(folder)
 
 
@@ -51,8 +51,21 @@ def test_load_nanogpt(tmp_path):
     assert isinstance(corpus, Corpus) and isinstance(corpus.train, np.memmap)
     assert corpus.train.dtype == np.uint16 and len(corpus.train) == 1000 and len(corpus.val) == 100
     assert corpus.meta["vocab_size"] == 257 and corpus.meta["tokenizer"] == "byte"
-    wide = load_corpus(write_nanogpt(tmp_path / "w", np.arange(70_000), np.arange(10), dtype="uint32"))
+    wide = load_corpus(write_nanogpt(tmp_path / "w", np.arange(70_000), np.arange(10), dtype="uint32",
+                                     vocab_size=70_000))
     assert wide.train.dtype == np.uint32 and wide.train[-1] == 69_999
+
+
+def test_token_ids_and_counts_are_checked_once_at_load(tmp_path):
+    with pytest.raises(CLIError, match="token ids outside the vocabulary of 257 .largest 300."):
+        load_corpus(write_nanogpt(tmp_path / "a", np.arange(301), np.arange(10)))
+    with pytest.raises(CLIError, match="train.bin holds 500 tokens but meta.json records 1,000"):
+        load_corpus(write_nanogpt(tmp_path / "b", np.arange(500) % 257, np.arange(10), train_tokens=1000))
+    prefix = write_megatron(str(tmp_path / "m"), documents(10))
+    with open(prefix + ".json", "w") as f:
+        json.dump({"format": "megatron", **FACTS, "vocab_size": 5}, f)
+    with pytest.raises(CLIError, match="outside the vocabulary of 5"):
+        load_corpus(prefix)
 
 
 def test_load_megatron_every_way_of_naming_it(tmp_path):

@@ -98,15 +98,20 @@ def test_from_pretrained_rejects_incompatible_config(tmp_path):
 
 
 def test_from_pretrained_hub_names_only_from_local_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(FileNotFoundError) as e:
         GPT.from_pretrained("gpt2")
-    assert "\n" not in str(e.value) and "huggingface-cli download openai-community/gpt2" in str(e.value)
+    # the CLI that the pinned huggingface_hub installs
+    assert "\n" not in str(e.value) and "`hf download openai-community/gpt2 --local-dir DIR`" in str(e.value)
     with pytest.raises(FileNotFoundError, match="no model directory"):
         GPT.from_pretrained(str(tmp_path / "missing"))
-    # a snapshot in the cache is found under either repository name
+    # a snapshot in the cache, laid out as huggingface_hub writes it, is found under either repository name
     m = tiny_gpt()
-    m.save_pretrained(str(tmp_path / "hub" / "models--openai-community--gpt2" / "snapshots" / "abc123"))
+    repo = tmp_path / "hub" / "models--openai-community--gpt2"
+    m.save_pretrained(str(repo / "snapshots" / "abc123"))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
     idx = torch.randint(0, VOCAB, (1, 8))
     for name in ("gpt2", "openai-community/gpt2"):
         assert torch.allclose(GPT.from_pretrained(name)(idx)[0], m(idx)[0], atol=1e-6)
@@ -118,11 +123,19 @@ def test_bad_inputs_raise_clear_value_errors():
     with pytest.raises(ValueError, match="longer than block_size 32"):
         m(torch.zeros(1, 33, dtype=torch.long))
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 211\)"):
-        m(torch.full((1, 4), VOCAB))
+        m.generate(torch.full((1, 4), VOCAB), 3)
     with pytest.raises(ValueError, match="token ids"):
         m.generate(torch.full((1, 4), -1), 3)
     with pytest.raises(ValueError, match="unknown attn_kernel"):
         GPT(tiny_config(attn_kernel="fast"))
+
+
+def test_training_forward_is_one_graph():
+    """Token ids are checked where they enter (data, generate), not per forward: no host sync, no graph break."""
+    m = tiny_gpt()
+    idx = torch.randint(0, VOCAB, (2, 16))
+    compiled = torch.compile(m, fullgraph=True, backend="eager")  # fullgraph: a graph break is an error
+    assert torch.equal(compiled(idx, idx)[1], m(idx, idx)[1])
 
 
 @torch.no_grad()
@@ -297,6 +310,18 @@ def test_param_count_and_flops():
     assert gpt2.num_params() == 124_439_808 - 1024 * 768
     assert gpt2.flops_per_token() == 6 * gpt2.num_params() + 12 * 12 * 12 * 64 * 1024
     assert gpt2.estimate_mfu(tokens_per_iter=500, dt=2.0, peak_flops=gpt2.flops_per_token() * 250) == 1.0
+    for bias in (True, False):  # counted from the config (ZeRO-3 partitions the tensors), equal to the tensors
+        m = tiny_gpt(bias=bias)
+        assert m.num_params(non_embedding=False) == sum(p.numel() for p in m.parameters())
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(n_layer=0), "n_layer must be a positive integer"), (dict(n_embd="64"), "n_embd must be a positive integer"),
+    (dict(n_head=3), "divisible"), (dict(dropout=1.0), "dropout"), (dict(bias="no"), "bias"),
+    (dict(n_layer=100_000, n_embd=1024, n_head=16), "GiB for their float32 weights alone, more than")])
+def test_impossible_or_oversized_config_is_refused_before_allocation(change, message):
+    with pytest.raises(ValueError, match=message):
+        GPT(tiny_config(**change))
 
 
 def test_crop_block_size_and_optimizer():

@@ -14,19 +14,18 @@ import tiktoken
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import gpt2_vocab  # noqa: E402
 import tokenizer  # noqa: E402
-from data import load_corpus  # noqa: E402
-from tokenizer import Tokenizer, is_val_document, load_tokenizer  # noqa: E402
+from data import is_val_document, load_corpus  # noqa: E402
+from tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "tokenizer.py")
 SAMPLE = "Hello world! The café's naïve 123 tokens\n\n\tdon't  break — 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 <|endoftext|> ok"
 
 
 @pytest.fixture(scope="module")
-def r50k() -> tiktoken.Encoding:
-    """GPT-2 tests must run, not skip: CI installs the vocabulary before pytest."""
-    if not tokenizer.gpt2_vocab_installed():
-        pytest.fail(f"the GPT-2 vocabulary is not in tiktoken's cache; run: {tokenizer.INSTALL_HINT}")
+def r50k(gpt2_vocabulary) -> tiktoken.Encoding:
+    """GPT-2 tests run, never skip: conftest installs the vocabulary when it is missing."""
     return tiktoken.get_encoding("r50k_base")
 
 
@@ -124,12 +123,22 @@ def test_vocab_and_merge_files_equal_r50k(r50k, tmp_path):
 
 
 def test_tiktoken_vocab_file_equals_r50k(r50k, tmp_path):
-    cached = os.path.join(tokenizer.tiktoken_cache_dir(), tokenizer.R50K_CACHE_NAME)
+    cached = os.path.join(gpt2_vocab.tiktoken_cache_dir(), gpt2_vocab.R50K_CACHE_NAME)
     path = tmp_path / "gpt2.tiktoken"
     path.write_bytes(open(cached, "rb").read())
     tok = Tokenizer("gpt2", vocab_file=str(path))
     assert tok.encode(SAMPLE) == r50k.encode_ordinary(SAMPLE)
     assert tok.facts()["vocab_file"] == str(path) and tok.facts()["encoding"] == "files"
+
+
+def test_install_fills_an_empty_cache_from_the_package_registry(tmp_path):
+    cache = tmp_path / "cache"
+    result = run_script("--install-gpt2-vocab", env={"TIKTOKEN_CACHE_DIR": str(cache)})
+    assert result.returncode == 0, result.stderr
+    installed = cache / gpt2_vocab.R50K_CACHE_NAME
+    assert installed.read_bytes() == open(os.path.join(gpt2_vocab.tiktoken_cache_dir(), gpt2_vocab.R50K_CACHE_NAME),
+                                          "rb").read()
+    assert [p.name for p in cache.iterdir()] == [installed.name]  # no temporary file left
 
 
 def test_missing_gpt2_vocabulary_names_the_install_command(tmp_path):

@@ -4,14 +4,12 @@ import pickle
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from checkpoint import COMPILED_PREFIX, load_checkpoint, model_from_checkpoint, save_checkpoint
+from checkpoint import load_checkpoint
 from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_script, tensorboard_scalars
-from model import GPT, GPTConfig
 from training import TrainConfig, learning_rate, parse_config
 
 
@@ -27,7 +25,7 @@ def test_trains_on_embedded_corpus_and_samples(char_data, tmp_path):
     assert ckpt["iter_num"] == 60 and len(val) == 3
     assert val[-1] < val[0] - 0.5, val  # from ~ln(vocab) towards character statistics
     assert (tmp_path / "loss.png").stat().st_size > 1000
-    assert not any(k.startswith(COMPILED_PREFIX) for k in ckpt["model"])
+    assert not any(k.startswith("_orig_mod.") for k in ckpt["model"])
     scalars = tensorboard_scalars(tmp_path / "tensorboard")
     assert [step for step, _ in scalars["loss/train"]] == list(range(1, 61))  # --log-interval 1
     assert [v for _, v in scalars["loss/val"]] == pytest.approx(val)
@@ -72,27 +70,10 @@ def test_sigterm_saves_a_loadable_checkpoint(char_data, tmp_path):
     assert "stopped by signal" in out + err
 
 
-def test_checkpoint_of_compiled_model_loads_in_plain_model(tmp_path):
-    model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8))
-    compiled = torch.compile(model)
-    state = compiled.state_dict()
-    assert all(k.startswith(COMPILED_PREFIX) for k in state)
-    save_checkpoint({"model": state, "model_config": vars(model.config)}, str(tmp_path / "ckpt.pt"))
-    plain = model_from_checkpoint(load_checkpoint(str(tmp_path / "ckpt.pt")))
-    idx = torch.randint(0, 16, (2, 8))
-    assert torch.equal(plain(idx)[0], model(idx)[0])
-
-
-def test_checkpoint_is_written_atomically(tmp_path):
-    path = tmp_path / "ckpt.pt"
-    save_checkpoint({"model": {}, "model_config": {}, "iter_num": 1}, str(path))
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left behind
-
-
 # Counts glibc's mmapped blocks (mallinfo2().hblks) around allocating a 64 MB tensor, before and after
 # keep_freed_memory_in_heap, in a fresh process so the test sees glibc's defaults.
 MMAP_PROBE = """
-import ctypes, torch, training
+import ctypes, torch, device
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split())]
 libc = ctypes.CDLL("libc.so.6")
@@ -102,7 +83,7 @@ def mmapped_during_alloc():
     t = torch.empty(16 * 2**20)
     return libc.mallinfo2().hblks - before
 print(mmapped_during_alloc(), end=" ")
-training.keep_freed_memory_in_heap()
+device.keep_freed_memory_in_heap()
 print(mmapped_during_alloc())
 """
 
@@ -119,6 +100,17 @@ def test_learning_rate_schedule():
     assert learning_rate(10, cfg) == pytest.approx(1e-3)
     assert learning_rate(60, cfg) == pytest.approx(5.5e-4)
     assert learning_rate(110, cfg) == learning_rate(150, cfg) == pytest.approx(1e-4)
+
+
+def test_train_samples_sets_the_steps_and_the_schedule_follows_them(char_data, tmp_path):
+    """Megatron's --train-samples: 48 samples of 4 = 12 steps, and the cosine decay ends at step 12, not 1200."""
+    ckpt = train(char_data, tmp_path, "--train-samples", "48", "--warmup-iters", "2", "--lr", "1e-3",
+                 "--eval-interval", "100")
+    assert ckpt["iter_num"] == 12 and ckpt["train_config"]["max_iters"] == 12
+    lrs = [lr for _, lr in tensorboard_scalars(tmp_path / "tensorboard")["lr"]]
+    assert len(lrs) == 12 and lrs[-1] == pytest.approx(learning_rate(11, TrainConfig(lr=1e-3, warmup_iters=2,
+                                                                                      max_iters=12)))
+    assert lrs[-1] < 0.15e-3  # near min_lr (lr/10): the decay ran over the 12 steps trained
 
 
 def test_config_file_and_flag_precedence(tmp_path):

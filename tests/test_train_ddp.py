@@ -4,7 +4,6 @@ import argparse
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint
+from cli import free_port
 from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_script, tensorboard_scalars
 from training import add_config_arguments
 from train_ddp import extra_arguments
@@ -25,12 +25,6 @@ COMMON = [*TINY_MODEL, "--grad-accum", "2", "--lr", "3e-3", "--warmup-iters", "2
           "--eval-interval", "5"]
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 WORKER_TRACEBACK = re.compile(r'File "[^"]*(train_ddp|training|model|data)\.py"')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_cmd(launcher: list, *args) -> list[str]:
@@ -121,6 +115,13 @@ def test_two_ranks_train_exactly_like_one_process(char_data, tmp_path, reference
     scalars = tensorboard_scalars(tmp_path / "tensorboard")  # rank 0's, flushed before the workers exit
     assert [step for step, _ in scalars["loss/train"]] == list(range(1, 11))
     assert [v for _, v in scalars["loss/val"]] == pytest.approx(ddp["history"]["val"])
+
+
+def test_plain_torchrun_command_defaults_to_one_micro_batch_per_process(char_data, tmp_path):
+    """The form the README and the source design show, with no --grad-accum: one micro-batch per process."""
+    result = ok(torchrun(2, "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--max-iters", "2"))
+    assert "4 micro x 1 accumulation x 2 processes = 8 sequences" in result.stdout
+    assert load_checkpoint(str(tmp_path / "ckpt.pt"))["train_config"]["grad_accum"] == 2
 
 
 def test_two_nodes_over_localhost_then_sample(char_data, tmp_path, reference):

@@ -1,0 +1,112 @@
+"""Where and how the math runs: device, dtype, autocast, CPU threads and allocator, peak FLOP/s.
+
+Shared by sampling, the trainers and the benchmarks, so every script makes the same choices (and
+sampling never needs the training code to make them).
+"""
+import contextlib
+import ctypes
+import os
+import sys
+
+import torch
+
+from cli import CLIError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# dense bf16 peak TFLOP/s of known GPUs, for MFU
+PEAK_TFLOPS = {"A100": 312, "H100": 989, "H200": 989, "L4": 121, "A10": 125, "V100": 125, "4090": 165}
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """auto picks cuda, then mps, then cpu; asking for a device that is not there is a CLIError."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda":
+        name = f"cuda:{local_rank}"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CLIError(f"--device {name} requested but CUDA is not available on this machine")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise CLIError("--device mps requested but MPS is not available on this machine")
+    if not (name == "cpu" or name == "mps" or name.startswith("cuda")):
+        raise CLIError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps")
+    return torch.device(name)
+
+
+def cpu_kind() -> str:
+    """The CPU's vector extensions as torch sees them: AMX, AVX512-BF16, AVX512, AVX2 or DEFAULT."""
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX512-BF16"
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def describe(device: torch.device) -> str:
+    """The device in words for run headers, e.g. 'cpu (AVX512-BF16, 2 threads)' or 'cuda:0 (NVIDIA H200)'."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    if device.type == "cpu":
+        return f"cpu ({cpu_kind()}, {torch.get_num_threads()} threads)"
+    return str(device)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto = bfloat16 where the hardware computes it natively (CUDA Ampere+, AVX512-BF16/AMX CPUs)."""
+    if name == "auto":
+        if device.type == "cuda":
+            name = "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+        elif device.type == "cpu":
+            name = "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"
+        else:
+            name = "float32"
+    if name == "float16" and device.type == "cpu" and not torch.cpu._is_amx_fp16_supported():
+        raise CLIError("--dtype float16 is not supported on this CPU (no AMX-FP16); use bfloat16 or float32")
+    return DTYPES[name]
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Mixed precision context: weights stay float32, matmuls run in dtype."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def set_job_threads() -> None:
+    """CPU threads of one process in a multi-process job: OMP_NUM_THREADS when set, else the cores shared
+    out over this machine's processes (torchrun sets OMP_NUM_THREADS=1; the deepspeed launcher sets
+    nothing, and N processes x all cores each ran ~10x slower)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        threads = int(os.environ["OMP_NUM_THREADS"] or 1)
+    else:
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+        threads = (os.cpu_count() or 1) // local_processes
+    torch.set_num_threads(max(1, threads))
+
+
+def keep_freed_memory_in_heap() -> None:
+    """Make glibc keep big freed blocks for reuse instead of unmapping them.
+
+    By default glibc serves blocks above 32 MB with fresh mmaps that are zero-filled page by page on
+    first touch, and gives the heap top back on free; a CPU step that allocates the same big
+    temporaries every time (the GPT-2-vocabulary logits chunks) pays those page faults at every step.
+    Only called for CPU training; no-op off glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from <malloc.h>
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
+def peak_flops(device: torch.device, peak_tflops: float | None = None) -> float | None:
+    """The device's peak FLOP/s for MFU: the given TFLOP/s, or a known GPU's bf16 dense peak."""
+    if peak_tflops:
+        return peak_tflops * 1e12
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        return next((t * 1e12 for key, t in PEAK_TFLOPS.items() if key in gpu), None)
+    return None

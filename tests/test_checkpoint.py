@@ -1,0 +1,133 @@
+"""checkpoint.py: the ckpt.pt format (old files still load), atomic writes, weight files, DeepSpeed folders."""
+import json
+import os
+import pickle
+import shutil
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+from checkpoint import load_checkpoint, model_from_checkpoint, read_weights, save_checkpoint
+from cli import CLIError
+from conftest import ROOT, assert_one_line_error, run_script
+from data import write_nanogpt
+from model import GPT, GPTConfig
+
+OLD_CHECKPOINT = ROOT / "tests" / "data" / "ckpt_a684da2.pt"  # written by train.py at commit a684da2 (3 steps)
+OLD_GREEDY = "def  TT\u2013\u2013\u2013000" + "\u201c" * 21  # what test.py printed from it at that commit
+
+
+def test_checkpoint_written_by_an_older_version_samples_and_resumes(tmp_path):
+    sample = run_script("test.py", "--ckpt", OLD_CHECKPOINT, "--temperature", "0", "--prompt", "def ",
+                        "--max-new-tokens", "30", "--num-samples", "1", "--device", "cpu", "--no-stream")
+    assert sample.returncode == 0, sample.stderr
+    assert sample.stdout.splitlines()[0] == OLD_GREEDY
+    old = load_checkpoint(str(OLD_CHECKPOINT))
+    facts = old["tokenizer"]  # data in the checkpoint's own vocabulary, whatever this Python's pydoc holds
+    ids = np.random.default_rng(0).integers(0, facts["vocab_size"], 4000).astype(np.uint16)
+    write_nanogpt(str(tmp_path / "data"), ids[:3600], ids[3600:], facts)
+    shutil.copy(OLD_CHECKPOINT, tmp_path / "ckpt.pt")
+    resumed = run_script("train.py", "--init-from", "resume", "--out-dir", tmp_path, "--data-dir", tmp_path / "data",
+                         "--max-iters", "5", "--device", "cpu")
+    assert resumed.returncode == 0, resumed.stderr
+    new = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert new["iter_num"] == 5 and new["history"]["iter"][:len(old["history"]["iter"])] == old["history"]["iter"]
+
+
+def test_checkpoint_of_compiled_model_loads_in_plain_model(tmp_path):
+    model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8))
+    state = torch.compile(model).state_dict()
+    assert all(k.startswith("_orig_mod.") for k in state)
+    save_checkpoint({"model": state, "model_config": vars(model.config)}, str(tmp_path / "ckpt.pt"))
+    plain = model_from_checkpoint(load_checkpoint(str(tmp_path / "ckpt.pt")))
+    idx = torch.randint(0, 16, (2, 8))
+    assert torch.equal(plain(idx)[0], model(idx)[0])
+
+
+def test_checkpoint_is_written_atomically(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"model": {}, "model_config": {}, "iter_num": 1}, str(path))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left behind
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_weight_files_of_every_layout(tmp_path):
+    torch.manual_seed(0)
+    state = {"a.weight": torch.randn(3, 4), "b.bias": torch.randn(4)}
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    assert all(torch.equal(read_weights(str(tmp_path))[k], v) for k, v in state.items())
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    torch.save({"a.weight": state["a.weight"]}, shards / "part-1.bin")
+    torch.save({"b.bias": state["b.bias"]}, shards / "part-2.bin")
+    (shards / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {"a.weight": "part-1.bin", "b.bias": "part-2.bin"}}))
+    assert all(torch.equal(read_weights(str(shards))[k], v) for k, v in state.items())
+    torch.save({"module": state}, tmp_path / "wrapped.pt")  # DeepSpeed's model-states layout
+    assert set(read_weights(str(tmp_path / "wrapped.pt"))) == set(state)
+    with pytest.raises(FileNotFoundError):
+        read_weights(str(tmp_path / "shards" / "nothing"))
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def fake_deepspeed_folder(ds_dir, tag="global_step4", payload=None) -> None:
+    """A DeepSpeed checkpoint folder as train_ds.py writes it, holding the given pickled object."""
+    (ds_dir / tag).mkdir(parents=True)
+    (ds_dir / "latest").write_text(tag)
+    model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8))
+    state = {"model_config": vars(model.config), "train_config": {}, "tokenizer": {"tokenizer": "byte"},
+             "iter_num": 4, "best_val_loss": None, "history": {}, "world_size": 1, "zero_stage": 3}
+    (ds_dir / tag / "train_state.json").write_text(json.dumps(state))
+    torch.save({"module": model.state_dict(), "extra": payload},
+               ds_dir / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
+def test_deepspeed_files_that_would_run_code_are_refused_before_deepspeed_reads_them(tmp_path):
+    fake_deepspeed_folder(tmp_path / "ds", payload=_Exploit())
+    result = run_script("test_ds.py", "--ckpt", tmp_path / "ds", cwd=tmp_path, env={"DS_ACCELERATOR": "cpu"})
+    assert_one_line_error(result, "never unpickled")
+    with pytest.raises(CLIError, match="never unpickled"):
+        checkpoint.gather_deepspeed_weights(str(tmp_path / "ds"), "global_step4")
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_deepspeed_tags_and_a_missing_tag(tmp_path):
+    fake_deepspeed_folder(tmp_path / "ds", "global_step4")
+    (tmp_path / "ds" / "global_step12").mkdir()
+    (tmp_path / "ds" / "global_step9").mkdir()
+    assert checkpoint.deepspeed_tags(str(tmp_path / "ds")) == ["global_step4", "global_step9", "global_step12"]
+    with pytest.raises(CLIError, match="has no checkpoint global_step20; it holds global_step4, global_step9, "
+                                       "global_step12"):
+        checkpoint.read_train_state(str(tmp_path / "ds"), "global_step20")
+
+
+def test_a_converted_file_older_than_the_newest_tag_is_not_the_default(tmp_path):
+    ds = tmp_path / "ds"
+    fake_deepspeed_folder(ds, "global_step4")
+    weights = torch.load(next((ds / "global_step4").glob("*model_states.pt")), weights_only=True)["module"]
+    (ds / "ckpt_ds.pt").mkdir()
+    torch.save(weights, ds / "ckpt_ds.pt" / "pytorch_model.bin")  # converted after global_step4
+    assert checkpoint.converted_from(str(ds / "ckpt_ds.pt"), str(ds)) == "global_step4"
+    assert checkpoint.default_deepspeed_source(str(ds), "ckpt_ds.pt") == str(ds / "ckpt_ds.pt")
+    time.sleep(0.01)
+    shutil.copytree(ds / "global_step4", ds / "global_step8", copy_function=shutil.copy)  # training went on
+    (ds / "latest").write_text("global_step8")
+    assert checkpoint.default_deepspeed_source(str(ds), "ckpt_ds.pt") == str(ds)
+    _, state, label = checkpoint.load_deepspeed_model(str(ds / "ckpt_ds.pt"))
+    assert state["tag"] == "global_step4" and "output of global_step4" in label and "newer global_step8" in label
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage" * 10, pickle.dumps({"model": 1})])
+def test_unreadable_checkpoints_are_one_line_errors(tmp_path, content):
+    (tmp_path / "ckpt.pt").write_bytes(content)
+    with pytest.raises(CLIError, match="ckpt.pt"):
+        load_checkpoint(str(tmp_path / "ckpt.pt"))

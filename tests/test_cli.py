@@ -1,0 +1,33 @@
+"""Every script's command line: --help works, abbreviations are refused, sampling stays light."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_script
+
+SCRIPTS = ["tokenizer.py", "train.py", "train_ddp.py", "train_ds.py", "test.py", "test_ds.py"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_and_no_abbreviations(script):
+    """argparse's prefix matching is off: Megatron's --save must never be read as --save-interval."""
+    help_text = run_script(script, "--help", env={"DS_ACCELERATOR": "cpu"})
+    assert help_text.returncode == 0 and "usage:" in help_text.stdout, help_text.stderr
+    flag = "--num-samples" if script.startswith("test") else "--workers" if script == "tokenizer.py" else \
+        "--eval-interval"
+    assert flag in help_text.stdout
+    abbreviated = run_script(script, flag[:-3], "5", env={"DS_ACCELERATOR": "cpu"})
+    assert abbreviated.returncode == 2 and f"unrecognized arguments: {flag[:-3]}" in abbreviated.stderr
+
+
+def test_megatron_save_is_not_taken_for_save_interval():
+    result = run_script("train.py", "--save", "ckpt_dir", "--max-iters", "0")
+    assert result.returncode == 2 and "unrecognized arguments: --save" in result.stderr
+    assert "invalid int" not in result.stderr
+
+
+def test_sampling_imports_neither_the_training_core_nor_deepspeed():
+    code = "import sys, test; print(sorted(m for m in ('training', 'train_ds', 'deepspeed') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
