@@ -135,7 +135,9 @@ def load_model(path: str, **overrides) -> tuple[GPT, dict]:
     """(model, tokenizer facts) from a ckpt.pt, or an HF GPT-2 folder / cached hub name (GPT-2's tokenizer);
     overrides set e.g. attn_kernel. Dropout is off: this is for inference."""
     if os.path.isdir(path) or not os.path.exists(path) and not path.endswith(".pt"):
-        return GPT.from_pretrained(path, dropout=0.0, **overrides), dict(GPT2_FACTS)
+        import hf
+        model = hf.load_gpt2(path, dropout=0.0, **overrides)
+        return model, hf.read_tokenizer(hf.find_model_dir(path), model.config.vocab_size)
     checkpoint = load_checkpoint(path)
     model = model_from_checkpoint(checkpoint, path, dropout=0.0, **overrides)
     return model, checkpoint.get("tokenizer", GPT2_FACTS)

@@ -3,6 +3,7 @@ not a traceback."""
 import argparse
 import datetime
 import os
+import signal
 import socket
 import sys
 import time
@@ -21,7 +22,9 @@ def argument_parser(description: str | None) -> argparse.ArgumentParser:
 
 
 def run(main: Callable[[], None]) -> None:
-    """Run a script's main(); user-facing errors (CLIError, ValueError, OSError) print one line and exit 1."""
+    """Run a script's main(); user-facing errors (CLIError, ValueError, OSError) print one line and exit 1.
+    SIGTERM interrupts like Ctrl-C, so the script's cleanup (temporary files) runs either way."""
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         main()
     except (CLIError, ValueError, OSError) as e:
@@ -31,6 +34,10 @@ def run(main: Callable[[], None]) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def free_port() -> int:
@@ -64,6 +71,17 @@ def report_distributed_error(message: str) -> None:
         print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
 
 
+def stop_torchrun_restarts() -> None:
+    """torchrun restarts failed workers while --max-restarts allows, and a bad input would fail (and print) the
+    same way each time: after reporting it, local rank 0 asks its torchrun agent to stop the job instead."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
+        return
+    if os.environ.get("LOCAL_RANK") == "0":
+        os.kill(os.getppid(), signal.SIGTERM)
+    else:  # exiting first would make the agent restart the job before local rank 0 stops it
+        time.sleep(10)
+
+
 def run_distributed(main: Callable[[], None]) -> None:
     """run()'s contract in every rank of a launcher (torchrun, deepspeed): user errors are one line from
     rank 0, a lost peer is one line, and the process group is always destroyed before the non-zero exit."""
@@ -73,6 +91,7 @@ def run_distributed(main: Callable[[], None]) -> None:
         main()
     except (CLIError, ValueError, OSError) as e:
         report_distributed_error(" ".join(str(e).split()) or type(e).__name__)
+        stop_torchrun_restarts()
         status = 1
     except RuntimeError as e:  # a peer died or hung: the launcher stops (or restarts) the job anyway
         if not isinstance(e, dist.DistError) and "gloo" not in str(e):

@@ -73,6 +73,8 @@ def load_corpus(path: str, split: str = "969,30,1") -> Corpus:
     prefix = path[:-4] if path.endswith((".bin", ".idx")) else path
     if os.path.exists(prefix + ".idx") or os.path.exists(prefix + ".bin"):
         return load_megatron(prefix, split)
+    if os.path.exists(megatron_document_prefix(prefix) + ".idx"):  # the --output-prefix given to tokenizer.py
+        return load_megatron(megatron_document_prefix(prefix), split)
     raise CLIError(f"data not found: {path} (expected a folder with train.bin/val.bin/meta.json or a Megatron prefix)")
 
 

@@ -1,14 +1,26 @@
-"""Files that are never half-written, and JSON that fails in one line.
+"""Files that are never half-written, outputs that never replace inputs, and JSON that fails in one line.
 
 Every output of the toolkit (checkpoints, token files, HF folders, JSON state) is written under a
 temporary name in the same folder and renamed at the end, so a crash or a full disk never leaves a
 half-written file under the final name, and an old file is only replaced by a complete new one.
+A failed write is one line naming the file and the cause.
 """
 import json
 import os
+import re
+import shutil
 from typing import Any, Callable
 
 from cli import CLIError
+
+try:
+    import fcntl
+    import resource
+except ImportError:  # Windows: no advisory locks, no file size limit
+    fcntl = resource = None
+
+CODE_DIR = os.path.dirname(os.path.abspath(__file__))
+TEMPORARY = re.compile(r"\..+\.tmp\d+")
 
 
 def temporary_name(path: str) -> str:
@@ -26,9 +38,62 @@ def atomic_write(path: str, write: Callable[[str], Any]) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # some writers (safetensors) create private files
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch's zip writer hides ENOSPC behind a RuntimeError
+        raise CLIError(f"cannot write {path}: {_why_write_failed(e, tmp)}; nothing was replaced") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _why_write_failed(error: Exception, tmp: str) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror.lower()
+    written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if resource else None
+    if limit not in (None, getattr(resource, "RLIM_INFINITY", None)) and written >= limit:
+        return f"the file size limit of {limit:,} bytes was reached (ulimit -f)"
+    free = shutil.disk_usage(os.path.dirname(tmp) or ".").free
+    if free < max(written, 1 << 20):
+        return f"no space left on device ({free:,} bytes free)"
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def lock_folder(folder: str) -> int | None:
+    """Hold an advisory lock on folder/.lock for the life of this process (which also proves the folder
+    writable); a second process that asks gets a CLIError naming the first one's PID."""
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    if fcntl is None:
+        return fd
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise CLIError(f"{folder} is in use by another run (PID {other}); wait for it to finish or use "
+                       f"another --out-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def remove_temporaries(folder: str) -> None:
+    """Delete temporary files a killed writer left in folder (call it while holding the folder's lock)."""
+    for name in os.listdir(folder):
+        if TEMPORARY.fullmatch(name) and os.path.isfile(os.path.join(folder, name)):
+            os.remove(os.path.join(folder, name))
+
+
+def check_output(path: str, inputs: list[str], flag: str) -> None:
+    """Refuse (CLIError) an output path that is one of the inputs, lies inside an input folder, or is a file
+    of this toolkit's code."""
+    target = os.path.realpath(path)
+    for source in filter(None, inputs):
+        source = os.path.realpath(source)
+        if target == source or os.path.isdir(source) and target.startswith(source + os.sep):
+            raise CLIError(f"{flag} {path} would overwrite the input {source}; choose another path")
+    if os.path.dirname(target) == CODE_DIR and target.endswith(".py"):
+        raise CLIError(f"{flag} {path} would overwrite this toolkit's {os.path.basename(target)}")
 
 
 def _umask() -> int:

@@ -16,8 +16,10 @@ from torch import nn
 
 from checkpoint import read_weights
 from files import atomic_write, read_json, write_json
+from gpt2_vocab import GPT2_FACTS
 from model import GPT, GPTConfig, check_config
 
+TOKENIZER_FILE = "tokenizer_facts.json"  # this toolkit's tokenizer facts, for folders of other vocabularies
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 CONV1D_MODULES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -107,16 +109,17 @@ def load_gpt2(path: str, **overrides) -> GPT:
     return model
 
 
-def save_gpt2(model: GPT, out_dir: str, eot_id: int | None = None) -> None:
+def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> None:
     """config.json + model.safetensors that transformers' GPT2LMHeadModel loads as the same model.
 
-    bias=False is written as zero biases (the same function). eot_id becomes bos/eos_token_id (GPT-2's
-    50256 by default for its 50257-token vocabulary; none for a vocabulary without an end-of-text token)."""
+    bias=False is written as zero biases (the same function). `tokenizer` (facts, as in checkpoints; default
+    GPT-2's) gives bos/eos_token_id, none for a vocabulary without an end-of-text token; facts of another
+    tokenizer are also written to TOKENIZER_FILE, so test.py samples the folder with the right one."""
     from safetensors.torch import save_file
 
     c = model.config
-    if eot_id is None and c.vocab_size == 50257:
-        eot_id = 50256
+    tokenizer = tokenizer or GPT2_FACTS
+    eot_id = tokenizer.get("eot_id")
     hf = {
         "model_type": "gpt2",
         "architectures": ["GPT2LMHeadModel"],
@@ -152,3 +155,16 @@ def save_gpt2(model: GPT, out_dir: str, eot_id: int | None = None) -> None:
     atomic_write(os.path.join(out_dir, "model.safetensors"),
                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     write_json(os.path.join(out_dir, "config.json"), hf)
+    if tokenizer.get("tokenizer") != "gpt2":
+        write_json(os.path.join(out_dir, TOKENIZER_FILE), tokenizer)
+
+
+def read_tokenizer(directory: str, vocab_size: int) -> dict:
+    """The tokenizer facts of an HF folder: TOKENIZER_FILE when this toolkit wrote one, else GPT-2's."""
+    path = os.path.join(directory, TOKENIZER_FILE)
+    facts = read_json(path, "tokenizer facts") if os.path.isfile(path) else dict(GPT2_FACTS)
+    if facts.get("vocab_size") != vocab_size:
+        raise ValueError(f"{directory} holds a model of {vocab_size} tokens but its tokenizer ({facts.get('tokenizer')}) "
+                         f"has {facts.get('vocab_size')}; without {TOKENIZER_FILE} an HF folder is read with "
+                         f"GPT-2's tokenizer")
+    return facts

@@ -458,12 +458,7 @@ class GPT(nn.Module):
         self._check_ids(idx)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        check_sampling(temperature, top_k, top_p)
         if eos_token is not None and not 0 <= eos_token < self.config.vocab_size:
             raise ValueError(f"eos_token must be in [0, {self.config.vocab_size}), got {eos_token}")
         sample = functools.partial(_sample, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -509,10 +504,21 @@ class GPT(nn.Module):
         import hf
         return hf.load_gpt2(path, **overrides)
 
-    def save_pretrained(self, out_dir: str, eot_id: int | None = None) -> None:
-        """config.json + model.safetensors that transformers' GPT2LMHeadModel loads as the same model."""
+    def save_pretrained(self, out_dir: str, tokenizer: dict | None = None) -> None:
+        """config.json + model.safetensors that transformers' GPT2LMHeadModel loads as the same model
+        (tokenizer: the facts of the vocabulary it was trained with; default GPT-2's)."""
         import hf
-        hf.save_gpt2(self, out_dir, eot_id)
+        hf.save_gpt2(self, out_dir, tokenizer)
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """ValueError unless temperature is finite and >= 0, top_k >= 1 and top_p in (0, 1]."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:

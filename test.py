@@ -6,6 +6,7 @@ or an HF GPT-2 directory. Prints samples as they are generated, writes Megatron-
 """
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -13,7 +14,8 @@ import torch
 import cli
 from checkpoint import load_model
 from device import autocast, resolve_device, resolve_dtype
-from model import ATTN_KERNELS, GPT
+from files import check_output
+from model import ATTN_KERNELS, GPT, check_sampling
 from tokenizer import Tokenizer, load_tokenizer
 
 
@@ -33,6 +35,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--attn-kernel", default="auto", choices=ATTN_KERNELS, help="attention implementation")
     parser.add_argument("--genfile", help="write samples as JSONL lines {text, length, finished} (Megatron)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --genfile")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="print tokens as they come (default: when stdout is a terminal)")
     parser.add_argument("--interactive", action="store_true", help="read prompts from stdin in a loop")
@@ -128,12 +131,23 @@ class Sampler:
             self.genfile.close()
 
 
-def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace) -> None:
-    """Sample once from --prompt, or in a loop over prompts typed on stdin with --interactive."""
-    torch.manual_seed(args.seed)
+def check_sampling_args(args: argparse.Namespace, inputs: list[str]) -> None:
+    """Every sampling option in range, and a --genfile that replaces neither an input nor, without --overwrite,
+    an existing file: checked before anything is loaded or written."""
     for name in ("num_samples", "max_new_tokens", "micro_batch_size"):
         if getattr(args, name) < 1:
             raise cli.CLIError(f"--{name.replace('_', '-')} must be at least 1")
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    if args.genfile:
+        prompt_file = [args.prompt[len("FILE:"):]] if args.prompt.startswith("FILE:") else []
+        check_output(args.genfile, inputs + prompt_file, "--genfile")
+        if os.path.exists(args.genfile) and not args.overwrite:
+            raise cli.CLIError(f"--genfile {args.genfile} already exists; pass --overwrite to replace it")
+
+
+def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace) -> None:
+    """Sample once from --prompt, or in a loop over prompts typed on stdin with --interactive."""
+    torch.manual_seed(args.seed)
     sampler = Sampler(model, tok, args)
     try:
         if not args.interactive:
@@ -158,6 +172,7 @@ def main() -> None:
                         help="checkpoint file, or an HF GPT-2 directory / cached name (default: ckpt/ckpt.pt)")
     add_sampling_arguments(parser)
     args = parser.parse_args()
+    check_sampling_args(args, [args.ckpt])
     model, facts = load_model(args.ckpt, attn_kernel=args.attn_kernel)
     run_sampling(model, load_tokenizer(facts), args)
 

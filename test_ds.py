@@ -14,8 +14,9 @@ import os
 import sys
 
 import cli
+from files import check_output
 from checkpoint import default_deepspeed_source, load_deepspeed_model
-from test import add_sampling_arguments, run_sampling
+from test import add_sampling_arguments, check_sampling_args, run_sampling
 from tokenizer import load_tokenizer
 
 DEFAULT_DS_DIR = os.path.join("ckpt", "ds")
@@ -36,15 +37,18 @@ def main() -> None:
                         help="write the model as an HF GPT-2 folder (config.json + model.safetensors) and exit")
     add_sampling_arguments(parser)
     args = parser.parse_args()
+    check_sampling_args(args, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir])
+    if args.export_hf:
+        check_output(args.export_hf, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir], "--export-hf")
     if args.ckpt is None:
         args.ckpt = DEFAULT_DS_DIR if args.tag else default_deepspeed_source(DEFAULT_DS_DIR, CONVERTED_NAME)
     model, state, label = load_deepspeed_model(args.ckpt, args.ds_dir, args.tag, attn_kernel=args.attn_kernel)
     print(f"loaded {label}", file=sys.stderr, flush=True)
     facts = state["tokenizer"]
     if args.export_hf:
-        model.save_pretrained(args.export_hf, eot_id=facts.get("eot_id"))
+        model.save_pretrained(args.export_hf, tokenizer=facts)
         note = "" if facts.get("tokenizer") == "gpt2" else \
-            f" (note: it uses the {facts.get('tokenizer')} tokenizer, not GPT-2's)"
+            f" (its {facts.get('tokenizer')} tokenizer, not GPT-2's, is described in tokenizer_facts.json for test.py)"
         print(f"wrote an HF GPT-2 folder to {args.export_hf}{note}", flush=True)
         return
     run_sampling(model, load_tokenizer(facts), args)

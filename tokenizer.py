@@ -470,8 +470,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise CLIError("a .json --vocab-file needs --merge-file (gpt2-merges.txt)")
     if not 0 < args.val_fraction < 1:
         raise CLIError(f"--val-fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
-    if args.workers < 1 or args.chunk_mb <= 0:
-        raise CLIError("--workers must be >= 1 and --chunk-mb > 0")
+    if args.workers < 1 or not 0 < args.chunk_mb <= 1024:
+        raise CLIError(f"--workers must be >= 1 and --chunk-mb between 0 and 1024, got {args.workers} and "
+                       f"{args.chunk_mb}")
 
 
 def main(argv: list[str] | None = None) -> None:

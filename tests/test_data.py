@@ -70,7 +70,8 @@ def test_token_ids_and_counts_are_checked_once_at_load(tmp_path):
 
 def test_load_megatron_every_way_of_naming_it(tmp_path):
     prefix = write_megatron(str(tmp_path / "m_text_document"), documents(100))
-    for path in (prefix, prefix + ".bin", prefix + ".idx", str(tmp_path)):
+    # ... including the bare --output-prefix given to tokenizer.py (it writes PREFIX_text_document)
+    for path in (prefix, prefix + ".bin", prefix + ".idx", str(tmp_path), str(tmp_path / "m")):
         corpus = load_corpus(path)
         assert isinstance(corpus.train, np.memmap) and corpus.meta["tokenizer"] == "byte"
         # Megatron's --split 969,30,1 over 100 documents: 97 train, 3 val, 0 test

@@ -90,3 +90,34 @@ def test_bad_sampling_input(char_ckpt, args, fragment):
 
 def test_missing_checkpoint(tmp_path):
     assert_one_line_error(run_script("test.py", "--ckpt", tmp_path / "ckpt.pt", "--device", "cpu"), "not found")
+
+
+def test_genfile_is_not_replaced_without_overwrite(char_ckpt, tmp_path):
+    genfile = tmp_path / "samples.jsonl"
+    genfile.write_text("earlier samples\n")
+    result = run_script("test.py", "--ckpt", char_ckpt, *SAMPLE, "--genfile", genfile)
+    assert_one_line_error(result, "already exists", "--overwrite")
+    assert genfile.read_text() == "earlier samples\n"
+    ok = run_script("test.py", "--ckpt", char_ckpt, *SAMPLE, "--genfile", genfile, "--overwrite", "--num-samples", "1")
+    assert ok.returncode == 0 and len(genfile.read_text().splitlines()) == 1
+
+
+def test_hf_export_of_a_char_model_samples_and_generates_in_transformers(char_data, tmp_path):
+    """A char vocabulary has no GPT-2 end-of-text id: the export names none, and keeps its own tokenizer."""
+    import transformers
+    facts = json.loads((char_data / "meta.json").read_text())
+    model = write_checkpoint(tmp_path / "ckpt.pt", facts)
+    model.save_pretrained(str(tmp_path / "hf"), tokenizer=facts)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["bos_token_id"] is None and config["eos_token_id"] is None
+    assert oct((tmp_path / "hf" / "model.safetensors").stat().st_mode & 0o777) != oct(0o600)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    out = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 8)
+    genfile = tmp_path / "gen.jsonl"
+    sampled = run_script("test.py", "--ckpt", tmp_path / "hf", *SAMPLE, "--prompt", "def ", "--genfile", genfile,
+                         "--num-samples", "1", "--temperature", "0")
+    assert sampled.returncode == 0, sampled.stderr
+    from_ckpt = run_script("test.py", "--ckpt", tmp_path / "ckpt.pt", *SAMPLE, "--prompt", "def ",
+                           "--num-samples", "1", "--temperature", "0", "--no-stream")
+    assert json.loads(genfile.read_text())["text"] == from_ckpt.stdout.splitlines()[0]

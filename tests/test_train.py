@@ -5,10 +5,12 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from checkpoint import load_checkpoint
+from model import GPT, GPTConfig
 from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_script, tensorboard_scalars
 from training import TrainConfig, learning_rate, parse_config
 
@@ -210,3 +212,52 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(char_data, tmp_path):
                         "--warmup-iters", "0")
     assert_one_line_error(result, "loss is")
     assert (tmp_path / "ckpt.pt").read_bytes() == before
+
+
+# ----- what a new user runs into -----
+
+def test_preset_and_a_contradicting_shape_flag(char_data, tmp_path):
+    result = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path / "out", "--preset", "gpt2",
+                        "--n-layer", "2", "--device", "cpu")
+    assert_one_line_error(result, "--preset gpt2 has n-layer 12 but --n-layer 2 was given")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_new_run_never_replaces_another_runs_checkpoint_silently(char_data, tmp_path):
+    train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100")
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    again = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--max-iters", "2")
+    assert_one_line_error(again, "holds the checkpoint of another run", "--init-from resume", "--overwrite")
+    assert (tmp_path / "ckpt.pt").read_bytes() == before
+    replaced = train(char_data, tmp_path, "--max-iters", "3", "--overwrite", "--eval-interval", "100")
+    assert replaced["iter_num"] == 3
+
+
+def test_each_run_logs_to_its_own_tensorboard_folder(char_data, tmp_path):
+    train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100", "--run-name", "first")
+    train(char_data, tmp_path, "--max-iters", "4", "--eval-interval", "100", "--init-from", "resume")
+    assert [p.name for p in (tmp_path / "tensorboard").iterdir()] == ["first"]  # a resume continues its run
+    steps = [step for step, _ in tensorboard_scalars(tmp_path / "tensorboard")["loss/train"]]
+    assert steps == [1, 2, 3, 4]
+    train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100", "--overwrite")
+    runs = sorted(p.name for p in (tmp_path / "tensorboard").iterdir())
+    assert len(runs) == 2 and runs[1] == "first" and runs[0][:8].isdigit()  # a new run: a folder of its start time
+
+
+def test_a_validation_split_too_short_names_the_split_and_the_fix(tmp_path):
+    from data import write_nanogpt
+    write_nanogpt(str(tmp_path / "data"), np.zeros(5000, np.uint16), np.zeros(20, np.uint16),
+                  {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256})
+    result = run_script("train.py", "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "out", *TINY_MODEL)
+    assert_one_line_error(result, "the val split", "has 20 tokens", "--block-size", "--val-fraction")
+
+
+def test_init_from_hf_with_a_longer_block_size_fails_at_start(tmp_path):
+    from data import write_nanogpt
+    GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)).save_pretrained(str(tmp_path / "hf"))
+    write_nanogpt(str(tmp_path / "data"), np.zeros(5000, np.uint16), np.zeros(500, np.uint16),
+                  {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "encoding": "r50k_base"})
+    result = run_script("train.py", "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "out",
+                        "--init-from", tmp_path / "hf", "--block-size", "32", "--device", "cpu")
+    assert_one_line_error(result, "--block-size 32 is longer than the 16 positions")
+    assert "iter 1:" not in result.stdout

@@ -223,6 +223,15 @@ def test_bad_input_is_one_line_from_rank_0(char_data, tmp_path, flags, message):
     assert time.monotonic() - start < 90
 
 
+def test_bad_input_is_not_restarted_by_torchrun(char_data, tmp_path):
+    result = torchrun(2, "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--grad-accum", "3",
+                      launcher=("--standalone", "--max-restarts", "3"), timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert errors == ["error: --grad-accum 3 cannot be split across 2 processes; use a multiple of 2"], errors
+    assert "restart" not in result.stdout.lower()
+
+
 def test_without_torchrun_or_peers_fails_fast_with_one_line(char_data, tmp_path):
     clean = {k: "" for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env = {k: v for k, v in os.environ.items() if k not in clean}

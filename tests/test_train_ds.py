@@ -59,16 +59,6 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="session")
-def ds_ops():
-    """Build (or load from ~/.cache/torch_extensions) cpu_adam and shm_comm once, before parallel ranks need them."""
-    code = ("from deepspeed.accelerator import get_accelerator as g; "
-            "[g().create_op_builder(n).load() for n in ('CPUAdamBuilder', 'ShareMemCommBuilder')]")
-    result = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=900,
-                            env={**os.environ, **ENV})
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-@pytest.fixture(scope="session")
 def hostfile(tmp_path_factory):
     path = tmp_path_factory.mktemp("hosts") / "hostfile"
     path.write_text("localhost slots=2\n")
@@ -161,6 +151,9 @@ def test_two_node_no_ssh_then_exact_resume(zero3_run, char_data, hostfile, tmp_p
     assert all(p.returncode == 0 for p in procs), outputs[0][-3000:] + outputs[1][-3000:]
     assert "1 micro x" not in outputs[0] and "2 processes" in outputs[0]
     assert train_state(tmp_path)["iter_num"] == 6
+    conv = subprocess.run([sys.executable, "zero_to_fp32.py", ".", "ckpt_ds.pt"], cwd=tmp_path / "ds", text=True,
+                          capture_output=True, timeout=120, env={**os.environ, **ENV})  # the seed's flow, at step 6
+    assert conv.returncode == 0, conv.stderr[-2000:]
 
     resumed = launch(hostfile, char_data, tmp_path, "--init-from", "resume", "--max-iters", "12")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -168,6 +161,18 @@ def test_two_node_no_ssh_then_exact_resume(zero3_run, char_data, hostfile, tmp_p
     assert_same_weights(final_weights(tmp_path), engine_weights)
     assert train_state(tmp_path)["history"]["loss"] == train_state(zero3_run[0])["history"]["loss"]
     assert sorted(p.name for p in (tmp_path / "ds").glob("global_step*")) == ["global_step12"]
+
+    # plain `python test_ds.py` samples the newest weights, not the conversion made at step 6, and says so
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "ckpt").symlink_to(tmp_path)
+    default = run_script("test_ds.py", "--num-samples", "1", "--max-new-tokens", "5", "--device", "cpu",
+                         cwd=user, env=ENV)
+    assert default.returncode == 0, default.stderr[-2000:]
+    assert "loaded ckpt/ds (global_step12, iteration 12)" in default.stderr
+    stale = run_script("test_ds.py", "--ckpt", "ckpt/ds/ckpt_ds.pt", "--num-samples", "1", "--max-new-tokens", "5",
+                       "--device", "cpu", cwd=user, env=ENV)
+    assert stale.returncode == 0 and "zero_to_fp32 output older than global_step12" in stale.stderr, stale.stderr
 
 
 def test_resume_with_another_world_size_is_one_line(zero3_run, char_data, tmp_path):

@@ -1,0 +1,95 @@
+"""Every command the README shows runs, in order, in a fresh folder, as a user would type it, at a tiny size.
+
+The only changes to a command: flags that make training and sampling tiny are appended (the last value of
+a flag wins), and the two-machine placeholders R and A become the two node ranks and 127.0.0.1. The pip
+and pytest commands are what `.ci/run` runs.
+"""
+import json
+import lzma
+import os
+import re
+import subprocess
+
+import pytest
+
+from conftest import ROOT
+from model import GPT, GPTConfig
+
+TINY_TRAINING = "--n-layer 1 --n-head 2 --n-embd 32 --block-size 32 --batch-size 2 --eval-iters 1 --eval-interval 2 " \
+                "--dtype float32"
+TINY_SAMPLING = "--max-new-tokens 5 --num-samples 2"
+LINKED = ["ds_config.json", "hostfile.txt", *(p.name for p in ROOT.glob("*.py"))]
+
+
+def readme_commands() -> list[str]:
+    """The commands of the README's bash blocks, continuation lines joined, comments dropped."""
+    text = (ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("  #")[0].strip()
+            if line and not line.startswith("#"):
+                commands.append(" ".join(line.split()))
+    return commands
+
+
+def tiny(command: str) -> str:
+    """The command with tiny-size flags appended to each training and sampling script it runs."""
+    parts = []
+    for part in command.split(" && "):
+        if re.search(r"\btrain(_ddp|_ds)?\.py\b", part):
+            part += f" {TINY_TRAINING} --max-iters {6 if '--init-from resume' in part else 2}"
+        elif re.search(r"\btest(_ds)?\.py\b", part):
+            part += f" {TINY_SAMPLING}"
+        parts.append(part)
+    return " && ".join(parts)
+
+
+@pytest.fixture
+def user_folder(tmp_path, ds_ops):
+    """A fresh folder holding the toolkit's files, the user's texts, an OSCAR-like jsonl.xz and GPT-2 (a tiny
+    stand-in) in a local Hugging Face cache."""
+    for name in LINKED:
+        (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / "my_texts").mkdir()
+    for i in range(8):
+        (tmp_path / "my_texts" / f"{i}.md").write_text(f"# Note {i}\n\n" + "Some text about nothing much. " * 200)
+    with lzma.open(tmp_path / "oscar-1GB.jsonl.xz", "wt") as f:
+        for i in range(300):
+            f.write(json.dumps({"id": i, "text": f"Document {i}. " + "Words of the web. " * 50}) + "\n")
+    snapshot = tmp_path / "hf-cache" / "models--openai-community--gpt2" / "snapshots" / "0123abc"
+    GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)).save_pretrained(str(snapshot))
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123abc")
+    return tmp_path
+
+
+def run(command: str, cwd, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_every_readme_command_runs(user_folder):
+    env = {**os.environ, "HF_HUB_CACHE": str(user_folder / "hf-cache"), "DS_ACCELERATOR": "cpu",
+           "OMP_NUM_THREADS": "1"}
+    ran = []
+    for command in readme_commands():
+        if command.startswith(("pip install", "python -m pytest")):
+            continue  # .ci/run
+        if "--node_rank R" in command:  # the two-machine form: both "machines" here
+            procs = [subprocess.Popen(["bash", "-c", tiny(command).replace("--node_rank R", f"--node_rank {rank}")
+                                       .replace("--master_addr A", "--master_addr 127.0.0.1")],
+                                      cwd=user_folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True) for rank in (0, 1)]
+            outputs = [p.communicate(timeout=600)[0] for p in procs]
+            assert all(p.returncode == 0 for p in procs), command + "\n" + outputs[0][-2000:] + outputs[1][-2000:]
+        else:
+            result = run(tiny(command), user_folder, env)
+            assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+        ran.append(command)
+    assert len(ran) >= 14, ran
+    # what the commands were meant to produce
+    for path in ("ckpt/ckpt.pt", "data/mine/meta.json", "data/my-gpt2_text_document.idx", "ckpt/mine/ckpt.pt",
+                 "ckpt/gpt2-mine/ckpt.pt", "samples.jsonl", "ckpt/ddp/ckpt.pt", "ckpt/ddp2/ckpt.pt",
+                 "ckpt/ds/latest", "ckpt/ds/ckpt_ds.pt/pytorch_model.bin"):
+        assert (user_folder / path).exists(), path
