@@ -408,22 +408,14 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------ sampling
 
     @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token: int | None = None,
-        use_cache: bool = True,
-    ) -> torch.Tensor:
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
         """Extend the prompts idx (B, T) by up to max_new_tokens tokens; returns (B, T + n).
 
-        See generate_stream for the options and the context policy. With eos_token, n is smaller
-        than max_new_tokens when every sequence has finished early.
+        The options (temperature, top_k, top_p, eos_token, use_cache) and the context policy are
+        generate_stream's. With eos_token, n is smaller than max_new_tokens when every sequence has
+        finished early.
         """
-        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, eos_token, use_cache))
+        new = list(self.generate_stream(idx, max_new_tokens, **options))
         return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx.clone()
 
     def generate_stream(

@@ -276,6 +276,30 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
                          n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias, attn_kernel=cfg.attn_kernel))
 
 
+class StopRequest:
+    """SIGINT/SIGTERM ask the loop to finish its step, save and exit 0 (in every rank). Repeats within a few
+    seconds are the same request (on Ctrl-C the terminal signals every process, and a launcher then forwards
+    SIGTERM too); a later one stops at once."""
+
+    def __init__(self):
+        self.requested, self.first = False, 0.0
+        signal.signal(signal.SIGINT, self.handle)
+        signal.signal(signal.SIGTERM, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self.requested and now - self.first > SIGNAL_GRACE_S:
+            raise KeyboardInterrupt
+        if not self.requested:
+            self.requested, self.first = True, now
+
+
+def tensorboard_writer(cfg: TrainConfig):
+    """A SummaryWriter for this run: TENSORBOARD_DIR (default OUT_DIR/tensorboard) / RUN_NAME."""
+    from torch.utils.tensorboard import SummaryWriter
+    return SummaryWriter(os.path.join(cfg.tensorboard_dir or os.path.join(cfg.out_dir, "tensorboard"), cfg.run_name))
+
+
 class TorchEngine:
     """train.py's and train_ddp.py's engine: AdamW (+ GradScaler for float16, torch.compile, DDP in a process
     group); checkpoints are OUT_DIR/ckpt.pt, written by rank 0."""
@@ -393,7 +417,6 @@ class Trainer:
                            f"total, so nothing is left to train; continue with --max-iters N for some N > "
                            f"{self.iter_num}")
         engine.start(self.model, cfg, self.device, self.dtype, resume)
-        self.stop_requested = False
         self.writer = None
 
     def settle_config(self, cfg: TrainConfig, explicit: set[str], resume: dict | None) -> TrainConfig:
@@ -455,7 +478,7 @@ class Trainer:
     # ----- the loop -----
     def fit(self) -> None:
         cfg = self.cfg
-        self.install_signal_handlers()
+        stop_request = StopRequest()
         tokens_per_iter = self.global_batch * cfg.block_size
         peak = peak_flops(self.device, cfg.peak_tflops)
         if self.master:
@@ -471,7 +494,7 @@ class Trainer:
             lr = learning_rate(self.iter_num, cfg)
             t0 = time.perf_counter()
             loss = self.engine.train_step(self.micro_batches(self.iter_num), lr)
-            loss, stop = self.all_reduce_sum([loss, float(self.stop_requested)])
+            loss, stop = self.all_reduce_sum([loss, float(stop_request.requested)])
             loss /= self.world_size
             dt = time.perf_counter() - t0
             self.check_finite(loss)
@@ -578,9 +601,7 @@ class Trainer:
 
     def tensorboard(self):
         if self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-            base = self.cfg.tensorboard_dir or os.path.join(self.cfg.out_dir, "tensorboard")
-            self.writer = SummaryWriter(os.path.join(base, self.cfg.run_name))
+            self.writer = tensorboard_writer(self.cfg)
         return self.writer
 
     # ----- checkpoints and signals -----
@@ -613,19 +634,6 @@ class Trainer:
         loss = self.engine.eval_loss(*get_batch(self.corpus.val, offsets, cfg.block_size, self.device)).item()
         self.model.train()
         return bool(self.all_reduce_sum([float(math.isfinite(loss))])[0] == self.world_size)
-
-    def install_signal_handlers(self) -> None:
-        """SIGINT/SIGTERM finish the current step, save a checkpoint and exit 0 (in every rank). Repeats within a
-        few seconds are the same request (on Ctrl-C the terminal signals every process, and a launcher then
-        forwards SIGTERM too); a later one stops at once."""
-        def request_stop(signum, frame):
-            now = time.monotonic()
-            if self.stop_requested and now - self.first_signal > SIGNAL_GRACE_S:
-                raise KeyboardInterrupt
-            if not self.stop_requested:
-                self.stop_requested, self.first_signal = True, now
-        signal.signal(signal.SIGINT, request_stop)
-        signal.signal(signal.SIGTERM, request_stop)
 
     def plot_losses(self) -> None:
         """OUT_DIR/loss.png: the training loss every log_interval steps and the val loss at each evaluation."""

@@ -167,7 +167,7 @@ def memory(args, tmp, data, configs) -> None:
 def main() -> None:
     parser = cli.argument_parser(__doc__)
     sub = parser.add_subparsers(dest="what", required=True)
-    s = sub.add_parser("steps")
+    s = sub.add_parser("steps", allow_abbrev=False)
     s.add_argument("--modes", default="single,ddp,zero2,zero3_offload")
     s.add_argument("--shape", default="4x256", help="LAYERSxWIDTH (default: 4x256, ~3.2M params)")
     s.add_argument("--block-size", type=int, default=256)
@@ -176,7 +176,7 @@ def main() -> None:
     s.add_argument("--skip", type=int, default=5)
     s.add_argument("--repeats", type=int, default=1)
     s.add_argument("--timeout", type=float, default=900)
-    m = sub.add_parser("memory")
+    m = sub.add_parser("memory", allow_abbrev=False)
     m.add_argument("--modes", default="ddp,zero3_offload")
     m.add_argument("--sizes", default="12x768", help="comma-separated LAYERSxWIDTH (12x768 = GPT-2 small's trunk)")
     m.add_argument("--block-size", type=int, default=64)
