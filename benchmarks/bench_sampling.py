@@ -4,6 +4,7 @@ GPT.generate without and with the KV cache, on a small random model.
 
     python benchmarks/bench_sampling.py --repeats 3 --new-tokens 500
     python benchmarks/bench_sampling.py --vocab-size 50257
+    python benchmarks/bench_sampling.py --preset gpt2 --device cuda --dtype bfloat16 --methods cache
 
 Runs are interleaved (A B C A B C ...) so that load from other processes hits all three alike;
 the median new tokens/s of each is reported.
@@ -18,7 +19,8 @@ from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cli  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from device import DTYPES, autocast, resolve_device  # noqa: E402
+from model import GPT, GPTConfig, PRESETS  # noqa: E402
 
 
 @torch.no_grad()
@@ -40,41 +42,54 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=103, help="103: a char vocabulary; 50257: GPT-2's")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--preset", choices=sorted(PRESETS), help="model shape (default: 4 layers, 4 heads, 128 wide)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="autocast dtype (default: float32)")
+    p.add_argument("--methods", default="nanogpt,nocache,cache", help="comma-separated: nanogpt, nocache, cache")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     torch.manual_seed(args.seed)
-    config = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size, n_layer=4, n_head=4, n_embd=128)
-    model = GPT(config).eval()  # random normal init (std 0.02), not zeros
-    prompt = torch.zeros(1, 1, dtype=torch.long)
-    methods = {
-        "nanogpt loop": lambda: nanogpt_sample(model, prompt, args.new_tokens, 1.0),
-        "generate(use_cache=False)": lambda: model.generate(prompt, args.new_tokens, use_cache=False),
-        "generate(use_cache=True)": lambda: model.generate(prompt, args.new_tokens, use_cache=True),
+    shape = {k: PRESETS[args.preset][k] for k in ("n_layer", "n_head", "n_embd")} if args.preset else \
+        dict(n_layer=4, n_head=4, n_embd=128)
+    device = resolve_device(args.device)
+    config = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size, **shape)
+    model = GPT(config).to(device).eval()  # random normal init (std 0.02), not zeros
+    prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
+    every = {
+        "nanogpt": ("nanogpt loop", lambda: nanogpt_sample(model, prompt, args.new_tokens, 1.0)),
+        "nocache": ("generate(use_cache=False)", lambda: model.generate(prompt, args.new_tokens, use_cache=False)),
+        "cache": ("generate(use_cache=True)", lambda: model.generate(prompt, args.new_tokens, use_cache=True)),
     }
+    methods = dict(every[m] for m in args.methods.split(","))
     for run in methods.values():  # warm-up: allocator, kernels
         torch.manual_seed(args.seed)
-        run()
+        with autocast(device, DTYPES[args.dtype]):
+            run()
 
     rates = {name: [] for name in methods}
     for r in range(args.repeats):
         for name, run in methods.items():
             torch.manual_seed(args.seed)
             t0 = time.perf_counter()
-            out = run()
+            with autocast(device, DTYPES[args.dtype]):
+                out = run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
             rates[name].append((out.size(1) - prompt.size(1)) / dt)
         print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in rates.items()), flush=True)
 
-    print(f"\nthreads {torch.get_num_threads()}, vocab {args.vocab_size}, block {args.block_size}, "
-          f"{args.new_tokens} new tokens, median of {args.repeats}:")
+    print(f"\n{device}, {args.dtype}, threads {torch.get_num_threads()}, vocab {args.vocab_size}, block "
+          f"{args.block_size}, {args.new_tokens} new tokens, median of {args.repeats}:")
     med = {name: statistics.median(v) for name, v in rates.items()}
     for name, v in med.items():
         spread = f"{min(rates[name]):,.0f}-{max(rates[name]):,.0f}"
         print(f"  {name:28s} {v:9,.0f} tokens/s  (range {spread})")
-    print(f"  cache / nanogpt loop: {med['generate(use_cache=True)'] / med['nanogpt loop']:.1f}x")
+    if {"cache", "nanogpt"} <= set(args.methods.split(",")):
+        print(f"  cache / nanogpt loop: {med['generate(use_cache=True)'] / med['nanogpt loop']:.1f}x")
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)
