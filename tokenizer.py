@@ -290,6 +290,7 @@ _worker_job = None  # (tokenizer, append_eod, dtype), set once per worker proces
 def _init_worker(facts: dict, append_eod: bool, dtype: str) -> None:
     global _worker_job
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle (it ends the pool)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool ends its workers with SIGTERM: die, no cleanup to run
     _worker_job = (load_tokenizer(facts), append_eod, np.dtype(dtype))
 
 
@@ -316,6 +317,8 @@ def encode_in_order(chunks: Iterator[tuple[list[str], int]], tokenizer: Tokenize
         while pending:
             result, size = pending.popleft()
             yield *result.get(), size
+        pool.close()  # let the workers finish on their own; leaving the block terminates them only on an error
+        pool.join()
 
 
 # -----------------------------------------------------------------------------
