@@ -276,6 +276,15 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
                          n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias, attn_kernel=cfg.attn_kernel))
 
 
+def evaluation_windows(n_tokens: int, block_size: int, count: int, seed: int, stream: int) -> np.ndarray:
+    """Offsets of the windows an evaluation scores: all non-overlapping ones when there are at most `count`,
+    else `count` random ones (fixed by the seed, so successive evaluations are comparable)."""
+    whole = (n_tokens - 1) // block_size
+    if whole <= count:
+        return np.arange(whole, dtype=np.int64) * block_size
+    return window_offsets(n_tokens, block_size, count, seed, 0, stream)
+
+
 class StopRequest:
     """SIGINT/SIGTERM ask the loop to finish its step, save and exit 0 (in every rank). Repeats within a few
     seconds are the same request (on Ctrl-C the terminal signals every process, and a launcher then forwards
@@ -541,24 +550,26 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Mean loss over eval_iters fixed batches per split, shared out over all ranks and all-reduced. Every rank
-        runs the same number of forwards (a rank short of batches repeats one, uncounted), so an engine whose
-        forward is collective (ZeRO-3 gathers the parameters) stays in step."""
+        """Mean loss per split over fixed windows: the whole split in non-overlapping windows when it holds no more
+        than eval_iters batches of them (exact, and cheaper than sampling), else eval_iters batches of random
+        windows. Batches are shared out over all ranks and all-reduced. Every rank runs the same number of
+        forwards (a rank short of batches repeats one, uncounted), so an engine whose forward is collective
+        (ZeRO-3 gathers the parameters) stays in step."""
         cfg = self.cfg
         self.model.eval()
         losses = {}
         for split, stream in (("train", EVAL_TRAIN_STREAM), ("val", EVAL_VAL_STREAM)):
             tokens = getattr(self.corpus, split)
-            offsets = window_offsets(len(tokens), cfg.block_size, cfg.eval_iters * cfg.batch_size, cfg.seed, 0, stream)
+            offsets = evaluation_windows(len(tokens), cfg.block_size, cfg.eval_iters * cfg.batch_size, cfg.seed,
+                                         stream)
+            batches = math.ceil(len(offsets) / cfg.batch_size)
             total, count = 0.0, 0
-            for i in range(self.rank, math.ceil(cfg.eval_iters / self.world_size) * self.world_size, self.world_size):
-                real = i < cfg.eval_iters
-                j = i if real else 0
-                x, y = get_batch(tokens, offsets[j * cfg.batch_size:(j + 1) * cfg.batch_size], cfg.block_size,
-                                 self.device)
-                loss = self.engine.eval_loss(x, y)
+            for i in range(self.rank, math.ceil(batches / self.world_size) * self.world_size, self.world_size):
+                real = i < batches
+                rows = offsets[(i if real else 0) * cfg.batch_size:][:cfg.batch_size]
+                loss = self.engine.eval_loss(*get_batch(tokens, rows, cfg.block_size, self.device))
                 if real:
-                    total, count = total + loss.item(), count + 1
+                    total, count = total + loss.item() * len(rows), count + len(rows)
             total, count = self.all_reduce_sum([total, count])
             losses[split] = total / count
         self.model.train()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
+from checkpoint import load_checkpoint, model_from_checkpoint
 from model import GPT, GPTConfig
 from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_script, tensorboard_scalars
 from training import TrainConfig, learning_rate, parse_config
@@ -261,3 +261,20 @@ def test_init_from_hf_with_a_longer_block_size_fails_at_start(tmp_path):
                         "--init-from", tmp_path / "hf", "--block-size", "32", "--device", "cpu")
     assert_one_line_error(result, "--block-size 32 is longer than the 16 positions")
     assert "iter 1:" not in result.stdout
+
+
+def test_a_small_validation_split_is_scored_whole(tmp_path):
+    """Fewer non-overlapping windows than eval_iters batches would draw: every window is scored, exactly."""
+    from data import load_corpus, write_nanogpt
+    from training import evaluation_windows
+    assert evaluation_windows(100, 32, 8, seed=0, stream=2).tolist() == [0, 32, 64]
+    assert len(evaluation_windows(10_000, 32, 8, seed=0, stream=2)) == 8
+    ids = np.random.default_rng(0).integers(0, 257, 6000).astype(np.uint16)
+    write_nanogpt(str(tmp_path / "data"), ids[:5900], ids[5900:], {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256})
+    ckpt = train(tmp_path / "data", tmp_path / "out", "--max-iters", "3", "--eval-interval", "3")
+    model = model_from_checkpoint(ckpt).eval()
+    val = load_corpus(str(tmp_path / "data")).val
+    x = torch.tensor(np.stack([val[o:o + 32] for o in (0, 32, 64)]).astype(np.int64))
+    y = torch.tensor(np.stack([val[o + 1:o + 33] for o in (0, 32, 64)]).astype(np.int64))
+    with torch.no_grad():
+        assert ckpt["history"]["val"][-1] == pytest.approx(model(x, y)[1].item(), rel=1e-5)
