@@ -33,12 +33,14 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 def cpu_kind() -> str:
-    """The CPU's vector extensions as torch sees them: AMX, AVX512-BF16, AVX512, AVX2 or DEFAULT."""
-    if torch.cpu._is_amx_tile_supported():
+    """The CPU's vector extensions as torch uses them: AMX, AVX512-BF16, AVX512, AVX2 or DEFAULT. torch's
+    capability honours ATEN_CPU_CAPABILITY, so a run restricted to AVX2 on an AVX512 CPU says AVX2."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX512" and torch.cpu._is_amx_tile_supported():
         return "AMX"
-    if torch.cpu._is_avx512_bf16_supported():
+    if capability == "AVX512" and torch.cpu._is_avx512_bf16_supported():
         return "AVX512-BF16"
-    return torch.backends.cpu.get_cpu_capability()
+    return capability
 
 
 def describe(device: torch.device) -> str:
@@ -56,7 +58,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         if device.type == "cuda":
             name = "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
         elif device.type == "cpu":
-            name = "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"
+            name = "bfloat16" if cpu_kind() in ("AMX", "AVX512-BF16") else "float32"
         else:
             name = "float32"
     if name == "float16" and device.type == "cpu" and not torch.cpu._is_amx_fp16_supported():
