@@ -6,18 +6,21 @@ import pytest
 
 from conftest import ROOT, run_script
 
-SCRIPTS = ["tokenizer.py", "train.py", "train_ddp.py", "train_ds.py", "test.py", "test_ds.py"]
+SCRIPTS = ["tokenizer.py", "train.py", "train_ddp.py", "train_ds.py", "test.py", "test_ds.py", "embed.py"]
+# embed.py's flags belong to its subcommands: one of them, with its required flags
+SUBCOMMAND = {"embed.py": ["encode", "--ckpt", "ckpt.pt", "--input", "texts.txt", "--out", "vectors"]}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_and_no_abbreviations(script):
     """argparse's prefix matching is off: Megatron's --save must never be read as --save-interval."""
-    help_text = run_script(script, "--help", env={"DS_ACCELERATOR": "cpu"})
+    command = SUBCOMMAND.get(script, [])
+    help_text = run_script(script, *command, "--help", env={"DS_ACCELERATOR": "cpu"})
     assert help_text.returncode == 0 and "usage:" in help_text.stdout, help_text.stderr
     flag = "--num-samples" if script.startswith("test") else "--workers" if script == "tokenizer.py" else \
-        "--eval-interval"
+        "--chunk-tokens" if script == "embed.py" else "--eval-interval"
     assert flag in help_text.stdout
-    abbreviated = run_script(script, flag[:-3], "5", env={"DS_ACCELERATOR": "cpu"})
+    abbreviated = run_script(script, *command, flag[:-3], "5", env={"DS_ACCELERATOR": "cpu"})
     assert abbreviated.returncode == 2 and f"unrecognized arguments: {flag[:-3]}" in abbreviated.stderr
 
 

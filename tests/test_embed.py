@@ -1,0 +1,291 @@
+"""embed.py and embedding.py: pooling, padding, chunks, the index, exact search, contrastive tuning, bad input.
+
+The encoder is a tiny byte-level GPT with random weights. The retrieval set is built from a synonym map: the
+documents say "the cat eats the fish", the queries "a kitty devours some trout", so a query shares meaning but
+few bytes with its document; tune learns the synonyms from 70 combinations and is evaluated on 30 others.
+"""
+import itertools
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import embed
+from checkpoint import load_checkpoint, save_checkpoint
+from conftest import ROOT, assert_one_line_error, run_script, tensorboard_scalars
+from embedding import POOLINGS, encode, pooling_weights, top_k
+from model import GPT, GPTConfig
+
+BYTES = {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256}
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the test machine is shared: one thread each runs fastest
+DEVICE = ["--device", "cpu"]
+TUNE = ["--max-iters", "60", "--batch-size", "16", "--lr", "2e-3", "--dtype", "float32", "--log-interval", "20",
+        *DEVICE]
+SUBJECTS = {"cat": "kitty", "dog": "hound", "horse": "pony", "bird": "sparrow", "wolf": "lupine"}
+VERBS = {"eats": "devours", "sees": "spots", "likes": "enjoys", "chases": "pursues"}
+OBJECTS = {"apples": "fruit", "bread": "loaf", "fish": "trout", "grass": "hay", "meat": "steak"}
+
+
+def embed_py(*args, **kwargs) -> subprocess.CompletedProcess:
+    return run_script("embed.py", *args, env=ONE_THREAD, **kwargs)
+
+
+def write_model(path, seed: int = 0, facts: dict = BYTES, block_size: int = 64) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=facts["vocab_size"], n_layer=2, n_head=2, n_embd=64))
+    save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config), "tokenizer": facts}, str(path))
+    return model.eval()
+
+
+def write_jsonl(path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def metrics(result: subprocess.CompletedProcess) -> dict:
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def write_retrieval_set(folder) -> None:
+    """folder/ckpt.pt (the untuned encoder), docs.jsonl (100 documents), train.jsonl (70 pairs for tune) and
+    heldout.jsonl (the queries of the other 30 documents, for eval). benchmarks/bench_embed.py uses it too."""
+    write_model(folder / "ckpt.pt")
+    combos = list(itertools.product(SUBJECTS, VERBS, OBJECTS))
+    random.Random(0).shuffle(combos)
+    documents = [{"id": f"d{i}", "text": f"the {s} {v} the {o}"} for i, (s, v, o) in enumerate(combos)]
+    queries = [f"a {SUBJECTS[s]} {VERBS[v]} some {OBJECTS[o]}" for s, v, o in combos]
+    write_jsonl(folder / "docs.jsonl", documents)
+    write_jsonl(folder / "train.jsonl", [{"query": q, "positive": d["text"]} for q, d in zip(queries[:70], documents)])
+    write_jsonl(folder / "heldout.jsonl", [{"query": q, "id": d["id"]} for q, d in zip(queries, documents)][70:])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The retrieval set and an index of it made with the untuned encoder."""
+    folder = tmp_path_factory.mktemp("retrieval")
+    write_retrieval_set(folder)
+    result = embed_py("index", "--ckpt", folder / "ckpt.pt", "--input", folder / "docs.jsonl", "--out",
+                      folder / "index", *DEVICE)
+    assert result.returncode == 0, result.stderr
+    return folder
+
+
+# ----- pooling, padding, chunks -----
+
+@pytest.mark.parametrize("pooling", POOLINGS)
+def test_a_text_has_the_same_vector_alone_and_in_a_padded_batch(pooling):
+    model = GPT(GPTConfig(block_size=64, vocab_size=257, n_layer=2, n_head=2, n_embd=64)).eval()
+    texts = [list(b"short"), list(b"a much longer text than the others, padded to nothing"), list(b"x")]
+    batched = encode(model, texts, pooling, batch_size=3)
+    alone = np.stack([encode(model, [t], pooling, batch_size=1)[0] for t in texts])
+    np.testing.assert_allclose(batched, alone, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.linalg.norm(batched, axis=1), 1, atol=1e-6)
+    assert np.array_equal(encode(model, texts, pooling, batch_size=2), encode(model, texts, pooling, batch_size=2))
+    assert not np.allclose(batched[0], batched[1], atol=1e-3)  # texts differ, so do their vectors
+
+
+def test_poolings_weigh_positions_as_documented():
+    lengths = torch.tensor([3, 1])
+    assert pooling_weights(lengths, 4, "weighted-mean").tolist()[0] == pytest.approx([1 / 6, 2 / 6, 3 / 6, 0])
+    assert pooling_weights(lengths, 4, "mean").tolist()[0] == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0])
+    assert pooling_weights(lengths, 4, "last").tolist() == [[0, 0, 1, 0], [1, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("n, chunk, overlap, spans", [
+    (10, 4, 1, [(0, 4), (3, 7), (6, 10)]), (4, 4, 1, [(0, 4)]), (5, 4, 1, [(0, 4), (3, 5)]), (3, 8, 0, [(0, 3)]),
+])
+def test_chunks_cover_the_text_with_the_overlap_asked(n, chunk, overlap, spans):
+    assert embed.chunk_spans(n, chunk, overlap) == spans
+
+
+def test_encode_writes_unit_vectors_and_one_row_per_chunk_whatever_the_batch(tmp_path):
+    model = write_model(tmp_path / "ckpt.pt")
+    lines = ["first text", "", "a second, much longer text that needs three chunks of sixteen", "third"]
+    (tmp_path / "texts.txt").write_text("\n".join(lines) + "\n")
+    outputs = []
+    for batch in ("16", "1"):
+        out = tmp_path / f"vectors{batch}"
+        result = embed_py("encode", "--ckpt", tmp_path / "ckpt.pt", "--input", tmp_path / "texts.txt", "--out", out,
+                          "--chunk-tokens", "24", "--overlap", "4", "--batch-size", batch, *DEVICE)
+        assert result.returncode == 0, result.stderr
+        rows = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+        outputs.append((np.load(out.with_suffix(".npy")), rows))
+    (vectors, rows), (vectors_one_by_one, rows_again) = outputs
+    assert rows == rows_again
+    np.testing.assert_allclose(vectors, vectors_one_by_one, atol=1e-5, rtol=0)
+    assert vectors.dtype == np.float32 and vectors.shape == (5, 64)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-6)
+    assert [(r["id"], r["chunk"], r["tokens"]) for r in rows] == [
+        ("1", 0, [0, 10]), ("3", 0, [0, 24]), ("3", 1, [20, 44]), ("3", 2, [40, 61]), ("4", 0, [0, 5])]
+    chunk = list(lines[2].encode())[20:44]
+    np.testing.assert_allclose(vectors[2], encode(model, [chunk], "weighted-mean", 1)[0], atol=1e-5, rtol=0)
+
+
+# ----- the index and search -----
+
+def test_every_document_retrieves_itself_first_from_its_own_text(corpus, tmp_path):
+    documents = [json.loads(line) for line in (corpus / "docs.jsonl").read_text().splitlines()]
+    write_jsonl(tmp_path / "self.jsonl", [{"query": d["text"], "id": d["id"]} for d in documents])
+    result = embed_py("eval", "--index", corpus / "index", "--pairs", tmp_path / "self.jsonl", *DEVICE)
+    assert metrics(result) == {"recall@1": 1.0, "recall@5": 1.0, "recall@10": 1.0, "mrr@10": 1.0, "queries": 100}
+    assert "recall@5" in result.stdout.splitlines()[1]
+
+
+def test_a_reloaded_index_gives_identical_results(corpus, tmp_path):
+    """Two processes, the second with a copy of the encoder elsewhere: the index knows it by its sha256."""
+    shutil.copy(corpus / "ckpt.pt", tmp_path / "copy.pt")
+    query = ["--query", "the cat eats the fish", "--query", "a pony enjoys some hay", "--top-k", "3"]
+    runs = [embed_py("search", "--index", corpus / "index", *query, "--json", *ckpt, *DEVICE)
+            for ckpt in ([], ["--ckpt", tmp_path / "copy.pt"])]
+    assert runs[0].returncode == 0, runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout
+    first = [json.loads(line) for line in runs[0].stdout.splitlines()]
+    assert [len(q["results"]) for q in first] == [3, 3]
+    best = first[0]["results"][0]
+    assert best["text"] == best["passage"] == "the cat eats the fish" and best["tokens"] == [0, 21]
+    assert best["score"] > 0.9999 and first[0]["results"][1]["score"] < best["score"]
+    table = embed_py("search", "--index", corpus / "index", *query, *DEVICE).stdout.splitlines()
+    assert table[0] == "query: the cat eats the fish" and table[1].split() == ["rank", "score", "id", "passage"]
+    assert table[2].split()[0] == "1" and table[2].endswith("the cat eats the fish")
+
+
+@pytest.mark.parametrize("block_rows", [1, 7, 64, 10_000])
+def test_search_in_blocks_equals_the_whole_product(tmp_path, block_rows):
+    vectors = torch.nn.functional.normalize(torch.randn(1000, 32, generator=torch.Generator().manual_seed(0)), dim=1)
+    np.save(tmp_path / "v.npy", vectors.numpy())
+    mapped = np.load(tmp_path / "v.npy", mmap_mode="r")
+    queries = vectors[[3, 500, 999]] + 0.1
+    scores, rows = top_k(mapped, queries, 10, block_rows)
+    want_scores, want_rows = (queries @ vectors.T).topk(10, dim=1)
+    assert torch.equal(rows, want_rows)
+    torch.testing.assert_close(scores, want_scores, atol=1e-6, rtol=0)
+    assert rows[:, 0].tolist() == [3, 500, 999]
+
+
+def test_search_ranks_documents_not_chunks(tmp_path):
+    write_model(tmp_path / "ckpt.pt", block_size=16)
+    texts = ["the cat eats the fish " * 4, "the cat eats the fish " * 3 + "and more", "a dog", "bread and apples"]
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
+    embed.main(["index", "--ckpt", str(tmp_path / "ckpt.pt"), "--input", str(tmp_path / "texts.txt"), "--out",
+                str(tmp_path / "index"), "--overlap", "0", *DEVICE])
+    index = embed.Index(str(tmp_path / "index"))
+    assert index.meta["max_chunks"] == 6 and index.meta["rows"] == 6 + 5 + 1 + 1
+    query = torch.from_numpy(index.vectors[[0]].copy())  # the first chunk of document 1
+    hits = index.search(query, 3)[0]  # documents 1 and 2 both begin with that chunk; their other chunks come next
+    numbers = [number for number, _, _ in hits]
+    assert sorted(numbers[:2]) == [0, 1] and numbers[2] in (2, 3)
+    assert hits[0][1] == pytest.approx(1, abs=1e-5) and hits[1][1] == pytest.approx(1, abs=1e-5)
+
+
+# ----- contrastive tuning -----
+
+def test_tune_raises_recall_on_held_out_queries(corpus, tmp_path):
+    before = metrics(embed_py("eval", "--index", corpus / "index", "--pairs", corpus / "heldout.jsonl", *DEVICE))
+    tuned = embed_py("tune", "--ckpt", corpus / "ckpt.pt", "--pairs", corpus / "train.jsonl", "--out-dir",
+                     tmp_path / "tuned", *TUNE, "--run-name", "run")
+    assert tuned.returncode == 0, tuned.stderr
+    result = embed_py("index", "--ckpt", tmp_path / "tuned" / "ckpt.pt", "--input", corpus / "docs.jsonl", "--out",
+                      tmp_path / "index", *DEVICE)
+    assert result.returncode == 0, result.stderr
+    after = metrics(embed_py("eval", "--index", tmp_path / "index", "--pairs", corpus / "heldout.jsonl", *DEVICE))
+    assert before["queries"] == after["queries"] == 30
+    assert before["recall@1"] <= 0.2 and after["recall@1"] >= 0.6, (before, after)
+    assert after["mrr@10"] > before["mrr@10"] + 0.4
+    losses = tensorboard_scalars(tmp_path / "tuned" / "tensorboard")["tune/loss"]
+    assert [step for step, _ in losses] == [20, 40, 60] and losses[-1][1] < losses[0][1]
+    sampled = run_script("test.py", "--ckpt", tmp_path / "tuned" / "ckpt.pt", "--device", "cpu", "--max-new-tokens",
+                         "5", "--num-samples", "1", "--prompt", "the cat", env=ONE_THREAD)
+    assert sampled.returncode == 0 and sampled.stdout.startswith("the cat"), sampled.stderr
+
+
+def test_bias_only_tuning_changes_only_biases(corpus, tmp_path):
+    result = embed_py("tune", "--ckpt", corpus / "ckpt.pt", "--pairs", corpus / "train.jsonl", "--out-dir", tmp_path,
+                      "--bias-only", *TUNE, "--max-iters", "3")
+    assert result.returncode == 0, result.stderr
+    before, after = load_checkpoint(str(corpus / "ckpt.pt"))["model"], load_checkpoint(str(tmp_path / "ckpt.pt"))
+    changed = {name for name, value in after["model"].items() if not torch.equal(value, before[name])}
+    assert changed and all(name.endswith(".bias") for name in changed), changed
+    assert after["iter_num"] == 3 and after["embedding"]["bias_only"] is True
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0(corpus, tmp_path):
+    proc = subprocess.Popen([sys.executable, str(ROOT / "embed.py"), "tune", "--ckpt", str(corpus / "ckpt.pt"),
+                             "--pairs", str(corpus / "train.jsonl"), "--out-dir", str(tmp_path), *TUNE,
+                             "--max-iters", "100000", "--log-interval", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **ONE_THREAD})
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 2:"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "stopped by signal" in out
+    assert 2 <= load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] < 100000
+
+
+def test_a_non_finite_loss_stops_without_saving(corpus, tmp_path):
+    result = embed_py("tune", "--ckpt", corpus / "ckpt.pt", "--pairs", corpus / "train.jsonl", "--out-dir", tmp_path,
+                      *TUNE, "--lr", "1e30", "--warmup-iters", "0", "--grad-clip", "0", "--max-iters", "5")
+    assert_one_line_error(result, "loss is nan", "stopped without saving")
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
+# ----- bad input: one line, exit 1, nothing written -----
+
+@pytest.fixture(scope="module")
+def bad(corpus, tmp_path_factory):
+    """Inputs that must be refused, next to the good corpus."""
+    folder = tmp_path_factory.mktemp("bad")
+    write_model(folder / "other.pt", seed=1)
+    chars = "".join(sorted(set((corpus / "docs.jsonl").read_text())))  # every character of the documents
+    write_model(folder / "char.pt", facts={"tokenizer": "char", "chars": chars, "vocab_size": len(chars),
+                                           "eot_id": None})
+    (folder / "blank.txt").write_text("\n  \n\n")
+    (folder / "broken.jsonl").write_text('{"text": "fine"}\n{"text": "no end"\n')
+    write_jsonl(folder / "unknown.jsonl", [{"query": "a kitty", "id": "d1"}, {"query": "a hound", "id": "d100"}])
+    write_jsonl(folder / "no_positive.jsonl", [{"query": "a kitty", "positive": "the cat"}, {"query": "a hound"}])
+    return folder
+
+
+@pytest.mark.parametrize("command, fragments", [
+    (["search", "--index", "{corpus}/index", "--query", "cat", "--ckpt", "{bad}/other.pt"], ["is not the encoder"]),
+    (["search", "--index", "{corpus}/index", "--query", "cat", "--ckpt", "{bad}/char.pt"], ["is not the encoder"]),
+    (["index", "--ckpt", "{corpus}/ckpt.pt", "--input", "{bad}/blank.txt", "--out", "{out}"], ["no texts"]),
+    (["index", "--ckpt", "{corpus}/ckpt.pt", "--input", "{bad}/broken.jsonl", "--out", "{out}"],
+     ["broken.jsonl line 2", "invalid JSON"]),
+    (["eval", "--index", "{corpus}/index", "--pairs", "{bad}/unknown.jsonl"], ["unknown.jsonl line 2", "'d100'"]),
+    (["tune", "--ckpt", "{corpus}/ckpt.pt", "--pairs", "{bad}/no_positive.jsonl", "--out-dir", "{out}"],
+     ["no_positive.jsonl line 2", "'positive'"]),
+    (["encode", "--ckpt", "{corpus}/ckpt.pt", "--input", "{corpus}/docs.jsonl", "--out", "{corpus}/docs"],
+     ["would overwrite the input"]),
+    (["encode", "--ckpt", "{corpus}/ckpt.pt", "--input", "{corpus}/docs.jsonl", "--out", "{out}", "--chunk-tokens",
+      "8", "--overlap", "8"], ["--overlap"]),
+    (["tune", "--ckpt", "{corpus}/ckpt.pt", "--pairs", "{corpus}/train.jsonl", "--out-dir", "{out}", "--temperature",
+      "0"], ["--temperature"]),
+])
+def test_bad_input_is_one_line_and_writes_nothing(corpus, bad, tmp_path, command, fragments):
+    out = tmp_path / "out"
+    before = {p: p.stat().st_mtime_ns for p in corpus.rglob("*")}
+    args = [a.format(corpus=corpus, bad=bad, out=out) for a in command]
+    assert_one_line_error(embed_py(*args, *DEVICE), *fragments)
+    assert not list(tmp_path.glob("out*"))
+    assert {p: p.stat().st_mtime_ns for p in corpus.rglob("*")} == before
+
+
+def test_an_encoder_changed_since_indexing_is_refused(corpus, tmp_path):
+    write_model(tmp_path / "ckpt.pt")
+    embed.main(["index", "--ckpt", str(tmp_path / "ckpt.pt"), "--input", str(corpus / "docs.jsonl"), "--out",
+                str(tmp_path / "index"), *DEVICE])
+    write_model(tmp_path / "ckpt.pt", seed=1)  # e.g. training went on in the same --out-dir
+    result = embed_py("search", "--index", tmp_path / "index", "--query", "cat", *DEVICE)
+    assert_one_line_error(result, "changed since the index", "rebuild the index")
