@@ -112,7 +112,12 @@ def add_config_arguments(parser: argparse.ArgumentParser, argument_default=None)
     """One kebab-case flag per TrainConfig field, plus --config and Megatron's aliases."""
     parser.add_argument("--config", help="JSON file of option values; command-line flags win",
                         **({} if argument_default is None else {"default": argument_default}))
-    for f in fields(TrainConfig):
+    add_field_arguments(parser, TrainConfig, argument_default)
+
+
+def add_field_arguments(parser: argparse.ArgumentParser, config_class: type, argument_default=None) -> None:
+    """One kebab-case flag per field of a config dataclass (help and choices from its metadata), with ALIASES."""
+    for f in fields(config_class):
         kwargs = {"dest": f.name, "help": f.metadata["help"]}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
@@ -295,7 +300,8 @@ class StopRequest:
 
 
 def tensorboard_writer(cfg: TrainConfig):
-    """A SummaryWriter for this run: TENSORBOARD_DIR (default OUT_DIR/tensorboard) / RUN_NAME."""
+    """A SummaryWriter for this run: TENSORBOARD_DIR (default OUT_DIR/tensorboard) / RUN_NAME (cfg: any config
+    with tensorboard_dir, out_dir and run_name, e.g. finetune.py's)."""
     from torch.utils.tensorboard import SummaryWriter
     return SummaryWriter(os.path.join(cfg.tensorboard_dir or os.path.join(cfg.out_dir, "tensorboard"), cfg.run_name))
 

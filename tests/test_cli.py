@@ -6,7 +6,7 @@ import pytest
 
 from conftest import ROOT, run_script
 
-SCRIPTS = ["tokenizer.py", "train.py", "train_ddp.py", "train_ds.py", "test.py", "test_ds.py"]
+SCRIPTS = ["tokenizer.py", "train.py", "train_ddp.py", "train_ds.py", "test.py", "test_ds.py", "finetune.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -15,7 +15,7 @@ def test_help_and_no_abbreviations(script):
     help_text = run_script(script, "--help", env={"DS_ACCELERATOR": "cpu"})
     assert help_text.returncode == 0 and "usage:" in help_text.stdout, help_text.stderr
     flag = "--num-samples" if script.startswith("test") else "--workers" if script == "tokenizer.py" else \
-        "--eval-interval"
+        "--lm-weight" if script == "finetune.py" else "--eval-interval"
     assert flag in help_text.stdout
     abbreviated = run_script(script, flag[:-3], "5", env={"DS_ACCELERATOR": "cpu"})
     assert abbreviated.returncode == 2 and f"unrecognized arguments: {flag[:-3]}" in abbreviated.stderr
