@@ -133,13 +133,14 @@ def model_from_checkpoint(checkpoint: dict, source: str = "checkpoint", **overri
 
 def load_model(path: str, **overrides) -> tuple[GPT, dict]:
     """(model, tokenizer facts) from a ckpt.pt, or an HF GPT-2 folder / cached hub name (GPT-2's tokenizer);
-    overrides set e.g. attn_kernel. Dropout is off: this is for inference."""
+    overrides set e.g. attn_kernel. Dropout is off (this is for inference) unless overrides set it."""
+    overrides = {"dropout": 0.0, **overrides}
     if os.path.isdir(path) or not os.path.exists(path) and not path.endswith(".pt"):
         import hf
-        model = hf.load_gpt2(path, dropout=0.0, **overrides)
+        model = hf.load_gpt2(path, **overrides)
         return model, hf.read_tokenizer(hf.find_model_dir(path), model.config.vocab_size)
     checkpoint = load_checkpoint(path)
-    model = model_from_checkpoint(checkpoint, path, dropout=0.0, **overrides)
+    model = model_from_checkpoint(checkpoint, path, **overrides)
     return model, checkpoint.get("tokenizer", GPT2_FACTS)
 
 
@@ -284,7 +285,7 @@ def load_deepspeed_model(path: str, ds_dir: str | None = None, tag: str | None =
     """(model, training state, what was loaded in words) from a DeepSpeed checkpoint folder (its `latest` tag or
     `tag`, gathered in memory), or from a zero_to_fp32 output whose model config is in ds_dir (default: the
     folder above it). A converted output older than the folder's newest tag is used only when named, and the
-    words say so."""
+    words say so. Dropout is off unless overrides set it."""
     if not os.path.exists(path):
         raise CLIError(f"checkpoint not found: {path}")
     if is_deepspeed_folder(os.path.join(path, "ds")):  # OUT_DIR given instead of OUT_DIR/ds
@@ -310,7 +311,7 @@ def load_deepspeed_model(path: str, ds_dir: str | None = None, tag: str | None =
             label = f"{path} (zero_to_fp32 output older than {newest}, the oldest checkpoint left)"
         elif source != newest and tag is None:
             label += f"; note: {ds_dir} now holds the newer {newest}"
-    return model_from_weights(state["model_config"], weights, path, dropout=0.0, **overrides), state, label
+    return model_from_weights(state["model_config"], weights, path, **{"dropout": 0.0, **overrides}), state, label
 
 
 def default_deepspeed_source(ds_dir: str, converted_name: str) -> str:

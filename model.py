@@ -380,20 +380,35 @@ class GPT(nn.Module):
         wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
         wpe.num_embeddings = block_size
 
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        """Optimizer groups: weight decay on matrices and embeddings (dim >= 2), not on biases or LayerNorm gains."""
-        params = [p for p in self.parameters() if p.requires_grad]
+    def resize_token_embeddings(self, vocab_size: int) -> None:
+        """Grow the vocabulary, e.g. by fine-tuning's special tokens: the tied embedding / LM head keeps its
+        rows and gains new ones, initialised like the others."""
+        old = self.lm_head.weight
+        if vocab_size < old.size(0):
+            raise ValueError(f"vocab_size can only grow: {old.size(0)} -> {vocab_size}")
+        weight = torch.empty(vocab_size, old.size(1), device=old.device, dtype=old.dtype)
+        nn.init.normal_(weight, mean=0.0, std=0.02)
+        weight[: old.size(0)] = old.detach()
+        self.lm_head.weight = nn.Parameter(weight)
+        self.transformer.wte.weight = self.lm_head.weight
+        self.lm_head.out_features = self.transformer.wte.num_embeddings = self.config.vocab_size = vocab_size
+
+    def param_groups(self, weight_decay: float, heads: tuple[nn.Module, ...] = ()) -> list[dict]:
+        """Optimizer groups: weight decay on matrices and embeddings (dim >= 2), not on biases or LayerNorm gains;
+        heads are modules trained together with the network (fine-tuning's task head)."""
+        params = [p for m in (self, *heads) for p in m.parameters() if p.requires_grad]
         return [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
 
     def configure_optimizers(
-        self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str
+        self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str,
+        heads: tuple[nn.Module, ...] = ()
     ) -> torch.optim.AdamW:
-        """AdamW over param_groups; fused on CUDA, foreach elsewhere."""
+        """AdamW over param_groups (with the heads' parameters); fused on CUDA, foreach elsewhere."""
         impl = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
-        return torch.optim.AdamW(self.param_groups(weight_decay), lr=learning_rate, betas=betas, **impl)
+        return torch.optim.AdamW(self.param_groups(weight_decay, heads), lr=learning_rate, betas=betas, **impl)
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token (forward + backward): 6N for the weights plus attention scores,

@@ -93,6 +93,7 @@ class Tokenizer:
         self.chars = chars
         self.vocab_file = os.path.abspath(vocab_file) if vocab_file else None
         self.merge_file = os.path.abspath(merge_file) if merge_file else None
+        self.special_tokens: dict[str, int] = {}
         if name == "gpt2":
             self.encoding = gpt2_encoding(self.vocab_file, self.merge_file)
             self.vocab_size, self.eot_id = self.encoding.n_vocab, self.encoding.eot_token
@@ -128,10 +129,24 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
 
+    def add_special_tokens(self, special_tokens: dict[str, int]) -> None:
+        """Name ids past the vocabulary as special tokens (fine-tuning's start, delimiter, extract): encode never
+        makes them, decode skips them, and vocab_size grows to include them."""
+        ids = list(special_tokens.values())
+        if len(set(ids)) != len(ids) or any(type(i) is not int or i < self.vocab_size for i in ids):
+            raise CLIError(f"special token ids must be distinct integers from the vocabulary size {self.vocab_size} "
+                           f"on, got {special_tokens}")
+        self.special_tokens.update(special_tokens)
+        self.vocab_size = max(ids, default=self.vocab_size - 1) + 1
+
     def decode(self, ids: list[int]) -> str:
-        """Text of ids; never fails: EOT is skipped for char/byte, invalid bytes and unknown ids become U+FFFD."""
+        """Text of ids; never fails: EOT and special tokens are skipped for char/byte, special tokens for gpt2,
+        invalid bytes and unknown ids become U+FFFD."""
+        if self.special_tokens:
+            special = set(self.special_tokens.values())
+            ids = [i for i in ids if i not in special]
         if self.name == "gpt2":
-            return self.encoding.decode([i for i in ids if 0 <= i < self.vocab_size])
+            return self.encoding.decode([i for i in ids if 0 <= i < self.encoding.n_vocab])
         if self.name == "byte":
             return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
         return "".join(self.chars[i] if 0 <= i < len(self.chars) else "\ufffd" for i in ids if i != self.eot_id)
@@ -145,11 +160,14 @@ class Tokenizer:
                 facts.update(vocab_file=self.vocab_file, merge_file=self.merge_file)
         if self.name == "char":
             facts["chars"] = self.chars
+        if self.special_tokens:
+            facts["special_tokens"] = dict(self.special_tokens)
         return facts
 
 
 def load_tokenizer(facts: dict) -> Tokenizer:
-    """The tokenizer that facts() described (e.g. the meta.json of a prepared corpus)."""
+    """The tokenizer that facts() described (e.g. the meta.json of a prepared corpus, or a fine-tuned checkpoint's
+    facts, whose special tokens count in its vocab_size)."""
     name = facts.get("tokenizer")
     if name == "char":
         tokenizer = Tokenizer("char", chars=facts.get("chars"), char_eot=facts.get("eot_id") is not None)
@@ -157,6 +175,10 @@ def load_tokenizer(facts: dict) -> Tokenizer:
         tokenizer = Tokenizer(name, vocab_file=facts.get("vocab_file"), merge_file=facts.get("merge_file"))
     else:
         raise CLIError(f"unknown tokenizer {name!r} in the tokenizer facts (expected gpt2, char or byte)")
+    special_tokens = facts.get("special_tokens") or {}
+    if not isinstance(special_tokens, dict):
+        raise CLIError(f"special_tokens in the tokenizer facts must map names to ids, got {special_tokens!r}")
+    tokenizer.add_special_tokens(special_tokens)
     if "vocab_size" in facts and facts["vocab_size"] != tokenizer.vocab_size:
         raise CLIError(f"rebuilt {name} tokenizer has vocab_size {tokenizer.vocab_size}, the facts say {facts['vocab_size']}")
     return tokenizer

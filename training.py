@@ -45,57 +45,58 @@ MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "bias")
 SIGNAL_GRACE_S = 5.0  # more SIGINT/SIGTERM within this time of the first are the same request
 
 
-def _opt(default, help: str, **kwargs):
+def option(default, help: str, **kwargs):
+    """A config field with its --help text (and argparse choices): one flag per field (add_field_arguments)."""
     return field(default=default, metadata={"help": help, **kwargs})
 
 
 @dataclass
 class TrainConfig:
     # data and output
-    data_dir: str = _opt(DEFAULT_CORPUS_DIR, "nanoGPT data dir (train.bin, val.bin, meta.json) or Megatron prefix")
-    split: str = _opt("969,30,1", "train,val,test document split of a Megatron prefix (as Megatron's --split)")
-    out_dir: str = _opt("ckpt", "where ckpt.pt, the loss curve and TensorBoard logs go")
-    overwrite: bool = _opt(False, "replace a checkpoint in --out-dir that this run does not resume from")
-    init_from: str = _opt("scratch", "scratch, resume (from OUT_DIR/ckpt.pt), or an HF GPT-2 dir or name")
+    data_dir: str = option(DEFAULT_CORPUS_DIR, "nanoGPT data dir (train.bin, val.bin, meta.json) or Megatron prefix")
+    split: str = option("969,30,1", "train,val,test document split of a Megatron prefix (as Megatron's --split)")
+    out_dir: str = option("ckpt", "where ckpt.pt, the loss curve and TensorBoard logs go")
+    overwrite: bool = option(False, "replace a checkpoint in --out-dir that this run does not resume from")
+    init_from: str = option("scratch", "scratch, resume (from OUT_DIR/ckpt.pt), or an HF GPT-2 dir or name")
     # model
-    preset: str | None = _opt(None, "model size preset (sets n_layer, n_head, n_embd)", choices=sorted(PRESETS))
-    n_layer: int = _opt(4, "transformer blocks")
-    n_head: int = _opt(4, "attention heads")
-    n_embd: int = _opt(128, "embedding width")
-    block_size: int = _opt(256, "context length in tokens")
-    dropout: float = _opt(0.0, "dropout probability (may change on resume)")
-    bias: bool = _opt(True, "biases in Linear and LayerNorm layers, as GPT-2")
-    attn_kernel: str = _opt("auto", "attention: manual (written out; auto's pick for bfloat16 on CPU) or an "
+    preset: str | None = option(None, "model size preset (sets n_layer, n_head, n_embd)", choices=sorted(PRESETS))
+    n_layer: int = option(4, "transformer blocks")
+    n_head: int = option(4, "attention heads")
+    n_embd: int = option(128, "embedding width")
+    block_size: int = option(256, "context length in tokens")
+    dropout: float = option(0.0, "dropout probability (may change on resume)")
+    bias: bool = option(True, "biases in Linear and LayerNorm layers, as GPT-2")
+    attn_kernel: str = option("auto", "attention: manual (written out; auto's pick for bfloat16 on CPU) or an "
                             "SDPA kernel (may change on resume)", choices=ATTN_KERNELS)
     # optimisation
-    batch_size: int = _opt(16, "micro-batch size per process")
-    grad_accum: int | None = _opt(None, "micro-batches per optimizer step over ALL processes (default: one per "
+    batch_size: int = option(16, "micro-batch size per process")
+    grad_accum: int | None = option(None, "micro-batches per optimizer step over ALL processes (default: one per "
                                         "process)")
-    max_iters: int = _opt(1200, "optimizer steps in total (a resumed run continues up to this number)")
-    train_samples: int | None = _opt(None, "train on this many samples instead (Megatron); sets max_iters")
-    lr: float = _opt(1e-3, "peak learning rate")
-    min_lr: float | None = _opt(None, "final learning rate of the cosine decay (default lr/10)")
-    warmup_iters: int = _opt(100, "linear warmup steps")
-    lr_decay_iters: int | None = _opt(None, "steps of cosine decay (default: all steps)")
-    weight_decay: float = _opt(0.1, "AdamW weight decay (2-D weights only)")
-    beta1: float = _opt(0.9, "AdamW beta1")
-    beta2: float = _opt(0.99, "AdamW beta2")
-    grad_clip: float = _opt(1.0, "clip gradients at this global norm (0 = off)")
+    max_iters: int = option(1200, "optimizer steps in total (a resumed run continues up to this number)")
+    train_samples: int | None = option(None, "train on this many samples instead (Megatron); sets max_iters")
+    lr: float = option(1e-3, "peak learning rate")
+    min_lr: float | None = option(None, "final learning rate of the cosine decay (default lr/10)")
+    warmup_iters: int = option(100, "linear warmup steps")
+    lr_decay_iters: int | None = option(None, "steps of cosine decay (default: all steps)")
+    weight_decay: float = option(0.1, "AdamW weight decay (2-D weights only)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.99, "AdamW beta2")
+    grad_clip: float = option(1.0, "clip gradients at this global norm (0 = off)")
     # evaluation, logging, checkpoints
-    eval_interval: int = _opt(200, "evaluate every N steps")
-    eval_iters: int = _opt(20, "batches per evaluation and split")
-    log_interval: int = _opt(10, "print the training loss every N steps")
-    save_interval: int = _opt(0, "also save a checkpoint every N steps (0 = only at the end)")
-    tensorboard_dir: str | None = _opt(None, "TensorBoard log dir (default OUT_DIR/tensorboard); each run logs to a "
+    eval_interval: int = option(200, "evaluate every N steps")
+    eval_iters: int = option(20, "batches per evaluation and split")
+    log_interval: int = option(10, "print the training loss every N steps")
+    save_interval: int = option(0, "also save a checkpoint every N steps (0 = only at the end)")
+    tensorboard_dir: str | None = option(None, "TensorBoard log dir (default OUT_DIR/tensorboard); each run logs to a "
                                              "subfolder named by --run-name")
-    run_name: str | None = _opt(None, "TensorBoard run name (default: the start time; a resumed run keeps its own)")
+    run_name: str | None = option(None, "TensorBoard run name (default: the start time; a resumed run keeps its own)")
     # system
-    device: str = _opt("auto", "auto, cpu, cuda, cuda:N or mps")
-    dtype: str = _opt("auto", "autocast dtype; auto = bfloat16 where the hardware has it, else float32",
+    device: str = option("auto", "auto, cpu, cuda, cuda:N or mps")
+    dtype: str = option("auto", "autocast dtype; auto = bfloat16 where the hardware has it, else float32",
                       choices=["auto", "float32", "bfloat16", "float16"])
-    compile: bool = _opt(False, "torch.compile the model")
-    peak_tflops: float | None = _opt(None, "device peak TFLOP/s for MFU (known GPUs are looked up)")
-    seed: int = _opt(1337, "seed of the initial weights and of the data order")
+    compile: bool = option(False, "torch.compile the model")
+    peak_tflops: float | None = option(None, "device peak TFLOP/s for MFU (known GPUs are looked up)")
+    seed: int = option(1337, "seed of the initial weights and of the data order")
 
 
 CONFIG_FIELDS = {f.name: f for f in fields(TrainConfig)}
@@ -112,7 +113,12 @@ def add_config_arguments(parser: argparse.ArgumentParser, argument_default=None)
     """One kebab-case flag per TrainConfig field, plus --config and Megatron's aliases."""
     parser.add_argument("--config", help="JSON file of option values; command-line flags win",
                         **({} if argument_default is None else {"default": argument_default}))
-    for f in fields(TrainConfig):
+    add_field_arguments(parser, TrainConfig, argument_default)
+
+
+def add_field_arguments(parser: argparse.ArgumentParser, config_class: type, argument_default=None) -> None:
+    """One kebab-case flag per field of a config dataclass (help and choices from its metadata), with ALIASES."""
+    for f in fields(config_class):
         kwargs = {"dest": f.name, "help": f.metadata["help"]}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
@@ -304,7 +310,8 @@ class StopRequest:
 
 
 def tensorboard_writer(cfg: TrainConfig):
-    """A SummaryWriter for this run: TENSORBOARD_DIR (default OUT_DIR/tensorboard) / RUN_NAME."""
+    """A SummaryWriter for this run: TENSORBOARD_DIR (default OUT_DIR/tensorboard) / RUN_NAME (cfg: any config
+    with tensorboard_dir, out_dir and run_name, e.g. finetune.py's)."""
     from torch.utils.tensorboard import SummaryWriter
     return SummaryWriter(os.path.join(cfg.tensorboard_dir or os.path.join(cfg.out_dir, "tensorboard"), cfg.run_name))
 

@@ -6,7 +6,8 @@ import pytest
 
 from conftest import ROOT, run_script
 
-SCRIPTS = ["tokenizer.py", "train.py", "train_ddp.py", "train_ds.py", "test.py", "test_ds.py", "embed.py"]
+SCRIPTS = ["tokenizer.py", "train.py", "train_ddp.py", "train_ds.py", "test.py", "test_ds.py", "finetune.py",
+           "embed.py"]
 # embed.py's flags belong to its subcommands: one of them, with its required flags
 SUBCOMMAND = {"embed.py": ["encode", "--ckpt", "ckpt.pt", "--input", "texts.txt", "--out", "vectors"]}
 
@@ -18,7 +19,8 @@ def test_help_and_no_abbreviations(script):
     help_text = run_script(script, *command, "--help", env={"DS_ACCELERATOR": "cpu"})
     assert help_text.returncode == 0 and "usage:" in help_text.stdout, help_text.stderr
     flag = "--num-samples" if script.startswith("test") else "--workers" if script == "tokenizer.py" else \
-        "--chunk-tokens" if script == "embed.py" else "--eval-interval"
+        "--chunk-tokens" if script == "embed.py" else "--lm-weight" if script == "finetune.py" else \
+        "--eval-interval"
     assert flag in help_text.stdout
     abbreviated = run_script(script, *command, flag[:-3], "5", env={"DS_ACCELERATOR": "cpu"})
     assert abbreviated.returncode == 2 and f"unrecognized arguments: {flag[:-3]}" in abbreviated.stderr

@@ -18,6 +18,7 @@ from model import GPT, GPTConfig
 TINY_TRAINING = "--n-layer 1 --n-head 2 --n-embd 32 --block-size 32 --batch-size 2 --eval-iters 1 --eval-interval 2 " \
                 "--dtype float32"
 TINY_SAMPLING = "--max-new-tokens 5 --num-samples 2"
+TINY_FINETUNING = "--epochs 1 --batch-size 4 --dtype float32"
 LINKED = ["ds_config.json", "hostfile.txt", *(p.name for p in ROOT.glob("*.py"))]
 
 
@@ -41,19 +42,25 @@ def tiny(command: str) -> str:
             part += f" {TINY_TRAINING} --max-iters {6 if '--init-from resume' in part else 2}"
         elif re.search(r"\btest(_ds)?\.py\b", part):
             part += f" {TINY_SAMPLING}"
+        elif re.search(r"\bfinetune\.py\b", part):
+            part += f" {TINY_FINETUNING}"
         parts.append(part)
     return " && ".join(parts)
 
 
 @pytest.fixture
 def user_folder(tmp_path, ds_ops):
-    """A fresh folder holding the toolkit's files, the user's texts, an OSCAR-like jsonl.xz and GPT-2 (a tiny
-    stand-in) in a local Hugging Face cache."""
+    """A fresh folder holding the toolkit's files, the user's texts and task examples, an OSCAR-like jsonl.xz and
+    GPT-2 (a tiny stand-in) in a local Hugging Face cache."""
     for name in LINKED:
         (tmp_path / name).symlink_to(ROOT / name)
     (tmp_path / "my_texts").mkdir()
     for i in range(8):
         (tmp_path / "my_texts" / f"{i}.md").write_text(f"# Note {i}\n\n" + "Some text about nothing much. " * 200)
+    for name, count in (("my_train", 8), ("my_val", 4), ("my_new", 3)):  # a task's examples, in the char vocabulary
+        examples = [{"text": f"def f{i}(x): return x", "label": "code"} if i % 2 else
+                    {"text": f"The value {i} is", "label": "prose"} for i in range(count)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(example) + "\n" for example in examples))
     with lzma.open(tmp_path / "oscar-1GB.jsonl.xz", "wt") as f:
         for i in range(300):
             f.write(json.dumps({"id": i, "text": f"Document {i}. " + "Words of the web. " * 50}) + "\n")
@@ -91,5 +98,5 @@ def test_every_readme_command_runs(user_folder):
     # what the commands were meant to produce
     for path in ("ckpt/ckpt.pt", "data/mine/meta.json", "data/my-gpt2_text_document.idx", "ckpt/mine/ckpt.pt",
                  "ckpt/gpt2-mine/ckpt.pt", "samples.jsonl", "ckpt/ddp/ckpt.pt", "ckpt/ddp2/ckpt.pt",
-                 "ckpt/ds/latest", "ckpt/ds/ckpt_ds.pt/pytorch_model.bin"):
+                 "ckpt/ds/latest", "ckpt/ds/ckpt_ds.pt/pytorch_model.bin", "ckpt/cls/ckpt.pt", "predictions.jsonl"):
         assert (user_folder / path).exists(), path

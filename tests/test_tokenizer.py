@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import gpt2_vocab  # noqa: E402
 import tokenizer  # noqa: E402
+from cli import CLIError  # noqa: E402
 from data import is_val_document, load_corpus  # noqa: E402
 from tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
@@ -177,6 +178,21 @@ def test_facts_round_trip(r50k):
         rebuilt = load_tokenizer(facts)
         assert rebuilt.facts() == facts
         assert (rebuilt.vocab_size, rebuilt.eot_id, rebuilt.name) == (tok.vocab_size, tok.eot_id, tok.name)
+
+
+def test_special_tokens_count_in_the_vocabulary_and_decode_to_nothing(r50k):
+    """Fine-tuning's start/delimiter/extract tokens: past the vocabulary (of the model, which may be the larger),
+    rebuilt from the facts, skipped by decode, never produced by encode."""
+    for tok, first in ((Tokenizer("char", chars="ab\n"), 3), (Tokenizer("gpt2"), 50304), (Tokenizer("byte"), 257)):
+        special = {"start": first, "delimiter": first + 1, "extract": first + 2}
+        tok.add_special_tokens(special)
+        facts = json.loads(json.dumps(tok.facts()))
+        rebuilt = load_tokenizer(facts)
+        assert rebuilt.special_tokens == special and rebuilt.vocab_size == facts["vocab_size"] == first + 3
+        ids = rebuilt.encode("ab")
+        assert max(ids) < first and rebuilt.decode([first, *ids, first + 1, first + 2]) == "ab"
+    with pytest.raises(CLIError, match="special token ids"):
+        load_tokenizer({"tokenizer": "char", "chars": "ab", "special_tokens": {"start": 1}})
 
 
 # ----------------------------------------------------------------------------- outputs

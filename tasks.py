@@ -1,0 +1,225 @@
+"""Fine-tuning tasks: GPT-1's input layout for each task, and the linear head that reads it.
+
+Every example becomes one or more token sequences framed by three special tokens, new rows of the token
+embedding (GPT-1, Radford et al. 2018, section 3.3):
+
+    classify     start text extract
+    entail       start premise delimiter hypothesis extract
+    similarity   start a delimiter b extract  and  start b delimiter a extract   (final states added)
+    choice       start context delimiter answer extract, one per answer          (softmax over the answers)
+
+A linear head (after dropout) reads the final hidden state at each sequence's extract token. A sequence
+longer than the block size loses tokens from the left of its context (text, premise, context; for
+similarity, the longer text), never from the hypothesis or an answer. finetune.py trains and applies it;
+docs/finetune.md gives the file schemas.
+"""
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from cli import CLIError
+from model import GPT, linear_cross_entropy
+from tokenizer import Tokenizer
+
+FIELDS = {"classify": ("text",), "entail": ("premise", "hypothesis"), "similarity": ("text_a", "text_b"),
+          "choice": ("context", "choices")}
+TASKS = tuple(FIELDS)
+SPECIAL_TOKENS = ("start", "delimiter", "extract")
+
+
+@dataclass
+class Example:
+    sequences: list[list[int]]  # token ids in the task's layout: one per ordering (similarity) or answer (choice)
+    label: int | float | None  # class id, answer index or regression target; None when unlabelled
+    truncated: bool  # the context was cut to fit the block size
+
+
+def add_special_tokens(model: GPT, tokenizer: Tokenizer) -> dict[str, int]:
+    """Start, delimiter and extract as new rows of the model's (tied) embedding and ids of the tokenizer."""
+    first = model.config.vocab_size
+    special = {name: first + i for i, name in enumerate(SPECIAL_TOKENS)}
+    model.resize_token_embeddings(first + len(special))
+    tokenizer.add_special_tokens(special)
+    return special
+
+
+# ----- files -----
+
+def read_records(path: str, task: str, labelled: bool) -> list[tuple[int, dict]]:
+    """(line number, object) for each non-blank JSON line of path, checked against the task's schema."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        try:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise CLIError(f"{path} line {number}: not JSON ({e.msg})") from None
+                problem = schema_problem(task, record, labelled)
+                if problem:
+                    raise CLIError(f"{path} line {number}: {problem}")
+                records.append((number, record))
+        except UnicodeDecodeError:
+            raise CLIError(f"{path} line {len(records) + 1}: not UTF-8 text") from None
+    if not records:
+        raise CLIError(f"{path} has no examples")
+    return records
+
+
+def schema_problem(task: str, record, labelled: bool) -> str | None:
+    """What is wrong with one line of a task's file, or None."""
+    needed = FIELDS[task] + (("label",) if labelled else ())
+    if not isinstance(record, dict):
+        return f"not a JSON object with {', '.join(needed)}"
+    missing = [name for name in needed if name not in record]
+    if missing:
+        return f"missing field {missing[0]!r} (a {task} line has {', '.join(needed)})"
+    if not all(isinstance(record[name], str) for name in FIELDS[task] if name != "choices"):
+        return f"{', '.join(n for n in FIELDS[task] if n != 'choices')} must be strings"
+    if task == "choice":
+        choices = record["choices"]
+        if not (isinstance(choices, list) and len(choices) >= 2 and all(isinstance(c, str) for c in choices)):
+            return "'choices' must be a list of at least two strings"
+    return None
+
+
+def label_names(records: list[tuple[int, dict]], path: str) -> list:
+    """The classes of a training file, sorted (numbers, then strings), so that ids do not depend on line order."""
+    for number, record in records:
+        if not isinstance(record["label"], (str, int, float)):  # bool is an int
+            raise CLIError(f"{path} line {number}: label must be a string, number or boolean, got {record['label']!r}")
+    names = sorted({record["label"] for _, record in records}, key=lambda v: (isinstance(v, str), v))
+    if len(names) < 2:
+        raise CLIError(f"{path} has a single label ({names[0]!r}); a classifier needs at least two")
+    return names
+
+
+def label_value(record: dict, task: str, names: list | None) -> int | float:
+    """A line's label as the head's target: a class id, an answer index, or a float (names None: regression)."""
+    label = record["label"]
+    if task == "choice":
+        if type(label) is not int or not 0 <= label < len(record["choices"]):
+            raise ValueError(f"label must be the index of the right choice (0 to {len(record['choices']) - 1}), "
+                             f"got {label!r}")
+        return label
+    if names is None:
+        if type(label) not in (int, float):
+            raise ValueError(f"label must be a number with --labels float, got {label!r}")
+        return float(label)
+    if label not in names:
+        raise ValueError(f"label {label!r} never occurs in the training file (its labels: "
+                         f"{', '.join(map(repr, names))})")
+    return names.index(label)
+
+
+# ----- layout -----
+
+def layout(task: str, texts: list[list[int]], special: dict[str, int], block_size: int) -> tuple[list[list[int]], bool]:
+    """The task's sequences for its tokenized texts (choice: the context, then each answer), and whether the
+    context was cut from the left to fit block_size."""
+    start, delimiter, extract = (special[name] for name in SPECIAL_TOKENS)
+    if task == "classify":
+        (text,) = texts
+        kept = keep_last(text, block_size - 2)
+        return [[start, *kept, extract]], len(kept) < len(text)
+    if task == "similarity":
+        a, b = texts
+        cut = len(a) + len(b) > block_size - 3
+        kept_a, kept_b = share(len(a), len(b), block_size - 3)
+        a, b = keep_last(a, kept_a), keep_last(b, kept_b)
+        return [[start, *a, delimiter, *b, extract], [start, *b, delimiter, *a, extract]], cut
+    context, answers = texts[0], texts[1:]  # entail: the premise and the hypothesis
+    room = block_size - 3 - max(map(len, answers))
+    if room < 0:
+        what = "the hypothesis" if task == "entail" else "the longest choice"
+        raise ValueError(f"{what} alone takes {block_size - room} tokens with the special tokens, more than the "
+                         f"block size {block_size}")
+    kept = keep_last(context, room)
+    return [[start, *kept, delimiter, *answer, extract] for answer in answers], len(kept) < len(context)
+
+
+def keep_last(tokens: list[int], n: int) -> list[int]:
+    return tokens[max(0, len(tokens) - n):]
+
+
+def share(a: int, b: int, room: int) -> tuple[int, int]:
+    """Lengths to keep of two texts that must fit in room together: the longer one gives way first."""
+    if a + b <= room:
+        return a, b
+    if a <= b:
+        kept_a = min(a, room // 2)
+        return kept_a, room - kept_a
+    kept_b = min(b, room // 2)
+    return room - kept_b, kept_b
+
+
+def encode_records(records: list[tuple[int, dict]], path: str, task: str, tokenizer: Tokenizer,
+                   special: dict[str, int], block_size: int, names: list | None,
+                   labelled: bool = True) -> list[Example]:
+    """Examples of a file's records; a problem is an error naming the file and line. For choice, every line of
+    a file must offer the same number of answers (one batch is one tensor of scores)."""
+    examples = []
+    for number, record in records:
+        try:
+            if task == "choice" and len(record["choices"]) != len(records[0][1]["choices"]):
+                raise ValueError(f"{len(record['choices'])} choices, but line {records[0][0]} has "
+                                 f"{len(records[0][1]['choices'])}; every line of a file needs the same number")
+            texts = [record["context"], *record["choices"]] if task == "choice" else \
+                [record[name] for name in FIELDS[task]]
+            sequences, truncated = layout(task, [tokenizer.encode(t) for t in texts], special, block_size)
+            label = label_value(record, task, names) if labelled else None
+        except ValueError as e:
+            raise CLIError(f"{path} line {number}: {e}") from None
+        examples.append(Example(sequences, label, truncated))
+    return examples
+
+
+def pad_batch(examples: list[Example], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(idx, extract positions, LM targets) of the examples' sequences, right-padded to the longest. The model is
+    causal, so padding after a sequence changes none of its states; each row is read at its own extract token,
+    and padding is never a target (-1)."""
+    sequences = [s for example in examples for s in example.sequences]
+    idx = torch.zeros(len(sequences), max(map(len, sequences)), dtype=torch.long)
+    targets = torch.full_like(idx, -1)
+    for row, sequence in enumerate(sequences):
+        idx[row, : len(sequence)] = torch.tensor(sequence)
+        targets[row, : len(sequence) - 1] = idx[row, 1 : len(sequence)]
+    extract = torch.tensor([len(s) - 1 for s in sequences])
+    return idx.to(device), extract.to(device), targets.to(device)
+
+
+def lm_target_count(examples: list[Example]) -> int:
+    """Next-token targets of the LM loss over these examples' sequences."""
+    return sum(len(s) - 1 for example in examples for s in example.sequences)
+
+
+# ----- the head -----
+
+class TaskModel(nn.Module):
+    """The GPT body and a linear head on the final hidden state at each sequence's extract token."""
+
+    def __init__(self, body: GPT, task: str, outputs: int, dropout: float):
+        super().__init__()
+        self.body, self.task = body, task
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(body.config.n_embd, outputs)
+        nn.init.normal_(self.head.weight, mean=0.0, std=0.02)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, idx: torch.Tensor, extract: torch.Tensor, per_example: int,
+                lm_targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, outputs), or (B, answers) for choice, of the B examples whose per_example sequences each are
+        the rows of idx; with lm_targets also the mean LM loss on the same inputs."""
+        hidden = self.body.hidden_states(idx)
+        final = hidden[torch.arange(idx.size(0), device=idx.device), extract]
+        final = final.view(-1, per_example, final.size(-1))
+        if self.task == "choice":
+            logits = self.head(self.dropout(final)).squeeze(-1)  # one score per answer
+        else:
+            logits = self.head(self.dropout(final.sum(dim=1)))  # similarity adds its two orderings
+        lm_loss = None if lm_targets is None else linear_cross_entropy(hidden, self.body.lm_head.weight, lm_targets)
+        return logits.float(), lm_loss

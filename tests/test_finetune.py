@@ -1,0 +1,400 @@
+"""finetune.py and tasks.py: GPT-1's layouts, padding, the four tasks learnt from a body pretrained here (and not
+from a random one), regression, predictions, torchrun, signals, the init sources and bad input."""
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import load_checkpoint, save_checkpoint
+from cli import free_port
+from conftest import ROOT, assert_one_line_error, fake_deepspeed_folder, run_script
+from finetune import load_pretrained
+from model import GPT, GPTConfig
+from tasks import Example, TaskModel, add_special_tokens, encode_records, layout, pad_batch
+from tokenizer import Tokenizer, default_corpus_documents
+
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # one thread runs these tiny models several times faster
+FINETUNE = ["--device", "cpu", "--dtype", "float32", "--dropout", "0", "--epochs", "3", "--lr", "3e-3",
+            "--batch-size", "16"]
+SPECIAL = {"start": 20, "delimiter": 21, "extract": 22}
+TRAIN_EXAMPLES = 1000
+CHANCE = {"classify": 0.5, "entail": 0.5, "similarity": 0.5, "choice": 0.25}
+
+
+def finetune(*args, timeout=300) -> subprocess.CompletedProcess:
+    return run_script("finetune.py", *args, env=ENV, timeout=timeout)
+
+
+def ok(result: subprocess.CompletedProcess) -> dict:
+    """The JSON object a successful run prints last."""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- datasets from the pydoc corpus
+
+DOCUMENTS = [d for d in default_corpus_documents() if len(d) >= 400]
+
+
+def snippet(rng: random.Random, n: int) -> str:
+    doc = rng.choice(DOCUMENTS)
+    start = rng.randrange(len(doc) - n)
+    return doc[start : start + n]
+
+
+def shuffled(rng: random.Random, chars) -> str:
+    chars = list(chars)
+    rng.shuffle(chars)
+    return "".join(chars)
+
+
+# Each example is real documentation text or the same characters shuffled: only the order of the characters tells
+# them apart, which a body that learnt the language knows and a random one must learn from the few examples.
+def classify_example(rng, real: bool) -> dict:
+    text = snippet(rng, 24)
+    return {"text": text if real else shuffled(rng, text), "label": "real" if real else "shuffled"}
+
+
+def entail_example(rng, real: bool) -> dict:
+    text = snippet(rng, 28)
+    return {"premise": text[:8], "hypothesis": text[8:] if real else shuffled(rng, text[8:]),
+            "label": "yes" if real else "no"}
+
+
+def similarity_example(rng, real: bool) -> dict:
+    a, b = snippet(rng, 13), snippet(rng, 13)
+    return {"text_a": a if real else shuffled(rng, a), "text_b": b if real else shuffled(rng, b), "label": int(real)}
+
+
+def graded_similarity_example(rng, real: bool) -> dict:
+    """Regression: the share of the characters of both texts left in place (1, about 1/2 or 0); the others are
+    shuffled among themselves."""
+    moved = rng.choice([0, 7, 13])
+    texts = []
+    for text in snippet(rng, 13), snippet(rng, 13):
+        positions = rng.sample(range(13), moved)
+        chars = list(text)
+        for position, char in zip(positions, shuffled(rng, [text[p] for p in positions])):
+            chars[position] = char
+        texts.append("".join(chars))
+    return {"text_a": texts[0], "text_b": texts[1], "label": 1 - moved / 13}
+
+
+def choice_example(rng, real: bool) -> dict:
+    """The true continuation among three shuffles of itself (the same characters)."""
+    text = snippet(rng, 28)
+    context, answer = text[:18], text[18:]
+    choices = [shuffled(rng, answer) for _ in range(3)]
+    label = rng.randrange(4)
+    choices.insert(label, answer)
+    return {"context": context, "choices": choices, "label": label}
+
+
+EXAMPLES = {"classify": classify_example, "entail": entail_example, "similarity": similarity_example,
+            "choice": choice_example, "graded": graded_similarity_example}
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def write_jsonl(path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """{task: (train.jsonl, val.jsonl)}: 1000 and 200 balanced examples, fixed seeds."""
+    folder = tmp_path_factory.mktemp("tasks")
+    files = {}
+    for name, make in EXAMPLES.items():
+        rng = random.Random(0)
+        train = [make(rng, i % 2 == 0) for i in range(TRAIN_EXAMPLES)]
+        val = [make(rng, i % 2 == 0) for i in range(200)]
+        files[name] = (write_jsonl(folder / f"{name}_train.jsonl", train),
+                       write_jsonl(folder / f"{name}_val.jsonl", val))
+    return files
+
+
+@pytest.fixture(scope="module")
+def pretrained(char_data, tmp_path_factory) -> str:
+    """A tiny char-level GPT pretrained on the pydoc corpus by train.py (val loss about 1.65)."""
+    out = tmp_path_factory.mktemp("pretrained")
+    result = run_script("train.py", "--data-dir", char_data, "--out-dir", out, "--n-layer", "2", "--n-head", "2",
+                        "--n-embd", "64", "--block-size", "32", "--batch-size", "32", "--max-iters", "600",
+                        "--lr", "5e-3", "--warmup-iters", "20", "--eval-interval", "600", "--eval-iters", "5",
+                        "--log-interval", "600", "--device", "cpu", env=ENV)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return str(out / "ckpt.pt")
+
+
+@pytest.fixture(scope="module")
+def random_body(pretrained, tmp_path_factory) -> str:
+    """The same shape and tokenizer, randomly initialised."""
+    checkpoint = load_checkpoint(pretrained)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**checkpoint["model_config"]))
+    path = str(tmp_path_factory.mktemp("random") / "ckpt.pt")
+    save_checkpoint({"model": model.state_dict(), "model_config": checkpoint["model_config"],
+                     "tokenizer": checkpoint["tokenizer"]}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def finetuned(datasets, pretrained, random_body, tmp_path_factory):
+    """finetuned(task, body) -> (out dir, final metrics): each fine-tuning runs once per module."""
+    runs = {}
+
+    def run(task: str, body: str) -> tuple[str, dict]:
+        if (task, body) not in runs:
+            out = tmp_path_factory.mktemp(f"{task}_{body}")
+            train, val = datasets[task]
+            init = pretrained if body == "pretrained" else random_body
+            runs[task, body] = out, ok(finetune("--task", task, "--train", train, "--val", val, "--init-from", init,
+                                                "--out-dir", out, *FINETUNE))
+        return runs[task, body]
+
+    return run
+
+
+# ----------------------------------------------------------------------------- layout and padding
+
+
+def test_layout_of_each_task():
+    s, d, e = SPECIAL.values()
+    assert layout("classify", [[1, 2, 3]], SPECIAL, 16) == ([[s, 1, 2, 3, e]], False)
+    assert layout("entail", [[1, 2], [3]], SPECIAL, 16) == ([[s, 1, 2, d, 3, e]], False)
+    assert layout("similarity", [[1, 2], [3]], SPECIAL, 16) == ([[s, 1, 2, d, 3, e], [s, 3, d, 1, 2, e]], False)
+    assert layout("choice", [[1, 2], [3], [4, 5]], SPECIAL, 16) == ([[s, 1, 2, d, 3, e], [s, 1, 2, d, 4, 5, e]], False)
+    # too long: the context loses tokens from its left, never the hypothesis or an answer
+    assert layout("classify", [[1, 2, 3, 4, 5, 6]], SPECIAL, 5) == ([[s, 4, 5, 6, e]], True)
+    assert layout("entail", [[1, 2, 3, 4, 5, 6], [7, 8, 9]], SPECIAL, 8) == ([[s, 5, 6, d, 7, 8, 9, e]], True)
+    assert layout("choice", [[1, 2, 3, 4], [7], [8, 9]], SPECIAL, 7) == \
+        ([[s, 3, 4, d, 7, e], [s, 3, 4, d, 8, 9, e]], True)  # one context for all answers, cut for the longest
+    # similarity: the longer text gives way first, and both orderings hold the same tokens
+    assert layout("similarity", [[1, 2, 3, 4, 5, 6], [7, 8]], SPECIAL, 9) == \
+        ([[s, 3, 4, 5, 6, d, 7, 8, e], [s, 7, 8, d, 3, 4, 5, 6, e]], True)
+    with pytest.raises(ValueError, match="the hypothesis alone takes 7 tokens"):
+        layout("entail", [[1], [2, 3, 4, 5]], SPECIAL, 6)
+
+
+def test_special_tokens_are_new_rows_of_the_tied_embedding():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_head=1, n_embd=8))
+    old = model.lm_head.weight.detach().clone()
+    tok = Tokenizer("char", chars="abcd", char_eot=True)
+    assert add_special_tokens(model, tok) == {"start": 5, "delimiter": 6, "extract": 7}
+    assert model.transformer.wte.weight is model.lm_head.weight and model.lm_head.weight.shape == (8, 8)
+    assert torch.equal(model.lm_head.weight[:5], old) and model.lm_head.weight[5:].abs().sum() > 0
+    assert tok.vocab_size == model.config.vocab_size == 8 and tok.decode([5, 0, 6, 1, 7]) == "ab"
+    assert model(torch.tensor([[5, 0, 6, 7]]))[0].shape == (1, 4, 8)
+
+
+def test_records_become_examples_with_label_ids():
+    tok = Tokenizer("char", chars="abcdefgh ")
+    records = [(1, {"premise": "abc", "hypothesis": "de", "label": "no"}),
+               (2, {"premise": "h", "hypothesis": "g", "label": "yes"})]
+    examples = encode_records(records, "f.jsonl", "entail", tok, SPECIAL, 16, ["no", "yes"])
+    assert [e.sequences for e in examples] == [[[20, 0, 1, 2, 21, 3, 4, 22]], [[20, 7, 21, 6, 22]]]
+    assert [e.label for e in examples] == [0, 1]
+    choice = [(1, {"context": "ab", "choices": ["c", "d", "e"], "label": 2})]
+    assert encode_records(choice, "f.jsonl", "choice", tok, SPECIAL, 16, None)[0].label == 2
+
+
+@pytest.mark.parametrize("task, per_example", [("classify", 1), ("entail", 1), ("similarity", 2), ("choice", 3)])
+def test_padding_never_changes_a_result(task, per_example):
+    """Right padding: a row alone and in a batch padded to a longer row give the same logits."""
+    torch.manual_seed(0)
+    body = GPT(GPTConfig(block_size=32, vocab_size=23, n_layer=2, n_head=2, n_embd=32))
+    model = TaskModel(body, task, 1 if task == "choice" else 3, 0.1)
+    model.eval()
+    rng = random.Random(0)
+    examples = [Example([[20] + [rng.randrange(20) for _ in range(rng.randrange(1, 30))] + [22]
+                         for _ in range(per_example)], None, False) for _ in range(6)]
+    idx, extract, targets = pad_batch(examples, torch.device("cpu"))
+    assert (extract < idx.size(1) - 1).any()  # some rows are padded
+    assert ((targets == -1).sum(dim=1) == idx.size(1) - extract).all()  # padding is never a target
+    with torch.no_grad():
+        batched = model(idx, extract, per_example)[0]
+        for i, example in enumerate(examples):
+            alone = model(*pad_batch([example], torch.device("cpu"))[:2], per_example)[0]
+            torch.testing.assert_close(batched[i : i + 1], alone, atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------- learning the tasks
+
+
+@pytest.mark.parametrize("task", ["classify", "entail", "similarity", "choice"])
+def test_pretrained_body_learns_each_task_and_a_random_one_does_not(finetuned, task):
+    _, pretrained = finetuned(task, "pretrained")
+    _, scratch = finetuned(task, "random")
+    assert pretrained["val_accuracy"] >= CHANCE[task] + 0.15, (pretrained, scratch)
+    assert pretrained["val_accuracy"] >= scratch["val_accuracy"] + 0.1, (pretrained, scratch)
+    assert pretrained["epochs"] == 3 and pretrained["steps"] == 3 * math.ceil(TRAIN_EXAMPLES / 16)
+    assert ("val_f1" in pretrained) == (task != "choice")
+
+
+def test_similarity_regression_correlates_and_long_pairs_are_cut(datasets, pretrained, tmp_path):
+    train, val = datasets["graded"]
+    result = finetune("--task", "similarity", "--labels", "float", "--train", train, "--val", val,
+                      "--init-from", pretrained, "--out-dir", tmp_path, *FINETUNE, "--block-size", "28",
+                      "--lr", "1e-3")  # 3e-3 overshoots the squared error
+    metrics = ok(result)
+    assert metrics["val_pearson"] > 0.15 and metrics["val_spearman"] > 0.15, metrics
+    # 13 + 13 characters and 3 special tokens do not fit in 28: every pair loses one character
+    assert f"{train}: 1000 of 1000 examples cut to the block size of 28 tokens" in result.stdout
+    assert load_checkpoint(str(tmp_path / "ckpt.pt"))["model_config"]["block_size"] == 28
+
+
+def test_predictions_round_trip(finetuned, datasets, tmp_path):
+    out, metrics = finetuned("classify", "pretrained")
+    _, val = datasets["classify"]
+    predictions = tmp_path / "predictions.jsonl"
+    summary = ok(finetune("--init-from", out / "ckpt.pt", "--predict", val, "--out", predictions,
+                          "--device", "cpu", "--dtype", "float32"))
+    assert summary == {"predictions": 200, "out": str(predictions), "truncated": 0}
+    lines = [json.loads(line) for line in predictions.read_text().splitlines()]
+    labels = [row["label"] for row in read_jsonl(val)]
+    assert all(set(line["probabilities"]) == {"real", "shuffled"} for line in lines)
+    assert all(abs(sum(line["probabilities"].values()) - 1) < 1e-4 for line in lines)
+    assert all(line["label"] == max(line["probabilities"], key=line["probabilities"].get) for line in lines)
+    accuracy = sum(line["label"] == label for line, label in zip(lines, labels)) / len(labels)
+    assert accuracy == pytest.approx(metrics["val_accuracy"], abs=1e-4)  # the kept checkpoint is the best epoch's
+
+    out, _ = finetuned("choice", "pretrained")
+    _, val = datasets["choice"]
+    ok(finetune("--init-from", out / "ckpt.pt", "--predict", val, "--out", predictions, "--overwrite"))
+    line = json.loads(predictions.read_text().splitlines()[0])
+    assert line["label"] in range(4) and len(line["probabilities"]) == 4
+
+
+def test_finetuned_checkpoint_samples_with_test_py(finetuned):
+    out, _ = finetuned("classify", "pretrained")
+    checkpoint = load_checkpoint(str(out / "ckpt.pt"))
+    special = checkpoint["tokenizer"]["special_tokens"]
+    vocab = checkpoint["model_config"]["vocab_size"]
+    assert sorted(special.values()) == list(range(vocab - 3, vocab)) and checkpoint["tokenizer"]["vocab_size"] == vocab
+    assert checkpoint["finetune"]["label_names"] == ["real", "shuffled"] and checkpoint["head"]["weight"].shape[0] == 2
+    sample = run_script("test.py", "--ckpt", out / "ckpt.pt", "--device", "cpu", "--num-samples", "1",
+                        "--max-new-tokens", "30", "--prompt", "def ", env=ENV)
+    assert sample.returncode == 0, sample.stderr
+    assert sample.stdout.startswith("def ") and len(sample.stdout) > 10
+
+
+# ----------------------------------------------------------------------------- torchrun, signals, init sources
+
+
+def test_two_processes_give_the_metrics_of_one(datasets, pretrained, tmp_path):
+    train, val = datasets["classify"]
+    small = [write_jsonl(tmp_path / name, read_jsonl(path)[:n])
+             for name, path, n in (("train.jsonl", train, 96), ("val.jsonl", val, 40))]
+    args = ["--task", "classify", "--train", small[0], "--val", small[1], "--init-from", pretrained,
+            *FINETUNE, "--epochs", "2", "--head-dropout", "0"]
+    one = ok(finetune(*args, "--out-dir", tmp_path / "one"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()), "--nproc_per_node",
+           "2", str(ROOT / "finetune.py"), *map(str, args), "--out-dir", str(tmp_path / "two")]
+    two = ok(subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300, env={**os.environ, **ENV}))
+    assert two.keys() == one.keys() and two["steps"] == one["steps"] == 12
+    for name in one:
+        assert two[name] == pytest.approx(one[name], abs=2e-4), (one, two)
+    heads = [load_checkpoint(str(tmp_path / run / "ckpt.pt"))["head"]["weight"] for run in ("one", "two")]
+    torch.testing.assert_close(heads[0], heads[1], atol=1e-4, rtol=0)
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0(datasets, pretrained, tmp_path):
+    train, val = datasets["classify"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "finetune.py"), "--task", "classify", "--train", train,
+                             "--val", val, "--init-from", pretrained, "--out-dir", str(tmp_path), *FINETUNE,
+                             "--epochs", "100"], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, **ENV})
+    try:
+        for line in proc.stdout:
+            if line.startswith("model:"):  # set up; training is starting
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert "stopped by signal at step" in out
+    report = json.loads(out.splitlines()[-1])
+    assert report["epochs"] == 0 and 1 <= report["steps"] < math.ceil(TRAIN_EXAMPLES / 16)
+    assert load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] == report["steps"]
+
+
+def test_init_from_hf_folder_and_deepspeed_folder(pretrained, tmp_path):
+    """The other --init-from sources give the same body and tokenizer facts, with the dropout asked for."""
+    checkpoint = load_checkpoint(pretrained)
+    source = GPT(GPTConfig(**checkpoint["model_config"]))
+    source.load_state_dict(checkpoint["model"])
+    source.save_pretrained(str(tmp_path / "hf"), tokenizer=checkpoint["tokenizer"])
+    for path in (pretrained, str(tmp_path / "hf")):
+        body, facts = load_pretrained(path, dropout=0.1)
+        assert facts["chars"] == checkpoint["tokenizer"]["chars"] and body.config.dropout == 0.1
+        torch.testing.assert_close(body.state_dict(), source.state_dict())
+    # a consolidated DeepSpeed checkpoint: zero_to_fp32's output inside the folder that holds the model config
+    config = dict(block_size=8, vocab_size=257, n_layer=1, n_head=1, n_embd=8)
+    fake_deepspeed_folder(tmp_path / "ds", tokenizer={"tokenizer": "byte", "vocab_size": 257, "eot_id": 256},
+                          model_config=config)
+    consolidated = GPT(GPTConfig(**config))
+    torch.save(consolidated.state_dict(), tmp_path / "ds" / "ckpt_ds.pt")
+    body, facts = load_pretrained(str(tmp_path / "ds" / "ckpt_ds.pt"), dropout=0.1)
+    assert facts["tokenizer"] == "byte" and body.config.dropout == 0.1
+    torch.testing.assert_close(body.state_dict(), consolidated.state_dict())
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def bad_input_cases(tmp_path, datasets, byte_model):
+    train, val = datasets["classify"]
+    rows = read_jsonl(train)[:4]
+
+    def lines(name, *texts):
+        path = tmp_path / name
+        path.write_text("".join(text + "\n" for text in texts))
+        return str(path)
+
+    good = [json.dumps(row) for row in rows]
+    return {
+        "unknown task": (["--task", "summarize", "--train", train, "--val", val], "unknown task 'summarize'"),
+        "missing field": (["--train", lines("t1.jsonl", good[0], json.dumps({"text": "abc"})), "--val", val],
+                          "t1.jsonl line 2: missing field 'label'"),
+        "not JSON": (["--train", lines("t2.jsonl", good[0], "", '{"text": "abc",'), "--val", val],
+                     "t2.jsonl line 3: not JSON"),
+        "unseen label": (["--train", train, "--val", lines("v1.jsonl", json.dumps({"text": "abc", "label": "maybe"}))],
+                         "v1.jsonl line 1: label 'maybe' never occurs in the training file"),
+        "empty file": (["--train", lines("t3.jsonl"), "--val", val], "t3.jsonl has no examples"),
+        "another tokenizer": (["--train", train, "--val", lines("v2.jsonl", json.dumps({"text": "\u4e2d",
+                                                                                        "label": "real"}))],
+                              "v2.jsonl line 1: character '\u4e2d' is not in the char vocabulary"),
+        "checkpoint unlike its tokenizer": (["--train", train, "--val", val, "--init-from", byte_model],
+                                            "does not fit its tokenizer"),
+        "output over an input": (["--train", train, "--val", val, "--init-from", tmp_path / "out" / "ckpt.pt"],
+                                 "would overwrite the input"),
+    }
+
+
+@pytest.mark.parametrize("case", ["unknown task", "missing field", "not JSON", "unseen label", "empty file",
+                                  "another tokenizer", "checkpoint unlike its tokenizer", "output over an input"])
+def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, datasets, random_body):
+    byte_model = tmp_path / "byte.pt"  # a 100-token model that claims the 257-token byte tokenizer
+    model = GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=1, n_head=1, n_embd=8))
+    save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config),
+                     "tokenizer": {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256}}, str(byte_model))
+    args, message = bad_input_cases(tmp_path, datasets, byte_model)[case]
+    if "--init-from" not in args:
+        args = [*args, "--init-from", random_body]
+    if "--task" not in args:
+        args = ["--task", "classify", *args]
+    result = finetune(*args, "--out-dir", tmp_path / "out", "--device", "cpu")
+    assert_one_line_error(result, message)
+    assert not (tmp_path / "out").exists()
