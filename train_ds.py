@@ -159,6 +159,9 @@ class DeepSpeedEngine:
         self.world_size = dist.get_world_size()
         self.master = dist.get_rank() == 0
 
+    def data_parallel(self) -> tuple[int, int]:
+        return dist.get_rank(), self.world_size
+
     def read_resume(self) -> dict:
         state = read_train_state(self.path)
         if state["world_size"] != self.world_size:
