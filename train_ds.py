@@ -34,7 +34,8 @@ from checkpoint import capture_rng, check_deepspeed_files, prune_deepspeed_tags,
 from cli import CLIError, free_port
 from device import resolve_device, resolve_dtype, set_job_threads
 from files import read_json
-from model import GPT
+from model import GPT, decay_groups
+from parallel import Layout, autotp_config, check_layout, pipeline_module
 from training import TrainConfig, Trainer, add_distributed_arguments, parse_config
 
 DEFAULT_DS_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json")
@@ -62,6 +63,10 @@ def extra_arguments(parser) -> None:
     deepspeed.add_config_arguments(parser)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="set by the deepspeed launcher (LOCAL_RANK in the environment wins)")
+    parser.add_argument("--pipeline-stages", "--pipeline-model-parallel-size", type=int, default=1,
+                        help="pipeline-parallel stages (deepspeed.pipe; ZeRO stage 0 or 1) (default: 1)")
+    parser.add_argument("--tp-size", "--tensor-model-parallel-size", type=int, default=1,
+                        help="tensor-parallel shards (DeepSpeed AutoTP; ZeRO stage 0-3) (default: 1)")
     parser.add_argument("--keep-checkpoints", type=int, default=1,
                         help="global_stepN folders kept in OUT_DIR/ds; older ones are deleted after a save "
                              "(0 = keep all; default: 1)")
@@ -153,14 +158,22 @@ class DeepSpeedEngine:
     """The training core's engine (see training.py) on a DeepSpeed engine: forward, backward, the ZeRO
     optimizer step and the checkpoints in OUT_DIR/ds go through DeepSpeed."""
 
-    def __init__(self, ds: dict, ds_path: str, out_dir: str, keep_checkpoints: int):
+    def __init__(self, ds: dict, ds_path: str, out_dir: str, keep_checkpoints: int, pipeline_stages: int = 1,
+                 tp_size: int = 1):
         self.ds_input, self.ds_path, self.keep_checkpoints = ds, ds_path, keep_checkpoints
         self.path = os.path.join(out_dir, "ds")
         self.world_size = dist.get_world_size()
         self.master = dist.get_rank() == 0
+        self.layout = Layout(self.world_size, pipeline_stages, tp_size)
+        if pipeline_stages > 1 and tp_size > 1:
+            raise CLIError("--pipeline-stages and --tp-size together are not supported: DeepSpeed's pipeline engine "
+                           "does not compose with AutoTP; use one of them (--estimate-memory takes both)")
+        if self.layout.world_size % self.layout.model_parallel:
+            raise CLIError(f"{self.world_size} processes cannot hold {tp_size} tensor-parallel shards x "
+                           f"{pipeline_stages} pipeline stages; launch a multiple of {self.layout.model_parallel}")
 
     def data_parallel(self) -> tuple[int, int]:
-        return dist.get_rank(), self.world_size
+        return self.layout.data_parallel_rank(dist.get_rank()), self.layout.data_parallel
 
     def read_resume(self) -> dict:
         state = read_train_state(self.path)
@@ -179,14 +192,26 @@ class DeepSpeedEngine:
         if "dtype" in resumed:  # the checkpoint's precision stands unless the config says otherwise
             given = given - {"dtype"}
         device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
-        cfg, self.ds_config = reconcile(cfg, given, self.ds_input, self.ds_path, self.world_size, device, resumed)
+        cfg, self.ds_config = reconcile(cfg, given, self.ds_input, self.ds_path, self.layout.data_parallel, device,
+                                        resumed)
+        try:
+            check_layout(self.layout, cfg, zero_stage(self.ds_config))
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+        if self.layout.tp_size > 1:
+            given_tp = self.ds_config.get("tensor_parallel", {}).get("autotp_size")
+            if given_tp not in (None, self.layout.tp_size):
+                raise CLIError(f"{os.path.basename(self.ds_path)} sets tensor_parallel.autotp_size {given_tp} but "
+                               f"--tp-size {self.layout.tp_size} was given; they must agree")
+            self.ds_config["tensor_parallel"] = autotp_config(self.layout.tp_size)
         return cfg
 
     def start(self, model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype,
               resume: dict | None) -> None:
         self.device = device
+        module = pipeline_module(model, self.layout.pipeline_stages) if self.pipelined else model
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.param_groups(cfg.weight_decay), config=self.ds_config)
+            model=module, model_parameters=decay_groups((module,), cfg.weight_decay), config=self.ds_config)
         if cfg.compile:
             self.engine.compile()
         if self.master:
@@ -194,7 +219,7 @@ class DeepSpeedEngine:
             offload = ", ".join(f"{what} offload to {(zero.get(key) or {}).get('device')}"
                                 for what, key in (("optimizer", "offload_optimizer"), ("param", "offload_param"))
                                 if (zero.get(key) or {}).get("device") not in (None, "none"))
-            print(f"deepspeed {deepspeed.__version__}: ZeRO stage {zero_stage(self.ds_config)}"
+            print(f"deepspeed {deepspeed.__version__}: {self.layout.describe()}, ZeRO stage {zero_stage(self.ds_config)}"
                   f"{', ' + offload if offload else ''}, optimizer "
                   f"{type(getattr(self.engine, 'basic_optimizer', None) or self.optimizer).__name__}, "
                   f"config {self.ds_path}", flush=True)
@@ -211,9 +236,15 @@ class DeepSpeedEngine:
             raise CLIError(f"cannot resume: no DeepSpeed checkpoint {tag} in {self.path}")
         restore_rng((client_state or {}).get("rng") or {}, self.device)
 
+    @property
+    def pipelined(self) -> bool:
+        return self.layout.pipeline_stages > 1
+
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> float:
         for group in self.engine.optimizer.param_groups:  # the core's schedule (training.learning_rate)
             group["lr"] = lr
+        if self.pipelined:  # forward, backward and step over all micro-batches, stage by stage
+            return self.engine.train_batch(iter(batches)).item()
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(batches):
             _, loss = self.engine(x, y)
@@ -225,6 +256,8 @@ class DeepSpeedEngine:
         return total.item()
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.pipelined:  # every stage takes part; the last one's loss is broadcast to all
+            return self.engine.eval_batch(iter([(x, y)]), num_micro_batches=1)
         return self.engine(x, y)[1]  # no autocast: DeepSpeed's config owns the precision
 
     def weights_finite(self) -> bool:
@@ -237,6 +270,7 @@ class DeepSpeedEngine:
     def save(self, state: dict) -> None:
         tag = f"global_step{state['iter_num']}"
         state = {**state, "world_size": self.world_size, "zero_stage": zero_stage(self.ds_config),
+                 "pipeline_stages": self.layout.pipeline_stages, "tp_size": self.layout.tp_size,
                  "deepspeed_version": deepspeed.__version__}
         if state["best_val_loss"] == float("inf"):
             state["best_val_loss"] = None  # JSON has no infinity
@@ -292,7 +326,7 @@ def main() -> None:
     ds_path = args.deepspeed_config or args.deepscale_config or DEFAULT_DS_CONFIG
     ds = read_json(ds_path, "DeepSpeed config")
     init_distributed(cfg, args)
-    engine = DeepSpeedEngine(ds, ds_path, cfg.out_dir, args.keep_checkpoints)
+    engine = DeepSpeedEngine(ds, ds_path, cfg.out_dir, args.keep_checkpoints, args.pipeline_stages, args.tp_size)
     trainer = Trainer(cfg, explicit, engine)
     if trainer.master and cfg.init_from == "resume":
         print(f"resumed from {engine.path} at iteration {trainer.iter_num}", flush=True)

@@ -110,3 +110,112 @@ def test_one_node_example_trains_with_megatron_names(ds_ops, char_data, tmp_path
                        "--device", "cpu", "--dtype", "float32")
     assert more.returncode == 0 and "resumed from" in more.stdout, more.stdout[-3000:] + more.stderr[-3000:]
     assert (tmp_path / "ckpt" / "ds" / "latest").read_text().strip() == "global_step4"
+
+
+# ----- pipeline and tensor parallel: same losses as train.py, one-command conversion -----
+
+MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
+         "--device", "cpu", "--dtype", "float32", "--eval-iters", "2", "--log-interval", "1"]
+STEPS = ["--max-iters", "10", "--lr-decay-iters", "10", "--warmup-iters", "2", "--lr", "3e-3", "--grad-accum", "2",
+         "--eval-interval", "5"]
+
+
+def launch_ds(data, out_dir, *extra, config="ds_config_zero1.json", slots=2, timeout=300):
+    hostfile = out_dir.parent / f"{out_dir.name}.hosts"
+    hostfile.write_text(f"localhost slots={slots}\n")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh_check",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(ROOT / "train_ds.py"), "--deepspeed",
+           "--deepspeed_config", str(ROOT / config), "--data-dir", str(data), "--out-dir", str(out_dir),
+           *MODEL, *map(str, extra)]
+    return subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=timeout, env={**os.environ, **ENV})
+
+
+def ds_state(out_dir) -> dict:
+    ds = out_dir / "ds"
+    return json.loads((ds / (ds / "latest").read_text().strip() / "train_state.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(char_data, tmp_path_factory):
+    """train.py on one process: the losses and weights every layout must reproduce."""
+    out = tmp_path_factory.mktemp("reference")
+    result = run_script("train.py", "--data-dir", char_data, "--out-dir", out, *MODEL, *STEPS)
+    assert result.returncode == 0, result.stderr
+    return torch.load(out / "ckpt.pt", weights_only=True)
+
+
+def logits_of(weights: dict, model_config: dict, idx: torch.Tensor) -> torch.Tensor:
+    from checkpoint import model_from_weights
+    return model_from_weights(model_config, weights, "test")(idx)[0]
+
+
+def check_layout_run(out, result, reference, tmp_path, raw_weights: dict | None) -> None:
+    """Losses within 1e-4 of train.py; test_ds.py --export-ckpt writes a ckpt.pt whose logits equal those of the
+    weights in the run's own files (read here independently, where they are whole per shard), and test.py
+    samples it."""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    state = ds_state(out)
+    losses, expected = state["history"]["loss"], reference["history"]["loss"]
+    assert len(losses) == len(expected) == 10
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-4, (losses, expected)
+    exported = run_script("test_ds.py", "--ckpt", out / "ds", "--export-ckpt", tmp_path / "ckpt.pt", env=ENV)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    idx = torch.randint(0, ckpt["model_config"]["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
+    if raw_weights is not None:
+        assert torch.equal(logits_of(ckpt["model"], ckpt["model_config"], idx),
+                           logits_of(raw_weights, state["model_config"], idx))
+    assert torch.allclose(logits_of(ckpt["model"], ckpt["model_config"], idx),
+                          logits_of(reference["model"], reference["model_config"], idx), atol=1e-4)
+    sampled = run_script("test.py", "--ckpt", tmp_path / "ckpt.pt", "--num-samples", "1", "--max-new-tokens", "10")
+    assert sampled.returncode == 0, sampled.stderr
+
+
+def test_two_stage_pipeline_matches_train_py_and_converts(ds_ops, char_data, reference, tmp_path):
+    out = tmp_path / "pp"
+    result = launch_ds(char_data, out, *STEPS, "--pipeline-stages", "2")
+    assert "2 pipeline stages x 1 data-parallel, ZeRO stage 1" in result.stdout, result.stdout[-3000:]
+    # each stage's layer files: layer_00 token embedding (the tied head), 01 positions, 02-03 blocks, 04 ln_f
+    tag = out / "ds" / ds_state(out)["tag"]
+    layer = {i: torch.load(tag / f"layer_{i:02d}-model_states.pt", weights_only=True) for i in range(5)}
+    raw = {"transformer.wte.weight": layer[0]["wte.weight"], "transformer.wpe.weight": layer[1]["wpe.weight"],
+           **{f"transformer.h.{i}.{k.removeprefix('block.')}": v for i in (0, 1) for k, v in layer[2 + i].items()},
+           **{f"transformer.{k}": v for k, v in layer[4].items()}}
+    check_layout_run(out, result, reference, tmp_path, raw)
+
+
+def test_two_way_autotp_matches_train_py_and_converts(ds_ops, char_data, reference, tmp_path):
+    out = tmp_path / "tp"
+    result = launch_ds(char_data, out, *STEPS, "--tp-size", "2")
+    assert "2 tensor-parallel x 1 data-parallel, ZeRO stage 1" in result.stdout, result.stdout[-3000:]
+    # each rank's shard, joined here: c_attn's q, k and v by heads and c_fc by rows; both c_proj by columns
+    tag = out / "ds" / ds_state(out)["tag"]
+    shards = [torch.load(tag / f"mp_rank_0{r}_model_states.pt", weights_only=True)["module"] for r in (0, 1)]
+    raw = {}
+    for name, tensor in shards[0].items():
+        if ".c_attn." in name:
+            raw[name] = torch.cat([torch.cat([s[name].chunk(3)[i] for s in shards]) for i in range(3)])
+        elif ".c_fc." in name or name.endswith("c_proj.weight"):
+            raw[name] = torch.cat([s[name] for s in shards], dim=0 if ".c_fc." in name else 1)
+        else:
+            raw[name] = tensor
+    check_layout_run(out, result, reference, tmp_path, raw)
+
+
+def test_autotp_composes_with_zero3_offload(ds_ops, char_data, reference, tmp_path):
+    """The shipped ZeRO-3 + CPU offload config with 2-way AutoTP: same losses, and the partitioned shards convert."""
+    out = tmp_path / "tp3"
+    result = launch_ds(char_data, out, *STEPS, "--tp-size", "2", config="ds_config.json")
+    assert "2 tensor-parallel x 1 data-parallel, ZeRO stage 3, optimizer offload to cpu" in result.stdout
+    check_layout_run(out, result, reference, tmp_path, None)
+
+
+@pytest.mark.parametrize("flags, config, fragments", [
+    (["--pipeline-stages", "2"], "ds_config.json", ["pipeline engine supports ZeRO stage 0 or 1, not 3"]),
+    (["--pipeline-stages", "3"], "ds_config_zero1.json", ["processes cannot hold"]),
+    (["--tp-size", "2", "--n-head", "3", "--n-embd", "48"], "ds_config_zero1.json", ["must divide the 3 heads"]),
+])
+def test_bad_layouts_are_one_line(ds_ops, char_data, tmp_path, flags, config, fragments):
+    result = launch_ds(char_data, tmp_path / "o", "--max-iters", "2", *flags, config=config)
+    assert_one_line_error(result, *fragments)
+    assert not (tmp_path / "o" / "ds").exists()
