@@ -43,6 +43,12 @@ PRESETS: dict[str, dict] = {
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+    # larger GPT-2s for model parallelism (GPT-3's shapes; 16b: the Megatron-DeepSpeed source design's size,
+    # 40 blocks = 5 per stage of 8, 48 heads = 12 per shard of 4)
+    "gpt2-2.7b": dict(n_layer=32, n_head=32, n_embd=2560),  # 2.65B
+    "gpt2-6.7b": dict(n_layer=32, n_head=32, n_embd=4096),  # 6.65B
+    "gpt2-13b": dict(n_layer=40, n_head=40, n_embd=5120),  # 12.85B
+    "gpt2-16b": dict(n_layer=40, n_head=48, n_embd=5760),  # 16.22B
 }
 for _preset in PRESETS.values():
     _preset.update(block_size=1024, vocab_size=50257, bias=True)

@@ -11,6 +11,8 @@ Tensor parallel: AutoTP splits c_attn (q, k and v each by heads) and c_fc by out
 rows (an all-reduce after them); embeddings, LayerNorms and the head stay whole. CausalSelfAttention takes its
 head count from the width it receives, so a shard runs n_head / T heads.
 """
+import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -158,3 +160,66 @@ def gpt_state_from_universal(weights: dict[str, torch.Tensor]) -> dict[str, torc
         state[key] = tensor
     state["lm_head.weight"] = state["transformer.wte.weight"]
     return state
+
+
+# ----- what a layout costs -----
+
+def tp_share(name: str, numel: int, tp_size: int) -> int:
+    """Elements of one parameter that a tensor-parallel shard holds (TP_RULES; a row-parallel bias stays whole)."""
+    for pattern, kind, _ in TP_RULES:
+        if re.match(pattern, name) or kind == "column" and re.match(pattern, re.sub(r"\.bias$", ".weight", name)):
+            return numel // tp_size
+    return numel
+
+
+@dataclass
+class MemoryEstimate:
+    params: int  # the whole model
+    device_params: int  # on the busiest device: its stage's layers, its tensor-parallel share
+    largest_layer: int  # the biggest single module (what ZeRO-3 gathers at once)
+    flops_per_token: int
+    weights: float  # bytes per device
+    gradients: float
+    optimizer: float
+    activations: float
+    cpu: float  # bytes per process offloaded to CPU memory
+
+
+def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: str, offload_optimizer: bool,
+                    offload_param: bool, micro_batch: int, micro_steps: int) -> MemoryEstimate:
+    """Training memory per device for this layout, from a GPT built on the meta device (nothing is allocated).
+
+    Bytes per parameter as DeepSpeed counts them: float32 weights 4 + gradients 4 + AdamW 8; 16-bit weights 2 +
+    gradients 2 + float32 gradients, master weights and AdamW 16. ZeRO stage 1 partitions the optimizer over the
+    data-parallel ranks, 2 also the gradients, 3 also the weights. Activations without recomputation (Korthikanti
+    et al. 2022, sequence s, micro-batch b, width h, TP t: s*b*h*(10 + 24/t) 16-bit values per block; SDPA keeps no
+    (s, s) scores), for as many micro-batches as the first pipeline stage holds in flight (1F1B)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    per_block = sum(tp_share(n, p.numel(), layout.tp_size)
+                    for n, p in model.transformer.h[0].named_parameters(prefix="transformer.h.0"))
+    blocks = math.ceil(config.n_layer / layout.pipeline_stages)
+    wte, wpe = model.transformer.wte.weight.numel(), model.transformer.wpe.weight.numel()
+    ln_f = sum(p.numel() for p in model.transformer.ln_f.parameters())
+    if layout.pipeline_stages == 1:
+        device_params = wte + wpe + ln_f + config.n_layer * per_block
+    else:  # the first stage holds the embeddings, the last the final norm and its copy of the tied head
+        device_params = max(wte + wpe, wte + ln_f) + blocks * per_block
+    largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+
+    mixed = dtype != "float32"
+    dp = layout.data_parallel
+    weights = device_params * (2 if mixed else 4) / (dp if zero_stage == 3 else 1)
+    gradients = device_params * (2 if mixed else 4) / (dp if zero_stage >= 2 else 1)
+    optimizer = device_params * (16 if mixed else 8) / (dp if zero_stage >= 1 else 1)
+    cpu = 0.0
+    if offload_optimizer:
+        cpu, optimizer = cpu + optimizer, 0.0
+    if offload_param and zero_stage == 3:  # parameters wait in CPU memory; one layer at a time is gathered
+        cpu, weights = cpu + weights, largest_layer * (2 if mixed else 4)
+    in_flight = min(layout.pipeline_stages, micro_steps) if layout.pipeline_stages > 1 else 1
+    per_block_activations = config.block_size * micro_batch * config.n_embd * (10 + 24 / layout.tp_size) * \
+        (2 if mixed else 4) / 2
+    activations = per_block_activations * blocks * in_flight
+    return MemoryEstimate(config.num_params(non_embedding=False), device_params, largest_layer,
+                          model.flops_per_token(), weights, gradients, optimizer, activations, cpu)

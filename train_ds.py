@@ -34,9 +34,9 @@ from checkpoint import capture_rng, check_deepspeed_files, prune_deepspeed_tags,
 from cli import CLIError, free_port
 from device import resolve_device, resolve_dtype, set_job_threads
 from files import read_json
-from model import GPT, decay_groups
-from parallel import Layout, autotp_config, check_layout, pipeline_module
-from training import TrainConfig, Trainer, add_distributed_arguments, parse_config
+from model import GPT, GPTConfig, decay_groups
+from parallel import Layout, autotp_config, check_layout, estimate_memory, pipeline_module
+from training import TrainConfig, Trainer, add_distributed_arguments, apply_preset, parse_config
 
 DEFAULT_DS_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json")
 
@@ -67,6 +67,13 @@ def extra_arguments(parser) -> None:
                         help="pipeline-parallel stages (deepspeed.pipe; ZeRO stage 0 or 1) (default: 1)")
     parser.add_argument("--tp-size", "--tensor-model-parallel-size", type=int, default=1,
                         help="tensor-parallel shards (DeepSpeed AutoTP; ZeRO stage 0-3) (default: 1)")
+    parser.add_argument("--estimate-memory", action="store_true",
+                        help="print the parameters, FLOPs per token and memory per device of this model and layout "
+                             "(ZeRO stage and offload from the config) on --num-nodes x --num-gpus, and exit; "
+                             "nothing is allocated and no process group is needed")
+    parser.add_argument("--num-nodes", type=int, default=1, help="machines, for --estimate-memory (default: 1)")
+    parser.add_argument("--num-gpus", type=int, default=1,
+                        help="devices per machine, for --estimate-memory (default: 1)")
     parser.add_argument("--keep-checkpoints", type=int, default=1,
                         help="global_stepN folders kept in OUT_DIR/ds; older ones are deleted after a save "
                              "(0 = keep all; default: 1)")
@@ -283,6 +290,51 @@ class DeepSpeedEngine:
             prune_deepspeed_tags(self.path, self.keep_checkpoints)
 
 
+# ----- what a run would need -----
+def print_memory_estimate(cfg: TrainConfig, explicit: set[str], args, ds: dict) -> None:
+    """--estimate-memory: the model on the meta device, this layout, the config's ZeRO stage and offload, the
+    precision of --dtype or else the config's (float32 when neither sets one), and DeepSpeed's own estimators for
+    ZeRO 2 and 3."""
+    apply_preset(cfg, explicit)
+    layout = Layout(args.num_nodes * args.num_gpus, args.pipeline_stages, args.tp_size)
+    stage, zero = zero_stage(ds), ds.get("zero_optimization") or {}
+    try:
+        check_layout(layout, cfg, stage)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    config = GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                       bias=cfg.bias)  # GPT-2's vocabulary
+    dtype = cfg.dtype if cfg.dtype != "auto" else config_precision(ds) or "float32"
+    grad_accum = Trainer.grad_accum_for(cfg, explicit) if cfg.global_batch_size else cfg.grad_accum
+    micro_steps = max(1, (grad_accum or layout.data_parallel) // layout.data_parallel)
+    offload_optimizer = (zero.get("offload_optimizer") or {}).get("device") not in (None, "none")
+    offload_param = (zero.get("offload_param") or {}).get("device") not in (None, "none")
+    e = estimate_memory(config, layout, stage, dtype, offload_optimizer, offload_param, cfg.batch_size, micro_steps)
+    gib = 2 ** 30
+    device = e.weights + e.gradients + e.optimizer + e.activations
+    print(f"model: {cfg.n_layer} layers, width {cfg.n_embd}, {cfg.n_head} heads, block {cfg.block_size}, "
+          f"GPT-2 vocabulary: {e.params:,} parameters ({e.params / 1e9:.2f}B)")
+    print(f"training FLOPs per token: {e.flops_per_token / 1e9:,.1f} GFLOP (6 x parameters + attention)")
+    print(f"layout: {layout.world_size} devices ({args.num_nodes} nodes x {args.num_gpus}) = {layout.describe()}; "
+          f"ZeRO stage {stage}, {dtype}, micro-batch {cfg.batch_size} x {micro_steps} per step"
+          + (", optimizer offload to cpu" if offload_optimizer else "") + (", param offload to cpu" if offload_param
+                                                                            and stage == 3 else ""))
+    print(f"per device (the busiest stage: {e.device_params:,} parameters): weights {e.weights / gib:.2f} GiB, "
+          f"gradients {e.gradients / gib:.2f}, optimizer {e.optimizer / gib:.2f}, activations {e.activations / gib:.2f}"
+          f" = {device / gib:.2f} GiB" + (f"; CPU memory per process {e.cpu / gib:.2f} GiB" if e.cpu else ""))
+    if stage in (2, 3):  # DeepSpeed's estimators assume 16-bit weights and a 1.5x CPU buffer
+        if stage == 2:
+            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+            cpu, gpu = estimate_zero2_model_states_mem_needs(e.device_params, 1, layout.data_parallel,
+                                                             offload_optimizer)
+        else:
+            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+            cpu, gpu, _ = estimate_zero3_model_states_mem_needs(e.device_params, e.largest_layer, 1,
+                                                                layout.data_parallel, offload_optimizer, offload_param)
+        print(f"DeepSpeed's ZeRO-{stage} estimator (16-bit weights, without activations): {gpu / gib:.2f} GiB per "
+              f"device, {cpu / gib:.2f} GiB CPU memory per process")
+
+
 # ----- processes -----
 def init_distributed(cfg: TrainConfig, args) -> None:
     """Join the process group the launcher describes (a single process when started with plain python)."""
@@ -325,6 +377,9 @@ def main() -> None:
     cfg, explicit, args = parse_config(description=__doc__, extra_arguments=extra_arguments)
     ds_path = args.deepspeed_config or args.deepscale_config or DEFAULT_DS_CONFIG
     ds = read_json(ds_path, "DeepSpeed config")
+    if args.estimate_memory:
+        print_memory_estimate(cfg, explicit, args, ds)
+        return
     init_distributed(cfg, args)
     engine = DeepSpeedEngine(ds, ds_path, cfg.out_dir, args.keep_checkpoints, args.pipeline_stages, args.tp_size)
     trainer = Trainer(cfg, explicit, engine)

@@ -219,3 +219,39 @@ def test_bad_layouts_are_one_line(ds_ops, char_data, tmp_path, flags, config, fr
     result = launch_ds(char_data, tmp_path / "o", "--max-iters", "2", *flags, config=config)
     assert_one_line_error(result, *fragments)
     assert not (tmp_path / "o" / "ds").exists()
+
+
+# ----- presets and the memory estimate -----
+
+def run_measured(*args) -> tuple[subprocess.CompletedProcess, float, int]:
+    """(result, wall seconds, peak RSS in bytes) of one train_ds.py process."""
+    code = ("import resource, subprocess, sys, time; t = time.time(); "
+            "r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+            "print(r.returncode, time.time() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
+            "print(r.stdout, end=''); print(r.stderr, end='', file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code, sys.executable, str(ROOT / "train_ds.py"), *args],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, **ENV})
+    status, seconds, rss_kb = result.stdout.splitlines()[0].split()
+    return subprocess.CompletedProcess(args, int(status), result.stdout.split("\n", 1)[1], result.stderr), \
+        float(seconds), int(rss_kb) * 1024
+
+
+def test_16b_memory_estimate_in_seconds_without_allocating(tmp_path):
+    """The source design's 16B on 32 nodes x 4 devices, TP 4 x PP 8, ZeRO-1, float32: nothing is allocated."""
+    from model import GPTConfig, PRESETS
+    result, seconds, rss = run_measured("--estimate-memory", "--preset", "gpt2-16b", "--seq-length", "1024",
+                                        "--tp-size", "4", "--pipeline-stages", "8", "--num-nodes", "32",
+                                        "--num-gpus", "4", "--micro-batch-size", "1", "--global-batch-size", "64",
+                                        "--deepspeed_config", str(ROOT / "ds_config_zero1.json"))
+    assert result.returncode == 0, result.stderr
+    params = GPTConfig(**PRESETS["gpt2-16b"]).num_params(non_embedding=False)
+    assert f"{params:,} parameters (16.22B)" in result.stdout
+    assert "128 devices (32 nodes x 4) = 4 tensor-parallel x 8 pipeline stages x 4 data-parallel; ZeRO stage 1" \
+        in result.stdout
+    assert "per device (the busiest stage" in result.stdout and "GFLOP" in result.stdout
+    assert seconds < 30 and rss < 2 ** 30, (seconds, rss)
+    # ZeRO-3 with offload (the shipped config) adds DeepSpeed's own estimator
+    zero3, _, _ = run_measured("--estimate-memory", "--preset", "gpt2-16b", "--num-nodes", "2", "--num-gpus", "4")
+    assert zero3.returncode == 0 and "DeepSpeed's ZeRO-3 estimator" in zero3.stdout, zero3.stderr
+    bad, _, _ = run_measured("--estimate-memory", "--preset", "gpt2-16b", "--pipeline-stages", "8", "--num-gpus", "8")
+    assert bad.returncode == 1 and "pipeline engine supports ZeRO stage 0 or 1" in bad.stderr
