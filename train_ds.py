@@ -22,6 +22,7 @@ resume continues exactly with the same number of processes. test_ds.py samples f
 import copy
 import datetime
 import os
+import shutil
 
 import deepspeed
 import torch
@@ -30,7 +31,7 @@ from deepspeed.accelerator import get_accelerator
 
 import cli
 from checkpoint import capture_rng, check_deepspeed_files, prune_deepspeed_tags, read_train_state, restore_rng, \
-    write_train_state
+    to_universal, write_train_state
 from cli import CLIError, free_port
 from device import resolve_device, resolve_dtype, set_job_threads
 from files import read_json
@@ -172,6 +173,7 @@ class DeepSpeedEngine:
         self.world_size = dist.get_world_size()
         self.master = dist.get_rank() == 0
         self.layout = Layout(self.world_size, pipeline_stages, tp_size)
+        self.universal = False  # resuming a checkpoint of another number of processes
         if pipeline_stages > 1 and tp_size > 1:
             raise CLIError("--pipeline-stages and --tp-size together are not supported: DeepSpeed's pipeline engine "
                            "does not compose with AutoTP; use one of them (--estimate-memory takes both)")
@@ -183,11 +185,21 @@ class DeepSpeedEngine:
         return self.layout.data_parallel_rank(dist.get_rank()), self.layout.data_parallel
 
     def read_resume(self) -> dict:
+        """The newest tag's training state. Another number of data-parallel processes resumes through DeepSpeed's
+        universal checkpoint (self.universal); another pipeline or tensor-parallel layout starts anew from the
+        exported weights."""
         state = read_train_state(self.path)
-        if state["world_size"] != self.world_size:
+        saved = (state.get("pipeline_stages", 1), state.get("tp_size", 1))
+        if saved != (self.layout.pipeline_stages, self.layout.tp_size):
+            raise CLIError(f"{self.path} was trained with --pipeline-stages {saved[0]} --tp-size {saved[1]}; resume "
+                           f"with the same layout, or start a new run from its weights: python test_ds.py --ckpt "
+                           f"{self.path} --export-hf DIR, then --init-from DIR")
+        self.universal = state["world_size"] != self.world_size
+        if self.universal and (zero_stage(self.ds_input) == 0 or self.layout.model_parallel > 1):
             raise CLIError(f"{self.path} was written by {state['world_size']} processes but this run has "
-                           f"{self.world_size}; a DeepSpeed ZeRO checkpoint resumes only with the same number "
-                           f"of processes (launch {state['world_size']})")
+                           f"{self.world_size}; DeepSpeed's universal checkpoint resumes ZeRO stage 1-3 data "
+                           f"parallel only: launch {state['world_size']} processes, or start a new run from its "
+                           f"weights: python test_ds.py --ckpt {self.path} --export-hf DIR, then --init-from DIR")
         if state.get("zero_stage") != zero_stage(self.ds_input):
             raise CLIError(f"{self.path} was written with ZeRO stage {state.get('zero_stage')} but "
                            f"{os.path.basename(self.ds_path)} has stage {zero_stage(self.ds_input)}; "
@@ -201,6 +213,8 @@ class DeepSpeedEngine:
         device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
         cfg, self.ds_config = reconcile(cfg, given, self.ds_input, self.ds_path, self.layout.data_parallel, device,
                                         resumed)
+        if self.universal:
+            self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}), "load_universal": True}
         try:
             check_layout(self.layout, cfg, zero_stage(self.ds_config))
         except ValueError as e:
@@ -235,13 +249,24 @@ class DeepSpeedEngine:
 
     def load(self, tag: str) -> None:
         from deepspeed.runtime.zero.utils import ZeRORuntimeException
+        folder = self.path
+        if self.universal:  # rank 0 converts (to OUT_DIR/ds/universal, removed once loaded)
+            folder = os.path.join(self.path, "universal")
+            if self.master:
+                print(f"resuming on {self.world_size} processes through DeepSpeed's universal checkpoint", flush=True)
+                to_universal(self.path, tag, folder)
+            dist.barrier()
         try:
-            path, client_state = self.engine.load_checkpoint(self.path, tag=tag)
+            path, client_state = self.engine.load_checkpoint(folder, tag=tag)
         except ZeRORuntimeException as e:
             raise CLIError(f"cannot resume from {self.path}: {str(e).strip().splitlines()[0]}") from None
         if path is None:
             raise CLIError(f"cannot resume: no DeepSpeed checkpoint {tag} in {self.path}")
         restore_rng((client_state or {}).get("rng") or {}, self.device)
+        if folder != self.path:
+            dist.barrier()
+            if self.master:
+                shutil.rmtree(folder, ignore_errors=True)
 
     @property
     def pipelined(self) -> bool:

@@ -255,3 +255,22 @@ def test_16b_memory_estimate_in_seconds_without_allocating(tmp_path):
     assert zero3.returncode == 0 and "DeepSpeed's ZeRO-3 estimator" in zero3.stdout, zero3.stderr
     bad, _, _ = run_measured("--estimate-memory", "--preset", "gpt2-16b", "--pipeline-stages", "8", "--num-gpus", "8")
     assert bad.returncode == 1 and "pipeline engine supports ZeRO stage 0 or 1" in bad.stderr
+
+
+# ----- resume on another number of processes -----
+
+def test_zero_run_of_two_processes_resumes_on_one_through_universal_checkpoint(ds_ops, char_data, reference, tmp_path):
+    """6 steps of ZeRO-1 on 2 processes, then steps 7-10 on 1: every loss as train.py's uninterrupted run."""
+    out = tmp_path / "run"
+    first = launch_ds(char_data, out, *STEPS[:1], "6", *STEPS[2:])
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    other_layout = launch_ds(char_data, out, "--init-from", "resume", "--max-iters", "10", "--tp-size", "2")
+    assert_one_line_error(other_layout, "--pipeline-stages 1 --tp-size 1", "test_ds.py --ckpt", "--export-hf")
+    resumed = launch_ds(char_data, out, "--init-from", "resume", "--max-iters", "10", slots=1)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "through DeepSpeed's universal checkpoint" in resumed.stdout and "x 1 processes" in resumed.stdout
+    state = ds_state(out)
+    assert state["iter_num"] == 10 and state["world_size"] == 1
+    losses = state["history"]["loss"]
+    assert max(abs(a - b) for a, b in zip(losses, reference["history"]["loss"])) < 1e-4, losses
+    assert sorted(p.name for p in (out / "ds").iterdir() if p.is_dir()) == ["global_step10"]  # no universal/ left
