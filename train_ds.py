@@ -361,11 +361,34 @@ def print_memory_estimate(cfg: TrainConfig, explicit: set[str], args, ds: dict) 
 
 
 # ----- processes -----
+# what mpirun (OpenMPI, MPICH/Hydra, MVAPICH) sets in each process it starts
+MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+MPI_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE")
+
+
+def discover_mpi() -> None:
+    """Under mpirun: RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR from DeepSpeed's MPI discovery (mpi4py), at
+    MASTER_PORT or 29500; LOCAL_WORLD_SIZE from MPI, for the CPU threads of each process."""
+    try:
+        from deepspeed.comm.comm import mpi_discovery
+        mpi_discovery(distributed_port=int(os.environ.get("MASTER_PORT", 29500)), verbose=False)
+    except ImportError:
+        raise CLIError("started by mpirun, but mpi4py is not installed (DeepSpeed finds the ranks through it): "
+                       "pip install mpi4py") from None
+    local = next((os.environ[v] for v in MPI_LOCAL_SIZE_VARS if v in os.environ), None)
+    if local is not None:
+        os.environ.setdefault("LOCAL_WORLD_SIZE", local)
+
+
 def init_distributed(cfg: TrainConfig, args) -> None:
-    """Join the process group the launcher describes (a single process when started with plain python)."""
+    """Join the process group the launcher describes: the deepspeed launcher or torchrun (RANK, WORLD_SIZE),
+    mpirun (found through MPI), or else a single process (plain python)."""
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        if any(v in os.environ for v in MPI_VARS):
+            discover_mpi()
+        else:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(free_port()))
     if "LOCAL_RANK" not in os.environ and args.local_rank is not None:
         os.environ["LOCAL_RANK"] = str(args.local_rank)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

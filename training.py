@@ -25,7 +25,7 @@ import math
 import os
 import signal
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
@@ -107,6 +107,10 @@ class TrainConfig:
                       choices=["auto", "float32", "bfloat16", "float16"])
     compile: bool = option(False, "torch.compile the model")
     peak_tflops: float | None = option(None, "device peak TFLOP/s for MFU (known GPUs are looked up)")
+    codecarbon_dir: str | None = option(None, "record energy and CO2 with codecarbon's offline tracker (rank 0) in "
+                                              "DIR/emissions.csv, one row per run (needs: pip install codecarbon)")
+    codecarbon_country: str = option("USA", "ISO 3166 alpha-3 code of the country whose electricity mix converts "
+                                            "the energy to CO2 (offline: nothing is looked up)")
     seed: int = option(1337, "seed of the initial weights and of the data order")
 
 
@@ -255,6 +259,11 @@ def check_config(cfg: TrainConfig) -> None:
         raise CLIError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
     if cfg.run_name is not None and (not cfg.run_name or os.sep in cfg.run_name or cfg.run_name in (".", "..")):
         raise CLIError(f"--run-name must be a plain folder name, got {cfg.run_name!r}")
+    if cfg.codecarbon_dir:
+        try:
+            import codecarbon  # noqa: F401  (an optional dependency)
+        except ImportError:
+            raise CLIError("--codecarbon-dir needs the optional codecarbon package: pip install codecarbon") from None
 
 
 def apply_preset(cfg: TrainConfig, explicit: set[str]) -> None:
@@ -327,6 +336,24 @@ def evaluation_windows(n_tokens: int, block_size: int, count: int, seed: int, st
     if whole <= count:
         return np.arange(whole, dtype=np.int64) * block_size
     return window_offsets(n_tokens, block_size, count, seed, 0, stream)
+
+
+@contextmanager
+def tracking_emissions(cfg: TrainConfig | None):
+    """codecarbon's OfflineEmissionsTracker around the block when cfg sets --codecarbon-dir; its row is appended to
+    CODECARBON_DIR/emissions.csv when the block ends, by any path."""
+    if cfg is None or not cfg.codecarbon_dir:
+        yield
+        return
+    from codecarbon import OfflineEmissionsTracker
+    os.makedirs(cfg.codecarbon_dir, exist_ok=True)
+    tracker = OfflineEmissionsTracker(country_iso_code=cfg.codecarbon_country, output_dir=cfg.codecarbon_dir,
+                                      project_name=cfg.run_name, log_level="error", allow_multiple_runs=True)
+    tracker.start()
+    try:
+        yield
+    finally:
+        tracker.stop()
 
 
 class StopRequest:
@@ -564,6 +591,12 @@ class Trainer:
 
     # ----- the loop -----
     def fit(self) -> None:
+        """Train up to max_iters (or a stop signal); with --codecarbon-dir, rank 0 records the energy and CO2 of the
+        whole run however it ends (done, signal, NaN, error)."""
+        with tracking_emissions(self.cfg if self.master else None):
+            self.train_loop()
+
+    def train_loop(self) -> None:
         cfg = self.cfg
         stop_request = StopRequest()
         tokens_per_iter = self.global_batch * cfg.block_size

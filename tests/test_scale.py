@@ -1,11 +1,12 @@
 """Issue 15: Megatron's flag names and data command, the example launch scripts, pipeline and tensor parallel
 through DeepSpeed, layout-free conversion, memory estimates. Real processes on the CPU (gloo)."""
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -274,3 +275,57 @@ def test_zero_run_of_two_processes_resumes_on_one_through_universal_checkpoint(d
     losses = state["history"]["loss"]
     assert max(abs(a - b) for a, b in zip(losses, reference["history"]["loss"])) < 1e-4, losses
     assert sorted(p.name for p in (out / "ds").iterdir() if p.is_dir()) == ["global_step10"]  # no universal/ left
+
+
+# ----- energy and CO2 -----
+
+def test_codecarbon_records_every_run_however_it_ends(char_data, tmp_path):
+    """One row per run in DIR/emissions.csv: a finished run, and one stopped by a NaN loss (an error exit)."""
+    pytest.importorskip("codecarbon")
+    import csv
+    track = ["--codecarbon-dir", tmp_path / "cc", "--codecarbon-country", "FRA"]
+    done = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path / "a", *TINY_MODEL, "--max-iters", "3",
+                      "--eval-interval", "100", *track)
+    assert done.returncode == 0, done.stderr
+    nan = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path / "b", *TINY_MODEL, "--max-iters", "50",
+                     "--lr", "1e30", "--grad-clip", "0", "--warmup-iters", "0", "--eval-interval", "100", *track)
+    assert nan.returncode == 1 and "loss is" in nan.stderr
+    rows = list(csv.DictReader(open(tmp_path / "cc" / "emissions.csv")))
+    assert len(rows) == 2 and all(float(r["energy_consumed"]) > 0 and r["country_iso_code"] == "FRA" for r in rows)
+
+
+def test_codecarbon_missing_is_one_line(char_data, tmp_path):
+    """Without the optional package (hidden from this process), --codecarbon-dir stops before anything is written."""
+    code = ("import runpy, sys; sys.modules['codecarbon'] = None; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", code, str(ROOT / "train.py"), "--data-dir", str(char_data),
+                             "--out-dir", str(tmp_path / "o"), "--codecarbon-dir", str(tmp_path / "cc")],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert_one_line_error(result, "pip install codecarbon")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "cc").exists()
+
+
+# ----- mpirun -----
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (.ci/run installs Debian's openmpi-bin)")
+def test_mpirun_example_trains_tensor_parallel_and_saves(ds_ops, char_data, tmp_path):
+    """examples/mpi-run-16B.sh at a tiny size: `mpirun -np 2 python train_ds.py`, ranks found by DeepSpeed's MPI
+    discovery (mpi4py), 2-way AutoTP, energy recorded by rank 0 alone."""
+    pytest.importorskip("mpi4py", reason="mpi4py not installed (requirements-test.txt)")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    env = {"NODES": "1", "GPUS_PER_NODE": "2", "HOSTFILE": str(hostfile), "MASTER_PORT": str(free_port()),
+           "MPIRUN_ARGS": "--allow-run-as-root --oversubscribe -x DS_ACCELERATOR -x OMP_NUM_THREADS",
+           "DS_CONFIG": str(ROOT / "ds_config_zero1.json"), "DATA_PATH": str(char_data),
+           "CHECKPOINT_PATH": str(tmp_path / "ckpt"), "MODEL": "--num-layers 1 --hidden-size 32 --num-attention-heads 2",
+           "SEQ_LEN": "32", "TP_SIZE": "2", "MICRO_BATCH_SIZE": "4", "GLOBAL_BATCH_SIZE": "8", "TRAIN_SAMPLES": "24",
+           "EVAL_ITERS": "2"}
+    if importlib.util.find_spec("codecarbon"):
+        env["CODECARBON_PATH"] = str(tmp_path / "cc")
+    result = run_example("mpi-run-16B.sh", env, "--device", "cpu", "--dtype", "float32", "--log-interval", "1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 tensor-parallel x 1 data-parallel" in result.stdout
+    state = ds_state(tmp_path / "ckpt")
+    assert state["iter_num"] == 3 and state["world_size"] == 2 and state["tp_size"] == 2
+    if "CODECARBON_PATH" in env:
+        assert len((tmp_path / "cc" / "emissions.csv").read_text().splitlines()) == 2  # header + rank 0's row
