@@ -329,3 +329,22 @@ def test_mpirun_example_trains_tensor_parallel_and_saves(ds_ops, char_data, tmp_
     assert state["iter_num"] == 3 and state["world_size"] == 2 and state["tp_size"] == 2
     if "CODECARBON_PATH" in env:
         assert len((tmp_path / "cc" / "emissions.csv").read_text().splitlines()) == 2  # header + rank 0's row
+
+
+def test_multi_node_example_runs_a_pipeline_over_two_nodes(ds_ops, char_data, tmp_path):
+    """examples/run-multi-node.sh without ssh: two "machines" on this host (NODE_RANK 0 and 1), one pipeline stage
+    each."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    env = {"HOSTFILE": str(hostfile), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "DS_CONFIG": str(ROOT / "ds_config_zero1.json"), "DATA_PATH": str(char_data),
+           "CHECKPOINT_PATH": str(tmp_path / "ckpt"), "MODEL": "--num-layers 2 --hidden-size 32 --num-attention-heads 2",
+           "SEQ_LEN": "32", "PP_SIZE": "2", "MICRO_BATCH_SIZE": "4", "GLOBAL_BATCH_SIZE": "8", "TRAIN_SAMPLES": "24"}
+    nodes = [subprocess.Popen(["bash", str(ROOT / "examples" / "run-multi-node.sh"), "--device", "cpu", "--dtype",
+                               "float32", "--eval-iters", "2"], text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env={**os.environ, **ENV, **env, "NODE_RANK": str(rank)})
+             for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs[0][-3000:] + outputs[1][-3000:]
+    assert "2 pipeline stages x 1 data-parallel" in outputs[0]
+    assert ds_state(tmp_path / "ckpt")["iter_num"] == 3
