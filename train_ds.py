@@ -16,8 +16,13 @@ the batch per process, the accumulation, the learning rate and its schedule, Ada
 decay; ds_config.json owns the ZeRO stage, offload, gradient clipping and precision. A value may be given
 in either place; given in both and different, it is an error.
 
+Model parallel (parallel.py): --pipeline-stages P (deepspeed.pipe, ZeRO 0/1) or --tp-size T (AutoTP, ZeRO 0-3);
+the ranks of one model replica read the same data. `mpirun -np N python train_ds.py ...` finds its ranks through
+DeepSpeed's MPI discovery (mpi4py). --estimate-memory prints what a model and layout need, without a launcher.
+
 Checkpoints: OUT_DIR/ds/ in DeepSpeed's layout plus train_state.json (see checkpoint.py); --init-from
-resume continues exactly with the same number of processes. test_ds.py samples from them.
+resume continues exactly with the same number of processes, and on another number through DeepSpeed's
+universal checkpoint. test_ds.py samples from any layout or exports it (--export-ckpt, --export-hf).
 """
 import copy
 import datetime
@@ -216,7 +221,8 @@ class DeepSpeedEngine:
         if self.universal:
             self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}), "load_universal": True}
         try:
-            check_layout(self.layout, cfg, zero_stage(self.ds_config))
+            check_layout(self.layout, GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd),
+                         zero_stage(self.ds_config))
         except ValueError as e:
             raise CLIError(str(e)) from None
         if self.layout.tp_size > 1:
@@ -323,12 +329,12 @@ def print_memory_estimate(cfg: TrainConfig, explicit: set[str], args, ds: dict) 
     apply_preset(cfg, explicit)
     layout = Layout(args.num_nodes * args.num_gpus, args.pipeline_stages, args.tp_size)
     stage, zero = zero_stage(ds), ds.get("zero_optimization") or {}
-    try:
-        check_layout(layout, cfg, stage)
-    except ValueError as e:
-        raise CLIError(str(e)) from None
     config = GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                        bias=cfg.bias)  # GPT-2's vocabulary
+    try:
+        check_layout(layout, config, stage)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     dtype = cfg.dtype if cfg.dtype != "auto" else config_precision(ds) or "float32"
     grad_accum = Trainer.grad_accum_for(cfg, explicit) if cfg.global_batch_size else cfg.grad_accum
     micro_steps = max(1, (grad_accum or layout.data_parallel) // layout.data_parallel)
@@ -436,7 +442,7 @@ def main() -> None:
     trainer.fit()
     if trainer.master:
         print(f"DeepSpeed checkpoint: {engine.path}; sample with `python test_ds.py --ckpt {engine.path}` "
-              f"or convert with `cd {engine.path} && python zero_to_fp32.py . ckpt_ds.pt`", flush=True)
+              f"or convert with `python test_ds.py --ckpt {engine.path} --export-ckpt ckpt.pt`", flush=True)
     dist.barrier()  # leave together: a rank whose peer (the store's host) already exited can abort in teardown
 
 
