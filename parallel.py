@@ -36,6 +36,14 @@ class Layout:
     pipeline_stages: int = 1
     tp_size: int = 1
 
+    def __post_init__(self):
+        if self.pipeline_stages < 1 or self.tp_size < 1:
+            raise ValueError("--pipeline-stages and --tp-size must be at least 1")
+        if self.world_size % self.model_parallel:
+            raise ValueError(f"{self.world_size} processes cannot hold {self.tp_size} tensor-parallel shards x "
+                             f"{self.pipeline_stages} pipeline stages; use a world size that is a multiple of "
+                             f"{self.model_parallel}")
+
     @property
     def model_parallel(self) -> int:
         return self.pipeline_stages * self.tp_size
@@ -56,13 +64,7 @@ class Layout:
 
 
 def check_layout(layout: Layout, config: GPTConfig, zero_stage: int) -> None:
-    """ValueError for a layout this model or DeepSpeed cannot run."""
-    if layout.pipeline_stages < 1 or layout.tp_size < 1:
-        raise ValueError("--pipeline-stages and --tp-size must be at least 1")
-    if layout.world_size % layout.model_parallel:
-        raise ValueError(f"{layout.world_size} processes cannot hold {layout.tp_size} tensor-parallel shards x "
-                         f"{layout.pipeline_stages} pipeline stages; use a world size that is a multiple of "
-                         f"{layout.model_parallel}")
+    """ValueError for a layout this model or DeepSpeed cannot run (the world size is checked by Layout itself)."""
     if layout.pipeline_stages > 1 and zero_stage > 1:
         raise ValueError(f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1, not {zero_stage}; use a config "
                          f"with stage 1 (e.g. ds_config_zero1.json)")

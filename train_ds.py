@@ -177,14 +177,14 @@ class DeepSpeedEngine:
         self.path = os.path.join(out_dir, "ds")
         self.world_size = dist.get_world_size()
         self.master = dist.get_rank() == 0
-        self.layout = Layout(self.world_size, pipeline_stages, tp_size)
         self.universal = False  # resuming a checkpoint of another number of processes
         if pipeline_stages > 1 and tp_size > 1:
             raise CLIError("--pipeline-stages and --tp-size together are not supported: DeepSpeed's pipeline engine "
                            "does not compose with AutoTP; use one of them (--estimate-memory takes both)")
-        if self.layout.world_size % self.layout.model_parallel:
-            raise CLIError(f"{self.world_size} processes cannot hold {tp_size} tensor-parallel shards x "
-                           f"{pipeline_stages} pipeline stages; launch a multiple of {self.layout.model_parallel}")
+        try:
+            self.layout = Layout(self.world_size, pipeline_stages, tp_size)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
 
     def data_parallel(self) -> tuple[int, int]:
         return self.layout.data_parallel_rank(dist.get_rank()), self.layout.data_parallel
@@ -327,11 +327,11 @@ def print_memory_estimate(cfg: TrainConfig, explicit: set[str], args, ds: dict) 
     precision of --dtype or else the config's (float32 when neither sets one), and DeepSpeed's own estimators for
     ZeRO 2 and 3."""
     apply_preset(cfg, explicit)
-    layout = Layout(args.num_nodes * args.num_gpus, args.pipeline_stages, args.tp_size)
     stage, zero = zero_stage(ds), ds.get("zero_optimization") or {}
     config = GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                        bias=cfg.bias)  # GPT-2's vocabulary
     try:
+        layout = Layout(args.num_nodes * args.num_gpus, args.pipeline_stages, args.tp_size)
         check_layout(layout, config, stage)
     except ValueError as e:
         raise CLIError(str(e)) from None

@@ -305,9 +305,9 @@ def merge_resumed_config(cfg: TrainConfig, explicit: set[str], saved: dict, sour
         raise CLIError("--preset cannot be combined with --init-from resume; the checkpoint fixes the shape")
     for name in MODEL_SHAPE:
         setattr(merged, name, model_config[name])
-    for samples, steps in SAMPLE_FLAGS.items():
+    for samples, steps in {**SAMPLE_FLAGS, "global_batch_size": "grad_accum"}.items():
         if steps in explicit and samples not in explicit:
-            setattr(merged, samples, None)  # a step count given now wins over the saved sample count
+            setattr(merged, samples, None)  # a step count given now wins over the saved Megatron count
     return merged
 
 

@@ -215,6 +215,7 @@ def test_autotp_composes_with_zero3_offload(ds_ops, char_data, reference, tmp_pa
     (["--pipeline-stages", "2"], "ds_config.json", ["pipeline engine supports ZeRO stage 0 or 1, not 3"]),
     (["--pipeline-stages", "3"], "ds_config_zero1.json", ["processes cannot hold"]),
     (["--tp-size", "2", "--n-head", "3", "--n-embd", "48"], "ds_config_zero1.json", ["must divide the 3 heads"]),
+    (["--tp-size", "2", "--pipeline-stages", "2"], "ds_config_zero1.json", ["together are not supported"]),
 ])
 def test_bad_layouts_are_one_line(ds_ops, char_data, tmp_path, flags, config, fragments):
     result = launch_ds(char_data, tmp_path / "o", "--max-iters", "2", *flags, config=config)
