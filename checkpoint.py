@@ -246,8 +246,49 @@ def check_deepspeed_files(ds_dir: str, tag: str) -> None:
             _load_plain(os.path.join(folder, name), allowed=(LossScaler, ZeroStageEnum, fragment_address))
 
 
-def gather_deepspeed_weights(ds_dir: str, tag: str) -> dict[str, torch.Tensor]:
-    """The full float32 weights of a ZeRO checkpoint, consolidated in memory by DeepSpeed's zero_to_fp32."""
+def to_universal(ds_dir: str, tag: str, out_root: str) -> str:
+    """DeepSpeed's universal checkpoint of ds_dir/tag written to out_root/tag (returned): every parameter whole, in
+    float32, with its optimizer state, whatever the ZeRO stage, pipeline stages and tensor-parallel shards were.
+    load_universal resumes from it on any number of processes. The tag's files are checked first."""
+    check_deepspeed_files(ds_dir, tag)
+    import argparse
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+    out = os.path.join(out_root, tag)
+    args = argparse.Namespace(input_folder=os.path.join(ds_dir, tag), output_folder=out, num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # its progress lines
+            ds_to_universal(args)
+    except (ValueError, FileNotFoundError, AssertionError, KeyError, RuntimeError, NotImplementedError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CLIError(f"DeepSpeed cannot convert {ds_dir}/{tag} to a universal checkpoint: {first}") from None
+    return out
+
+
+def read_universal_weights(universal_dir: str) -> dict[str, torch.Tensor]:
+    """{parameter name: float32 tensor} from a universal checkpoint (its zero/NAME/fp32.pt files)."""
+    zero = os.path.join(universal_dir, "zero")
+    weights = {}
+    for name in sorted(os.listdir(zero)):
+        path = os.path.join(zero, name, "fp32.pt")
+        if os.path.isfile(path):
+            tensor = _load_plain(path).get("param")
+            if not isinstance(tensor, torch.Tensor):
+                raise CLIError(f"{path} holds no parameter tensor")
+            weights[name] = tensor
+    return weights
+
+
+def gather_deepspeed_weights(ds_dir: str, tag: str, pipeline_stages: int = 1, tp_size: int = 1) -> dict[str, torch.Tensor]:
+    """The full float32 weights of a DeepSpeed checkpoint, consolidated in memory: by DeepSpeed's zero_to_fp32 for
+    ZeRO data parallel, through its universal checkpoint (to a temporary folder) for pipeline or tensor parallel,
+    which zero_to_fp32 cannot read; pipeline layer names become GPT's."""
+    if pipeline_stages > 1 or tp_size > 1:
+        import tempfile
+        from parallel import gpt_state_from_universal
+        with tempfile.TemporaryDirectory(prefix="universal-") as tmp:
+            weights = read_universal_weights(to_universal(ds_dir, tag, tmp))
+        return gpt_state_from_universal(weights) if pipeline_stages > 1 else weights
     check_deepspeed_files(ds_dir, tag)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     try:
@@ -296,7 +337,7 @@ def load_deepspeed_model(path: str, ds_dir: str | None = None, tag: str | None =
         path, tag = parent, name  # one tag folder inside a checkpoint folder
     if is_deepspeed_folder(path):
         state = read_train_state(path, tag)
-        weights = gather_deepspeed_weights(path, state["tag"])
+        weights = gather_deepspeed_weights(path, state["tag"], state.get("pipeline_stages", 1), state.get("tp_size", 1))
         label = f"{path} ({state['tag']}, iteration {state['iter_num']})"
     else:
         ds_dir = ds_dir or parent

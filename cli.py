@@ -111,6 +111,11 @@ def run_distributed(main: Callable[[], None]) -> None:
     # worker threads are then torn down during finalization and can abort a run that has finished and
     # saved ("terminate called without an active exception", SIGABRT; pytorch/pytorch#190489). Everything
     # is written and flushed by now.
+    # mpirun counts a process that exits without MPI_Finalize as failed (mpi4py finalizes at interpreter exit,
+    # which os._exit skips)
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

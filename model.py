@@ -43,6 +43,12 @@ PRESETS: dict[str, dict] = {
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+    # larger GPT-2s for model parallelism (GPT-3's shapes; 16b: the Megatron-DeepSpeed source design's size,
+    # 40 blocks = 5 per stage of 8, 48 heads = 12 per shard of 4)
+    "gpt2-2.7b": dict(n_layer=32, n_head=32, n_embd=2560),  # 2.65B
+    "gpt2-6.7b": dict(n_layer=32, n_head=32, n_embd=4096),  # 6.65B
+    "gpt2-13b": dict(n_layer=40, n_head=40, n_embd=5120),  # 12.85B
+    "gpt2-16b": dict(n_layer=40, n_head=48, n_embd=5760),  # 16.22B
 }
 for _preset in PRESETS.values():
     _preset.update(block_size=1024, vocab_size=50257, bias=True)
@@ -139,7 +145,7 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
         self.dropout = config.dropout
         self.kernel = config.attn_kernel
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
@@ -147,9 +153,11 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        B, T, C = x.shape
-        # (B, T, 3C) -> three (B, n_head, T, head_dim) views
-        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        B, T, _ = x.shape
+        qkv = self.c_attn(x)
+        heads = qkv.size(-1) // (3 * self.head_dim)  # n_head, or this rank's share when c_attn is tensor-parallel
+        # (B, T, 3 * heads * head_dim) -> three (B, heads, T, head_dim) views
+        q, k, v = qkv.view(B, T, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4)
         past = 0
         if kv_cache is not None:
             past = kv_cache.len
@@ -166,7 +174,7 @@ class CausalSelfAttention(nn.Module):
                 mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
             with self._sdpa_backend(q):
                 y = F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal=past == 0)
-        y = y.transpose(1, 2).reshape(B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, heads * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
     def _sdpa_backend(self, q: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -396,11 +404,7 @@ class GPT(nn.Module):
     def param_groups(self, weight_decay: float, heads: tuple[nn.Module, ...] = ()) -> list[dict]:
         """Optimizer groups: weight decay on matrices and embeddings (dim >= 2), not on biases or LayerNorm gains;
         heads are modules trained together with the network (fine-tuning's task head)."""
-        params = [p for m in (self, *heads) for p in m.parameters() if p.requires_grad]
-        return [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
+        return decay_groups((self, *heads), weight_decay)
 
     def configure_optimizers(
         self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str,
@@ -516,6 +520,16 @@ class GPT(nn.Module):
         (tokenizer: the facts of the vocabulary it was trained with; default GPT-2's)."""
         import hf
         hf.save_gpt2(self, out_dir, tokenizer)
+
+
+def decay_groups(modules: tuple[nn.Module, ...], weight_decay: float) -> list[dict]:
+    """Optimizer groups of the modules' trainable parameters: decay on dim >= 2, none on biases and LayerNorm gains
+    (also for the pieces of a GPT laid out over pipeline stages)."""
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:

@@ -1,8 +1,10 @@
-"""Sample text from a model trained by train_ds.py (DeepSpeed ZeRO), or export it as an HF GPT-2 folder.
+"""Sample text from a model trained by train_ds.py (any layout: ZeRO, pipeline or tensor parallel), or export it
+as a plain ckpt.pt (--export-ckpt, what test.py and train.py read) or an HF GPT-2 folder (--export-hf).
 
 --ckpt is either
   * the DeepSpeed checkpoint folder itself (OUT_DIR/ds): the weights of its `latest` checkpoint (or --tag)
-    are gathered in memory with deepspeed.utils.zero_to_fp32, no conversion step needed; or
+    are gathered in memory, no conversion step needed (deepspeed.utils.zero_to_fp32 for ZeRO; DeepSpeed's
+    universal checkpoint, in a temporary folder, for pipeline or tensor parallel); or
   * the output of DeepSpeed's converter, as in `cd ckpt/ds && python zero_to_fp32.py . ckpt_ds.pt`
     (a folder holding pytorch_model.bin, shards with an index, or model.safetensors; or one such file).
 The default is ckpt/ds/ckpt_ds.pt when it was converted from the newest checkpoint, else ckpt/ds. The model
@@ -15,7 +17,7 @@ import sys
 
 import cli
 from files import check_output
-from checkpoint import default_deepspeed_source, load_deepspeed_model
+from checkpoint import default_deepspeed_source, load_deepspeed_model, make_checkpoint, save_checkpoint
 from test import add_sampling_arguments, check_sampling_args, run_sampling
 from tokenizer import load_tokenizer
 
@@ -35,21 +37,30 @@ def main() -> None:
     parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step2000 (default: latest)")
     parser.add_argument("--export-hf", metavar="DIR", default=None,
                         help="write the model as an HF GPT-2 folder (config.json + model.safetensors) and exit")
+    parser.add_argument("--export-ckpt", metavar="PATH", default=None,
+                        help="write the model as a plain ckpt.pt (weights, configs, tokenizer; no optimizer state) "
+                             "for test.py, and exit")
     add_sampling_arguments(parser)
     args = parser.parse_args()
     check_sampling_args(args, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir])
-    if args.export_hf:
-        check_output(args.export_hf, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir], "--export-hf")
+    for flag, path in (("--export-hf", args.export_hf), ("--export-ckpt", args.export_ckpt)):
+        if path:
+            check_output(path, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir], flag)
     if args.ckpt is None:
         args.ckpt = DEFAULT_DS_DIR if args.tag else default_deepspeed_source(DEFAULT_DS_DIR, CONVERTED_NAME)
     model, state, label = load_deepspeed_model(args.ckpt, args.ds_dir, args.tag, attn_kernel=args.attn_kernel)
     print(f"loaded {label}", file=sys.stderr, flush=True)
     facts = state["tokenizer"]
+    if args.export_ckpt:
+        save_checkpoint(make_checkpoint(state, model, None, None, {}), args.export_ckpt)
+        print(f"wrote {args.export_ckpt} (iteration {state['iter_num']}); sample it with `python test.py --ckpt "
+              f"{args.export_ckpt}`", flush=True)
     if args.export_hf:
         model.save_pretrained(args.export_hf, tokenizer=facts)
         note = "" if facts.get("tokenizer") == "gpt2" else \
             f" (its {facts.get('tokenizer')} tokenizer, not GPT-2's, is described in tokenizer_facts.json for test.py)"
         print(f"wrote an HF GPT-2 folder to {args.export_hf}{note}", flush=True)
+    if args.export_ckpt or args.export_hf:
         return
     run_sampling(model, load_tokenizer(facts), args)
 

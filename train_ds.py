@@ -16,12 +16,18 @@ the batch per process, the accumulation, the learning rate and its schedule, Ada
 decay; ds_config.json owns the ZeRO stage, offload, gradient clipping and precision. A value may be given
 in either place; given in both and different, it is an error.
 
+Model parallel (parallel.py): --pipeline-stages P (deepspeed.pipe, ZeRO 0/1) or --tp-size T (AutoTP, ZeRO 0-3);
+the ranks of one model replica read the same data. `mpirun -np N python train_ds.py ...` finds its ranks through
+DeepSpeed's MPI discovery (mpi4py). --estimate-memory prints what a model and layout need, without a launcher.
+
 Checkpoints: OUT_DIR/ds/ in DeepSpeed's layout plus train_state.json (see checkpoint.py); --init-from
-resume continues exactly with the same number of processes. test_ds.py samples from them.
+resume continues exactly with the same number of processes, and on another number through DeepSpeed's
+universal checkpoint. test_ds.py samples from any layout or exports it (--export-ckpt, --export-hf).
 """
 import copy
 import datetime
 import os
+import shutil
 
 import deepspeed
 import torch
@@ -30,12 +36,13 @@ from deepspeed.accelerator import get_accelerator
 
 import cli
 from checkpoint import capture_rng, check_deepspeed_files, prune_deepspeed_tags, read_train_state, restore_rng, \
-    write_train_state
+    to_universal, write_train_state
 from cli import CLIError, free_port
 from device import resolve_device, resolve_dtype, set_job_threads
 from files import read_json
-from model import GPT
-from training import TrainConfig, Trainer, add_distributed_arguments, parse_config
+from model import GPT, GPTConfig, decay_groups
+from parallel import Layout, autotp_config, check_layout, estimate_memory, pipeline_module
+from training import TrainConfig, Trainer, add_distributed_arguments, apply_preset, parse_config
 
 DEFAULT_DS_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json")
 
@@ -62,6 +69,17 @@ def extra_arguments(parser) -> None:
     deepspeed.add_config_arguments(parser)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="set by the deepspeed launcher (LOCAL_RANK in the environment wins)")
+    parser.add_argument("--pipeline-stages", "--pipeline-model-parallel-size", type=int, default=1,
+                        help="pipeline-parallel stages (deepspeed.pipe; ZeRO stage 0 or 1) (default: 1)")
+    parser.add_argument("--tp-size", "--tensor-model-parallel-size", type=int, default=1,
+                        help="tensor-parallel shards (DeepSpeed AutoTP; ZeRO stage 0-3) (default: 1)")
+    parser.add_argument("--estimate-memory", action="store_true",
+                        help="print the parameters, FLOPs per token and memory per device of this model and layout "
+                             "(ZeRO stage and offload from the config) on --num-nodes x --num-gpus, and exit; "
+                             "nothing is allocated and no process group is needed")
+    parser.add_argument("--num-nodes", type=int, default=1, help="machines, for --estimate-memory (default: 1)")
+    parser.add_argument("--num-gpus", type=int, default=1,
+                        help="devices per machine, for --estimate-memory (default: 1)")
     parser.add_argument("--keep-checkpoints", type=int, default=1,
                         help="global_stepN folders kept in OUT_DIR/ds; older ones are deleted after a save "
                              "(0 = keep all; default: 1)")
@@ -153,18 +171,40 @@ class DeepSpeedEngine:
     """The training core's engine (see training.py) on a DeepSpeed engine: forward, backward, the ZeRO
     optimizer step and the checkpoints in OUT_DIR/ds go through DeepSpeed."""
 
-    def __init__(self, ds: dict, ds_path: str, out_dir: str, keep_checkpoints: int):
+    def __init__(self, ds: dict, ds_path: str, out_dir: str, keep_checkpoints: int, pipeline_stages: int = 1,
+                 tp_size: int = 1):
         self.ds_input, self.ds_path, self.keep_checkpoints = ds, ds_path, keep_checkpoints
         self.path = os.path.join(out_dir, "ds")
         self.world_size = dist.get_world_size()
         self.master = dist.get_rank() == 0
+        self.universal = False  # resuming a checkpoint of another number of processes
+        if pipeline_stages > 1 and tp_size > 1:
+            raise CLIError("--pipeline-stages and --tp-size together are not supported: DeepSpeed's pipeline engine "
+                           "does not compose with AutoTP; use one of them (--estimate-memory takes both)")
+        try:
+            self.layout = Layout(self.world_size, pipeline_stages, tp_size)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+
+    def data_parallel(self) -> tuple[int, int]:
+        return self.layout.data_parallel_rank(dist.get_rank()), self.layout.data_parallel
 
     def read_resume(self) -> dict:
+        """The newest tag's training state. Another number of data-parallel processes resumes through DeepSpeed's
+        universal checkpoint (self.universal); another pipeline or tensor-parallel layout starts anew from the
+        exported weights."""
         state = read_train_state(self.path)
-        if state["world_size"] != self.world_size:
+        saved = (state.get("pipeline_stages", 1), state.get("tp_size", 1))
+        if saved != (self.layout.pipeline_stages, self.layout.tp_size):
+            raise CLIError(f"{self.path} was trained with --pipeline-stages {saved[0]} --tp-size {saved[1]}; resume "
+                           f"with the same layout, or start a new run from its weights: python test_ds.py --ckpt "
+                           f"{self.path} --export-hf DIR, then --init-from DIR")
+        self.universal = state["world_size"] != self.world_size
+        if self.universal and (zero_stage(self.ds_input) == 0 or self.layout.model_parallel > 1):
             raise CLIError(f"{self.path} was written by {state['world_size']} processes but this run has "
-                           f"{self.world_size}; a DeepSpeed ZeRO checkpoint resumes only with the same number "
-                           f"of processes (launch {state['world_size']})")
+                           f"{self.world_size}; DeepSpeed's universal checkpoint resumes ZeRO stage 1-3 data "
+                           f"parallel only: launch {state['world_size']} processes, or start a new run from its "
+                           f"weights: python test_ds.py --ckpt {self.path} --export-hf DIR, then --init-from DIR")
         if state.get("zero_stage") != zero_stage(self.ds_input):
             raise CLIError(f"{self.path} was written with ZeRO stage {state.get('zero_stage')} but "
                            f"{os.path.basename(self.ds_path)} has stage {zero_stage(self.ds_input)}; "
@@ -176,14 +216,29 @@ class DeepSpeedEngine:
         if "dtype" in resumed:  # the checkpoint's precision stands unless the config says otherwise
             given = given - {"dtype"}
         device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
-        cfg, self.ds_config = reconcile(cfg, given, self.ds_input, self.ds_path, self.world_size, device, resumed)
+        cfg, self.ds_config = reconcile(cfg, given, self.ds_input, self.ds_path, self.layout.data_parallel, device,
+                                        resumed)
+        if self.universal:
+            self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}), "load_universal": True}
+        try:
+            check_layout(self.layout, GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd),
+                         zero_stage(self.ds_config))
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+        if self.layout.tp_size > 1:
+            given_tp = self.ds_config.get("tensor_parallel", {}).get("autotp_size")
+            if given_tp not in (None, self.layout.tp_size):
+                raise CLIError(f"{os.path.basename(self.ds_path)} sets tensor_parallel.autotp_size {given_tp} but "
+                               f"--tp-size {self.layout.tp_size} was given; they must agree")
+            self.ds_config["tensor_parallel"] = autotp_config(self.layout.tp_size)
         return cfg
 
     def start(self, model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype,
               resume: dict | None) -> None:
         self.device = device
+        module = pipeline_module(model, self.layout.pipeline_stages) if self.pipelined else model
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.param_groups(cfg.weight_decay), config=self.ds_config)
+            model=module, model_parameters=decay_groups((module,), cfg.weight_decay), config=self.ds_config)
         if cfg.compile:
             self.engine.compile()
         if self.master:
@@ -191,7 +246,7 @@ class DeepSpeedEngine:
             offload = ", ".join(f"{what} offload to {(zero.get(key) or {}).get('device')}"
                                 for what, key in (("optimizer", "offload_optimizer"), ("param", "offload_param"))
                                 if (zero.get(key) or {}).get("device") not in (None, "none"))
-            print(f"deepspeed {deepspeed.__version__}: ZeRO stage {zero_stage(self.ds_config)}"
+            print(f"deepspeed {deepspeed.__version__}: {self.layout.describe()}, ZeRO stage {zero_stage(self.ds_config)}"
                   f"{', ' + offload if offload else ''}, optimizer "
                   f"{type(getattr(self.engine, 'basic_optimizer', None) or self.optimizer).__name__}, "
                   f"config {self.ds_path}", flush=True)
@@ -200,17 +255,34 @@ class DeepSpeedEngine:
 
     def load(self, tag: str) -> None:
         from deepspeed.runtime.zero.utils import ZeRORuntimeException
+        folder = self.path
+        if self.universal:  # rank 0 converts (to OUT_DIR/ds/universal, removed once loaded)
+            folder = os.path.join(self.path, "universal")
+            if self.master:
+                print(f"resuming on {self.world_size} processes through DeepSpeed's universal checkpoint", flush=True)
+                to_universal(self.path, tag, folder)
+            dist.barrier()
         try:
-            path, client_state = self.engine.load_checkpoint(self.path, tag=tag)
+            path, client_state = self.engine.load_checkpoint(folder, tag=tag)
         except ZeRORuntimeException as e:
             raise CLIError(f"cannot resume from {self.path}: {str(e).strip().splitlines()[0]}") from None
         if path is None:
             raise CLIError(f"cannot resume: no DeepSpeed checkpoint {tag} in {self.path}")
         restore_rng((client_state or {}).get("rng") or {}, self.device)
+        if folder != self.path:
+            dist.barrier()
+            if self.master:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.layout.pipeline_stages > 1
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> float:
         for group in self.engine.optimizer.param_groups:  # the core's schedule (training.learning_rate)
             group["lr"] = lr
+        if self.pipelined:  # forward, backward and step over all micro-batches, stage by stage
+            return self.engine.train_batch(iter(batches)).item()
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(batches):
             _, loss = self.engine(x, y)
@@ -222,6 +294,8 @@ class DeepSpeedEngine:
         return total.item()
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.pipelined:  # every stage takes part; the last one's loss is broadcast to all
+            return self.engine.eval_batch(iter([(x, y)]), num_micro_batches=1)
         return self.engine(x, y)[1]  # no autocast: DeepSpeed's config owns the precision
 
     def weights_finite(self) -> bool:
@@ -234,6 +308,7 @@ class DeepSpeedEngine:
     def save(self, state: dict) -> None:
         tag = f"global_step{state['iter_num']}"
         state = {**state, "world_size": self.world_size, "zero_stage": zero_stage(self.ds_config),
+                 "pipeline_stages": self.layout.pipeline_stages, "tp_size": self.layout.tp_size,
                  "deepspeed_version": deepspeed.__version__}
         if state["best_val_loss"] == float("inf"):
             state["best_val_loss"] = None  # JSON has no infinity
@@ -246,12 +321,80 @@ class DeepSpeedEngine:
             prune_deepspeed_tags(self.path, self.keep_checkpoints)
 
 
+# ----- what a run would need -----
+def print_memory_estimate(cfg: TrainConfig, explicit: set[str], args, ds: dict) -> None:
+    """--estimate-memory: the model on the meta device, this layout, the config's ZeRO stage and offload, the
+    precision of --dtype or else the config's (float32 when neither sets one), and DeepSpeed's own estimators for
+    ZeRO 2 and 3."""
+    apply_preset(cfg, explicit)
+    stage, zero = zero_stage(ds), ds.get("zero_optimization") or {}
+    config = GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                       bias=cfg.bias)  # GPT-2's vocabulary
+    try:
+        layout = Layout(args.num_nodes * args.num_gpus, args.pipeline_stages, args.tp_size)
+        check_layout(layout, config, stage)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    dtype = cfg.dtype if cfg.dtype != "auto" else config_precision(ds) or "float32"
+    grad_accum = Trainer.grad_accum_for(cfg, explicit) if cfg.global_batch_size else cfg.grad_accum
+    micro_steps = max(1, (grad_accum or layout.data_parallel) // layout.data_parallel)
+    offload_optimizer = (zero.get("offload_optimizer") or {}).get("device") not in (None, "none")
+    offload_param = (zero.get("offload_param") or {}).get("device") not in (None, "none")
+    e = estimate_memory(config, layout, stage, dtype, offload_optimizer, offload_param, cfg.batch_size, micro_steps)
+    gib = 2 ** 30
+    device = e.weights + e.gradients + e.optimizer + e.activations
+    print(f"model: {cfg.n_layer} layers, width {cfg.n_embd}, {cfg.n_head} heads, block {cfg.block_size}, "
+          f"GPT-2 vocabulary: {e.params:,} parameters ({e.params / 1e9:.2f}B)")
+    print(f"training FLOPs per token: {e.flops_per_token / 1e9:,.1f} GFLOP (6 x parameters + attention)")
+    print(f"layout: {layout.world_size} devices ({args.num_nodes} nodes x {args.num_gpus}) = {layout.describe()}; "
+          f"ZeRO stage {stage}, {dtype}, micro-batch {cfg.batch_size} x {micro_steps} per step"
+          + (", optimizer offload to cpu" if offload_optimizer else "") + (", param offload to cpu" if offload_param
+                                                                            and stage == 3 else ""))
+    print(f"per device (the busiest stage: {e.device_params:,} parameters): weights {e.weights / gib:.2f} GiB, "
+          f"gradients {e.gradients / gib:.2f}, optimizer {e.optimizer / gib:.2f}, activations {e.activations / gib:.2f}"
+          f" = {device / gib:.2f} GiB" + (f"; CPU memory per process {e.cpu / gib:.2f} GiB" if e.cpu else ""))
+    if stage in (2, 3):  # DeepSpeed's estimators assume 16-bit weights and a 1.5x CPU buffer
+        if stage == 2:
+            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+            cpu, gpu = estimate_zero2_model_states_mem_needs(e.device_params, 1, layout.data_parallel,
+                                                             offload_optimizer)
+        else:
+            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+            cpu, gpu, _ = estimate_zero3_model_states_mem_needs(e.device_params, e.largest_layer, 1,
+                                                                layout.data_parallel, offload_optimizer, offload_param)
+        print(f"DeepSpeed's ZeRO-{stage} estimator (16-bit weights, without activations): {gpu / gib:.2f} GiB per "
+              f"device, {cpu / gib:.2f} GiB CPU memory per process")
+
+
 # ----- processes -----
+# what mpirun (OpenMPI, MPICH/Hydra, MVAPICH) sets in each process it starts
+MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+MPI_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE")
+
+
+def discover_mpi() -> None:
+    """Under mpirun: RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR from DeepSpeed's MPI discovery (mpi4py), at
+    MASTER_PORT or 29500; LOCAL_WORLD_SIZE from MPI, for the CPU threads of each process."""
+    try:
+        from deepspeed.comm.comm import mpi_discovery
+        mpi_discovery(distributed_port=int(os.environ.get("MASTER_PORT", 29500)), verbose=False)
+    except ImportError:
+        raise CLIError("started by mpirun, but mpi4py is not installed (DeepSpeed finds the ranks through it): "
+                       "pip install mpi4py") from None
+    local = next((os.environ[v] for v in MPI_LOCAL_SIZE_VARS if v in os.environ), None)
+    if local is not None:
+        os.environ.setdefault("LOCAL_WORLD_SIZE", local)
+
+
 def init_distributed(cfg: TrainConfig, args) -> None:
-    """Join the process group the launcher describes (a single process when started with plain python)."""
+    """Join the process group the launcher describes: the deepspeed launcher or torchrun (RANK, WORLD_SIZE),
+    mpirun (found through MPI), or else a single process (plain python)."""
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        if any(v in os.environ for v in MPI_VARS):
+            discover_mpi()
+        else:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(free_port()))
     if "LOCAL_RANK" not in os.environ and args.local_rank is not None:
         os.environ["LOCAL_RANK"] = str(args.local_rank)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -288,15 +431,18 @@ def main() -> None:
     cfg, explicit, args = parse_config(description=__doc__, extra_arguments=extra_arguments)
     ds_path = args.deepspeed_config or args.deepscale_config or DEFAULT_DS_CONFIG
     ds = read_json(ds_path, "DeepSpeed config")
+    if args.estimate_memory:
+        print_memory_estimate(cfg, explicit, args, ds)
+        return
     init_distributed(cfg, args)
-    engine = DeepSpeedEngine(ds, ds_path, cfg.out_dir, args.keep_checkpoints)
+    engine = DeepSpeedEngine(ds, ds_path, cfg.out_dir, args.keep_checkpoints, args.pipeline_stages, args.tp_size)
     trainer = Trainer(cfg, explicit, engine)
     if trainer.master and cfg.init_from == "resume":
         print(f"resumed from {engine.path} at iteration {trainer.iter_num}", flush=True)
     trainer.fit()
     if trainer.master:
         print(f"DeepSpeed checkpoint: {engine.path}; sample with `python test_ds.py --ckpt {engine.path}` "
-              f"or convert with `cd {engine.path} && python zero_to_fp32.py . ckpt_ds.pt`", flush=True)
+              f"or convert with `python test_ds.py --ckpt {engine.path} --export-ckpt ckpt.pt`", flush=True)
     dist.barrier()  # leave together: a rank whose peer (the store's host) already exited can abort in teardown
 
 

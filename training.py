@@ -5,6 +5,9 @@ logging to stdout, TensorBoard and a loss-curve PNG), the SIGINT/SIGTERM and NaN
 TorchEngine: the model, AdamW, GradScaler, torch.compile and DDP. A trainer's engine does the steps and
 writes the checkpoints; train_ds.py brings its own (a DeepSpeed engine) with the same methods:
 
+    path                                        where its checkpoint lives (OUT_DIR/ckpt.pt, OUT_DIR/ds)
+    data_parallel() -> (rank, size)             this rank's data-parallel index and width (ranks of one model
+                                                replica, e.g. pipeline stages, take the same windows)
     read_resume() -> dict            the saved training state (checkpoint.STATE_KEYS, and what else it keeps)
     settle_config(cfg, given, resumed) -> cfg   settle values the engine also configures (DeepSpeed's JSON)
     start(model, cfg, device, dtype, resume)    optimizer (and weights, RNG) ready to train
@@ -22,7 +25,7 @@ import math
 import os
 import signal
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
@@ -58,6 +61,8 @@ class TrainConfig:
     out_dir: str = option("ckpt", "where ckpt.pt, the loss curve and TensorBoard logs go")
     overwrite: bool = option(False, "replace a checkpoint in --out-dir that this run does not resume from")
     init_from: str = option("scratch", "scratch, resume (from OUT_DIR/ckpt.pt), or an HF GPT-2 dir or name")
+    load: str | None = option(None, "Megatron's --load: use this folder as --out-dir and resume from its checkpoint "
+                                    "when it holds one (else start from scratch)")
     # model
     preset: str | None = option(None, "model size preset (sets n_layer, n_head, n_embd)", choices=sorted(PRESETS))
     n_layer: int = option(4, "transformer blocks")
@@ -72,12 +77,18 @@ class TrainConfig:
     batch_size: int = option(16, "micro-batch size per process")
     grad_accum: int | None = option(None, "micro-batches per optimizer step over ALL processes (default: one per "
                                         "process)")
+    global_batch_size: int | None = option(None, "sequences per optimizer step (Megatron); sets --grad-accum to "
+                                                 "it / --batch-size")
     max_iters: int = option(1200, "optimizer steps in total (a resumed run continues up to this number)")
     train_samples: int | None = option(None, "train on this many samples instead (Megatron); sets max_iters")
     lr: float = option(1e-3, "peak learning rate")
     min_lr: float | None = option(None, "final learning rate of the cosine decay (default lr/10)")
     warmup_iters: int = option(100, "linear warmup steps")
     lr_decay_iters: int | None = option(None, "steps of cosine decay (default: all steps)")
+    lr_warmup_samples: int | None = option(None, "warmup over this many samples instead (Megatron); sets "
+                                                 "--warmup-iters")
+    lr_decay_samples: int | None = option(None, "decay over this many samples instead (Megatron); sets "
+                                                "--lr-decay-iters")
     weight_decay: float = option(0.1, "AdamW weight decay (2-D weights only)")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.99, "AdamW beta2")
@@ -96,11 +107,22 @@ class TrainConfig:
                       choices=["auto", "float32", "bfloat16", "float16"])
     compile: bool = option(False, "torch.compile the model")
     peak_tflops: float | None = option(None, "device peak TFLOP/s for MFU (known GPUs are looked up)")
+    codecarbon_dir: str | None = option(None, "record energy and CO2 with codecarbon's offline tracker (rank 0) in "
+                                              "DIR/emissions.csv, one row per run (needs: pip install codecarbon)")
+    codecarbon_country: str = option("USA", "ISO 3166 alpha-3 code of the country whose electricity mix converts "
+                                            "the energy to CO2 (offline: nothing is looked up)")
     seed: int = option(1337, "seed of the initial weights and of the data order")
 
 
 CONFIG_FIELDS = {f.name: f for f in fields(TrainConfig)}
-ALIASES = {"lr": ["--learning-rate"]}
+# Megatron-LM's names for the same values (its samples flags have fields of their own: they need the global batch)
+ALIASES = {"lr": ["--learning-rate"], "n_layer": ["--num-layers"], "n_embd": ["--hidden-size"],
+           "n_head": ["--num-attention-heads"], "block_size": ["--seq-length"], "batch_size": ["--micro-batch-size"],
+           "data_dir": ["--data-path"], "out_dir": ["--save"], "max_iters": ["--train-iters"],
+           "warmup_iters": ["--lr-warmup-iters"], "grad_clip": ["--clip-grad"], "beta1": ["--adam-beta1"],
+           "beta2": ["--adam-beta2"]}
+# sample counts (Megatron) -> the step counts they set, through the global batch
+SAMPLE_FLAGS = {"train_samples": "max_iters", "lr_warmup_samples": "warmup_iters", "lr_decay_samples": "lr_decay_iters"}
 
 
 def _base_type(annotation) -> type:
@@ -164,7 +186,25 @@ def parse_config(argv: list[str] | None = None, description: str = "Train a GPT.
         explicit |= set(from_file)
     cfg = TrainConfig(**values)
     check_config(cfg)
+    for samples, steps in SAMPLE_FLAGS.items():
+        if {samples, steps} <= explicit:
+            raise CLIError(f"--{samples.replace('_', '-')} and --{steps.replace('_', '-')} set the same value; "
+                           f"give one of them")
+    if cfg.load is not None:
+        apply_load(cfg, explicit)
     return cfg, explicit, args
+
+
+def apply_load(cfg: TrainConfig, explicit: set[str]) -> None:
+    """Megatron's --load DIR: DIR is the run's folder (checkpoints are read from and written to one place here), and
+    the Trainer resumes from it when it holds a checkpoint."""
+    if "out_dir" in explicit and os.path.abspath(cfg.out_dir) != os.path.abspath(cfg.load):
+        raise CLIError(f"--load {cfg.load} and --save/--out-dir {cfg.out_dir} differ; a run resumes and saves in one "
+                       f"folder here: give the same folder or only one of them")
+    if "init_from" in explicit and cfg.init_from != "resume":
+        raise CLIError(f"--load resumes from {cfg.load}; it cannot be combined with --init-from {cfg.init_from}")
+    cfg.out_dir = cfg.load
+    explicit.add("out_dir")
 
 
 def read_json_config(path: str) -> dict:
@@ -195,11 +235,12 @@ def check_config(cfg: TrainConfig) -> None:
         return "--" + name.replace("_", "-")
 
     for name in ("batch_size", "block_size", "n_layer", "n_head", "n_embd", "eval_interval", "eval_iters",
-                 "log_interval", "grad_accum", "train_samples"):
+                 "log_interval", "grad_accum", "global_batch_size", "train_samples",
+                 "lr_decay_samples"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise CLIError(f"{flag(name)} must be at least 1, got {value}")
-    for name in ("max_iters", "warmup_iters", "save_interval", "lr_decay_iters"):
+    for name in ("max_iters", "warmup_iters", "save_interval", "lr_decay_iters", "lr_warmup_samples"):
         value = getattr(cfg, name)
         if value is not None and value < 0:
             raise CLIError(f"{flag(name)} must be at least 0, got {value}")
@@ -218,6 +259,11 @@ def check_config(cfg: TrainConfig) -> None:
         raise CLIError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
     if cfg.run_name is not None and (not cfg.run_name or os.sep in cfg.run_name or cfg.run_name in (".", "..")):
         raise CLIError(f"--run-name must be a plain folder name, got {cfg.run_name!r}")
+    if cfg.codecarbon_dir:
+        try:
+            import codecarbon  # noqa: F401  (an optional dependency)
+        except ImportError:
+            raise CLIError("--codecarbon-dir needs the optional codecarbon package: pip install codecarbon") from None
 
 
 def apply_preset(cfg: TrainConfig, explicit: set[str]) -> None:
@@ -259,8 +305,9 @@ def merge_resumed_config(cfg: TrainConfig, explicit: set[str], saved: dict, sour
         raise CLIError("--preset cannot be combined with --init-from resume; the checkpoint fixes the shape")
     for name in MODEL_SHAPE:
         setattr(merged, name, model_config[name])
-    if "max_iters" in explicit and "train_samples" not in explicit:
-        merged.train_samples = None  # the step count given now wins over the saved sample count
+    for samples, steps in {**SAMPLE_FLAGS, "global_batch_size": "grad_accum"}.items():
+        if steps in explicit and samples not in explicit:
+            setattr(merged, samples, None)  # a step count given now wins over the saved Megatron count
     return merged
 
 
@@ -289,6 +336,24 @@ def evaluation_windows(n_tokens: int, block_size: int, count: int, seed: int, st
     if whole <= count:
         return np.arange(whole, dtype=np.int64) * block_size
     return window_offsets(n_tokens, block_size, count, seed, 0, stream)
+
+
+@contextmanager
+def tracking_emissions(cfg: TrainConfig | None):
+    """codecarbon's OfflineEmissionsTracker around the block when cfg sets --codecarbon-dir; its row is appended to
+    CODECARBON_DIR/emissions.csv when the block ends, by any path."""
+    if cfg is None or not cfg.codecarbon_dir:
+        yield
+        return
+    from codecarbon import OfflineEmissionsTracker
+    os.makedirs(cfg.codecarbon_dir, exist_ok=True)
+    tracker = OfflineEmissionsTracker(country_iso_code=cfg.codecarbon_country, output_dir=cfg.codecarbon_dir,
+                                      project_name=cfg.run_name, log_level="error", allow_multiple_runs=True)
+    tracker.start()
+    try:
+        yield
+    finally:
+        tracker.stop()
 
 
 class StopRequest:
@@ -323,6 +388,11 @@ class TorchEngine:
     def __init__(self, out_dir: str):
         self.path = os.path.join(out_dir, CHECKPOINT_FILE)
         self.master = not dist.is_initialized() or dist.get_rank() == 0
+
+    def data_parallel(self) -> tuple[int, int]:
+        if not dist.is_initialized():
+            return 0, 1
+        return dist.get_rank(), dist.get_world_size()
 
     def read_resume(self) -> dict:
         return load_checkpoint(self.path)
@@ -396,11 +466,15 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.master = self.rank == 0
+        # ranks that share one model replica (pipeline stages, tensor-parallel shards) take the same data
+        self.dp_rank, self.data_parallel_size = engine.data_parallel()
+        if cfg.load is not None and cfg.init_from == "scratch" and os.path.exists(engine.path):
+            cfg.init_from = "resume"  # Megatron's --load: resume when the folder holds a checkpoint
         resume = engine.read_resume() if cfg.init_from == "resume" else None
         self.cfg = cfg = self.settle_config(cfg, explicit, resume)
         if self.master:
             self.claim_out_dir(resume)
-        self.micro_steps = cfg.grad_accum // self.world_size
+        self.micro_steps = cfg.grad_accum // self.data_parallel_size
         self.global_batch = cfg.batch_size * cfg.grad_accum
         self.device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
         self.dtype = resolve_dtype(cfg.dtype, self.device)
@@ -446,16 +520,33 @@ class Trainer:
             apply_preset(cfg, explicit)
         if cfg.run_name is None:
             cfg.run_name = time.strftime("%Y%m%d-%H%M%S")
+        given = explicit | resumed
+        if cfg.global_batch_size is not None:
+            cfg.grad_accum = self.grad_accum_for(cfg, given)
+            given = given | {"grad_accum"}
         if cfg.grad_accum is None:
-            cfg.grad_accum = self.world_size
-        cfg = self.engine.settle_config(cfg, explicit | resumed, resumed)
+            cfg.grad_accum = self.data_parallel_size
+        cfg = self.engine.settle_config(cfg, given, resumed)
         check_config(cfg)
-        if cfg.grad_accum % self.world_size:
-            raise CLIError(f"--grad-accum {cfg.grad_accum} cannot be split across {self.world_size} processes; "
-                           f"use a multiple of {self.world_size}")
-        if cfg.train_samples:
-            cfg.max_iters = math.ceil(cfg.train_samples / (cfg.batch_size * cfg.grad_accum))
+        if cfg.grad_accum % self.data_parallel_size:
+            raise CLIError(f"--grad-accum {cfg.grad_accum} cannot be split across {self.replicas()}; "
+                           f"use a multiple of {self.data_parallel_size}")
+        for samples, steps in SAMPLE_FLAGS.items():
+            if getattr(cfg, samples) is not None:
+                setattr(cfg, steps, math.ceil(getattr(cfg, samples) / (cfg.batch_size * cfg.grad_accum)))
         return cfg
+
+    @staticmethod
+    def grad_accum_for(cfg: TrainConfig, given: set[str]) -> int:
+        """--grad-accum from Megatron's --global-batch-size = --micro-batch-size x accumulation (over all processes)."""
+        accum, rest = divmod(cfg.global_batch_size, cfg.batch_size)
+        if rest:
+            raise CLIError(f"--global-batch-size {cfg.global_batch_size} is not a multiple of --micro-batch-size/"
+                           f"--batch-size {cfg.batch_size}")
+        if "grad_accum" in given and cfg.grad_accum not in (None, accum):
+            raise CLIError(f"--global-batch-size {cfg.global_batch_size} / --batch-size {cfg.batch_size} = {accum} "
+                           f"micro-batches but --grad-accum {cfg.grad_accum} was given; drop one of them")
+        return accum
 
     def claim_out_dir(self, resume: dict | None) -> None:
         """Lock --out-dir for this run (a second run there stops), clear what a killed writer left, and refuse to
@@ -480,6 +571,13 @@ class Trainer:
             raise CLIError(f"data vocabulary size {data_facts['vocab_size']} does not match the model's {model_vocab}")
 
     # ----- distributed helpers (no-ops in one process) -----
+    def replicas(self) -> str:
+        """The data-parallel width in words: "2 processes", or "1 replica of 2 processes" under model parallelism."""
+        if self.data_parallel_size == self.world_size:
+            return f"{self.world_size} processes"
+        each = self.world_size // self.data_parallel_size
+        return f"{self.data_parallel_size} replica{'s' * (self.data_parallel_size > 1)} of {each} processes"
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
@@ -493,14 +591,20 @@ class Trainer:
 
     # ----- the loop -----
     def fit(self) -> None:
+        """Train up to max_iters (or a stop signal); with --codecarbon-dir, rank 0 records the energy and CO2 of the
+        whole run however it ends (done, signal, NaN, error)."""
+        with tracking_emissions(self.cfg if self.master else None):
+            self.train_loop()
+
+    def train_loop(self) -> None:
         cfg = self.cfg
         stop_request = StopRequest()
         tokens_per_iter = self.global_batch * cfg.block_size
         peak = peak_flops(self.device, cfg.peak_tflops)
         if self.master:
             print(f"model: {self.model.num_params() / 1e6:.2f}M parameters, {self.model.config}")
-            print(f"global batch: {cfg.batch_size} micro x {self.micro_steps} accumulation x {self.world_size} "
-                  f"processes = {self.global_batch} sequences = {tokens_per_iter:,} tokens per step; "
+            print(f"global batch: {cfg.batch_size} micro x {self.micro_steps} accumulation x {self.replicas()} "
+                  f"= {self.global_batch} sequences = {tokens_per_iter:,} tokens per step; "
                   f"device {describe(self.device)}, dtype {str(self.dtype).removeprefix('torch.')}")
         bar = tqdm(total=cfg.max_iters, initial=self.iter_num, desc="train", disable=not self.master or None,
                    dynamic_ncols=True)
@@ -539,7 +643,7 @@ class Trainer:
         cfg = self.cfg
         offsets = window_offsets(len(self.corpus.train), cfg.block_size, self.global_batch, cfg.seed, step,
                                  TRAIN_STREAM)
-        mine = offsets[self.rank * self.micro_steps * cfg.batch_size:][: self.micro_steps * cfg.batch_size]
+        mine = offsets[self.dp_rank * self.micro_steps * cfg.batch_size:][: self.micro_steps * cfg.batch_size]
         return [get_batch(self.corpus.train, o, cfg.block_size, self.device) for o in np.split(mine, self.micro_steps)]
 
     def check_finite(self, loss: float) -> None:
@@ -571,7 +675,8 @@ class Trainer:
                                          stream)
             batches = math.ceil(len(offsets) / cfg.batch_size)
             total, count = 0.0, 0
-            for i in range(self.rank, math.ceil(batches / self.world_size) * self.world_size, self.world_size):
+            dp = self.data_parallel_size
+            for i in range(self.dp_rank, math.ceil(batches / dp) * dp, dp):
                 real = i < batches
                 rows = offsets[(i if real else 0) * cfg.batch_size:][:cfg.batch_size]
                 loss = self.engine.eval_loss(*get_batch(tokens, rows, cfg.block_size, self.device))

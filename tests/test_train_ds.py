@@ -175,13 +175,18 @@ def test_two_node_no_ssh_then_exact_resume(zero3_run, char_data, hostfile, tmp_p
     assert stale.returncode == 0 and "zero_to_fp32 output older than global_step12" in stale.stderr, stale.stderr
 
 
-def test_resume_with_another_world_size_is_one_line(zero3_run, char_data, tmp_path):
+def test_resume_with_another_world_size_goes_through_the_universal_checkpoint(zero3_run, char_data, tmp_path):
+    """The ZeRO-3 offload run of 2 processes continues on 1 (DeepSpeed's ds_to_universal + load_universal)."""
     one = tmp_path / "one"
     one.write_text("localhost slots=1\n")
     out = tmp_path / "copy"
     shutil.copytree(zero3_run[0] / "ds", out / "ds")
     result = launch(one, char_data, out, "--init-from", "resume", "--max-iters", "14")
-    assert_one_line_error(result, "written by 2 processes", "this run has 1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "through DeepSpeed's universal checkpoint" in result.stdout
+    state, before = train_state(out), train_state(zero3_run[0])
+    assert state["iter_num"] == 14 and state["world_size"] == 1
+    assert state["history"]["loss"][:12] == before["history"]["loss"] and len(state["history"]["loss"]) == 14
 
 
 def test_flag_contradicting_ds_config_is_one_line(ds_ops, char_data, hostfile, tmp_path):

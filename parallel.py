@@ -1,0 +1,227 @@
+"""How the GPT is laid out over processes through DeepSpeed: pipeline stages (deepspeed.pipe.PipelineModule),
+tensor-parallel shards (AutoTP), the names each layout gives the weights, and what a layout costs in memory.
+
+Pipeline: the layers are the token embedding (TiedLayerSpec "wte", whose weight is also the LM head), the
+position embedding, the blocks, the final LayerNorm and the tied head. They are cut from a GPT that every rank
+builds with the same seed (so any layout starts from train.py's weights); each stage keeps its own layers and
+the blocks are balanced over the stages (embeddings on the first, the head on the last). The loss is
+model.linear_cross_entropy on the head's input and the tied weight, as in GPT.forward.
+
+Tensor parallel: AutoTP splits c_attn (q, k and v each by heads) and c_fc by output columns, both c_proj by input
+rows (an all-reduce after them); embeddings, LayerNorms and the head stay whole. CausalSelfAttention takes its
+head count from the width it receives, so a shard runs n_head / T heads.
+"""
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from model import GPT, GPTConfig, linear_cross_entropy
+
+# AutoTP's partition rules for model.py's names: (parameter pattern, column or row, sub-parameters)
+TP_RULES = [
+    (r".*\.attn\.c_attn\.weight$", "column", 3),  # [q; k; v]: each split by heads
+    (r".*\.attn\.c_proj\.weight$", "row", 1),
+    (r".*\.mlp\.c_fc\.weight$", "column", 1),
+    (r".*\.mlp\.c_proj\.weight$", "row", 1),
+]
+
+
+@dataclass
+class Layout:
+    """Processes = tensor-parallel shards x pipeline stages x data-parallel replicas."""
+    world_size: int
+    pipeline_stages: int = 1
+    tp_size: int = 1
+
+    def __post_init__(self):
+        if self.pipeline_stages < 1 or self.tp_size < 1:
+            raise ValueError("--pipeline-stages and --tp-size must be at least 1")
+        if self.world_size % self.model_parallel:
+            raise ValueError(f"{self.world_size} processes cannot hold {self.tp_size} tensor-parallel shards x "
+                             f"{self.pipeline_stages} pipeline stages; use a world size that is a multiple of "
+                             f"{self.model_parallel}")
+
+    @property
+    def model_parallel(self) -> int:
+        return self.pipeline_stages * self.tp_size
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // self.model_parallel
+
+    def data_parallel_rank(self, rank: int) -> int:
+        """DeepSpeed's rank order: a pipeline's ranks are dp apart (PipeDataParallelTopology, axes pipe, data);
+        AutoTP's shards are consecutive ranks (its (dp, tp) device mesh)."""
+        return rank % self.data_parallel if self.pipeline_stages > 1 else rank // self.tp_size
+
+    def describe(self) -> str:
+        parts = [f"{self.tp_size} tensor-parallel"] * (self.tp_size > 1) + \
+                [f"{self.pipeline_stages} pipeline stages"] * (self.pipeline_stages > 1)
+        return " x ".join(parts + [f"{self.data_parallel} data-parallel"])
+
+
+def check_layout(layout: Layout, config: GPTConfig, zero_stage: int) -> None:
+    """ValueError for a layout this model or DeepSpeed cannot run (the world size is checked by Layout itself)."""
+    if layout.pipeline_stages > 1 and zero_stage > 1:
+        raise ValueError(f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1, not {zero_stage}; use a config "
+                         f"with stage 1 (e.g. ds_config_zero1.json)")
+    if layout.pipeline_stages > config.n_layer:
+        raise ValueError(f"--pipeline-stages {layout.pipeline_stages} is more than the model's {config.n_layer} "
+                         f"blocks; each stage needs at least one")
+    if config.n_head % layout.tp_size or config.n_embd % layout.tp_size:
+        raise ValueError(f"--tp-size {layout.tp_size} must divide the {config.n_head} heads and the width "
+                         f"{config.n_embd}")
+
+
+# ----- tensor parallel (AutoTP) -----
+
+def autotp_config(tp_size: int) -> dict:
+    """The "tensor_parallel" section of a DeepSpeed config that shards this model tp_size ways."""
+    specs = [{"patterns": [pattern], "partition_type": kind, **({"shape": [parts, -1], "partition_dim": 0}
+                                                                 if parts > 1 else {})}
+             for pattern, kind, parts in TP_RULES]
+    return {"autotp_size": tp_size, "vocab_parallel_lm_head": False,
+            "partition_config": {"use_default_specs": False, "layer_specs": specs}}
+
+
+# ----- pipeline (deepspeed.pipe) -----
+
+class TokenEmbedding(nn.Module):
+    """The tied token embedding: input embedding on the first stage, LM head weight on the last."""
+
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.wte = model.transformer.wte
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx)
+
+
+class PositionEmbedding(nn.Module):
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.wpe, self.drop = model.transformer.wpe, model.transformer.drop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(x + self.wpe(torch.arange(x.size(1), device=x.device)))
+
+
+class BlockPipe(nn.Module):
+    def __init__(self, model: GPT, index: int):
+        super().__init__()
+        self.block = model.transformer.h[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+class FinalNorm(nn.Module):
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.ln_f = model.transformer.ln_f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(x)
+
+
+def head_inputs(embedding: TokenEmbedding, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last layer hands the loss the hidden states and the tied weight: the fused loss never builds logits."""
+    return x, embedding.wte.weight
+
+
+def pipeline_loss(outputs: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    return linear_cross_entropy(*outputs, targets)
+
+
+def pipeline_module(model: GPT, stages: int):
+    """model as a deepspeed.pipe.PipelineModule of `stages` stages (needs the process group)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    layers = [TiedLayerSpec("wte", TokenEmbedding, model, tied_weight_attr=["wte.weight"]),
+              LayerSpec(PositionEmbedding, model),
+              *[LayerSpec(BlockPipe, model, i) for i in range(model.config.n_layer)],
+              LayerSpec(FinalNorm, model),
+              TiedLayerSpec("wte", TokenEmbedding, model, forward_fn=head_inputs, tied_weight_attr=["wte.weight"])]
+    return PipelineModule(layers, num_stages=stages, loss_fn=pipeline_loss, partition_method="type:BlockPipe")
+
+
+def gpt_state_from_universal(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT's state dict from a pipeline's parameter names ("tied_modules.wte.wte.weight", "1.wpe.weight",
+    "{2 + i}.block.*" for block i, "{n_layer + 2}.ln_f.*"), as the universal checkpoint names them."""
+    state = {}
+    for name, tensor in weights.items():
+        layer, rest = name.split(".", 1)
+        if layer == "tied_modules":
+            key = "transformer." + rest.removeprefix("wte.")
+        elif rest.startswith("block."):
+            key = f"transformer.h.{int(layer) - 2}." + rest.removeprefix("block.")
+        else:
+            key = "transformer." + rest  # wpe.*, ln_f.*
+        state[key] = tensor
+    state["lm_head.weight"] = state["transformer.wte.weight"]
+    return state
+
+
+# ----- what a layout costs -----
+
+def tp_share(name: str, numel: int, tp_size: int) -> int:
+    """Elements of one parameter that a tensor-parallel shard holds (TP_RULES; a row-parallel bias stays whole)."""
+    for pattern, kind, _ in TP_RULES:
+        if re.match(pattern, name) or kind == "column" and re.match(pattern, re.sub(r"\.bias$", ".weight", name)):
+            return numel // tp_size
+    return numel
+
+
+@dataclass
+class MemoryEstimate:
+    params: int  # the whole model
+    device_params: int  # on the busiest device: its stage's layers, its tensor-parallel share
+    largest_layer: int  # the biggest single module (what ZeRO-3 gathers at once)
+    flops_per_token: int
+    weights: float  # bytes per device
+    gradients: float
+    optimizer: float
+    activations: float
+    cpu: float  # bytes per process offloaded to CPU memory
+
+
+def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: str, offload_optimizer: bool,
+                    offload_param: bool, micro_batch: int, micro_steps: int) -> MemoryEstimate:
+    """Training memory per device for this layout, from a GPT built on the meta device (nothing is allocated).
+
+    Bytes per parameter as DeepSpeed counts them: float32 weights 4 + gradients 4 + AdamW 8; 16-bit weights 2 +
+    gradients 2 + float32 gradients, master weights and AdamW 16. ZeRO stage 1 partitions the optimizer over the
+    data-parallel ranks, 2 also the gradients, 3 also the weights. Activations without recomputation (Korthikanti
+    et al. 2022, sequence s, micro-batch b, width h, TP t: s*b*h*(10 + 24/t) 16-bit values per block; SDPA keeps no
+    (s, s) scores), for as many micro-batches as the first pipeline stage holds in flight (1F1B)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    per_block = sum(tp_share(n, p.numel(), layout.tp_size)
+                    for n, p in model.transformer.h[0].named_parameters(prefix="transformer.h.0"))
+    blocks = math.ceil(config.n_layer / layout.pipeline_stages)
+    wte, wpe = model.transformer.wte.weight.numel(), model.transformer.wpe.weight.numel()
+    ln_f = sum(p.numel() for p in model.transformer.ln_f.parameters())
+    if layout.pipeline_stages == 1:
+        device_params = wte + wpe + ln_f + config.n_layer * per_block
+    else:  # the first stage holds the embeddings, the last the final norm and its copy of the tied head
+        device_params = max(wte + wpe, wte + ln_f) + blocks * per_block
+    largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+
+    mixed = dtype != "float32"
+    dp = layout.data_parallel
+    weights = device_params * (2 if mixed else 4) / (dp if zero_stage == 3 else 1)
+    gradients = device_params * (2 if mixed else 4) / (dp if zero_stage >= 2 else 1)
+    optimizer = device_params * (16 if mixed else 8) / (dp if zero_stage >= 1 else 1)
+    cpu = 0.0
+    if offload_optimizer:
+        cpu, optimizer = cpu + optimizer, 0.0
+    if offload_param and zero_stage == 3:  # parameters wait in CPU memory; one layer at a time is gathered
+        cpu, weights = cpu + weights, largest_layer * (2 if mixed else 4)
+    in_flight = min(layout.pipeline_stages, micro_steps) if layout.pipeline_stages > 1 else 1
+    per_block_activations = config.block_size * micro_batch * config.n_embd * (10 + 24 / layout.tp_size) * \
+        (2 if mixed else 4) / 2
+    activations = per_block_activations * blocks * in_flight
+    return MemoryEstimate(config.num_params(non_embedding=False), device_params, largest_layer,
+                          model.flops_per_token(), weights, gradients, optimizer, activations, cpu)
