@@ -213,6 +213,10 @@ class DeepSpeedEngine:
         return state
 
     def settle_config(self, cfg: TrainConfig, given: set[str], resumed: set[str]) -> TrainConfig:
+        if cfg.optimizer == "muon":
+            raise CLIError("--optimizer muon is for train.py and train_ddp.py; train_ds.py trains with the optimizer "
+                           f"of its DeepSpeed config ({os.path.basename(self.ds_path)})")
+        cfg.optimizer = "adamw"
         if "dtype" in resumed:  # the checkpoint's precision stands unless the config says otherwise
             given = given - {"dtype"}
         device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))

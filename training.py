@@ -68,33 +68,36 @@ class TrainConfig:
     n_layer: int = option(4, "transformer blocks")
     n_head: int = option(4, "attention heads")
     n_embd: int = option(128, "embedding width")
-    block_size: int = option(256, "context length in tokens")
+    block_size: int = option(64, "context length in tokens")
     dropout: float = option(0.0, "dropout probability (may change on resume)")
     bias: bool = option(True, "biases in Linear and LayerNorm layers, as GPT-2")
     attn_kernel: str = option("auto", "attention: manual (written out; auto's pick for bfloat16 on CPU) or an "
                             "SDPA kernel (may change on resume)", choices=ATTN_KERNELS)
     # optimisation
-    batch_size: int = option(16, "micro-batch size per process")
+    batch_size: int = option(32, "micro-batch size per process")
     grad_accum: int | None = option(None, "micro-batches per optimizer step over ALL processes (default: one per "
                                         "process)")
     global_batch_size: int | None = option(None, "sequences per optimizer step (Megatron); sets --grad-accum to "
                                                  "it / --batch-size")
-    max_iters: int = option(1200, "optimizer steps in total (a resumed run continues up to this number)")
+    max_iters: int = option(300, "optimizer steps in total (a resumed run continues up to this number)")
     train_samples: int | None = option(None, "train on this many samples instead (Megatron); sets max_iters")
-    lr: float = option(1e-3, "peak learning rate")
+    lr: float = option(4e-3, "peak learning rate (AdamW's; Muon's is --muon-lr)")
     min_lr: float | None = option(None, "final learning rate of the cosine decay (default lr/10)")
-    warmup_iters: int = option(100, "linear warmup steps")
+    warmup_iters: int = option(25, "linear warmup steps")
     lr_decay_iters: int | None = option(None, "steps of cosine decay (default: all steps)")
     lr_warmup_samples: int | None = option(None, "warmup over this many samples instead (Megatron); sets "
                                                  "--warmup-iters")
     lr_decay_samples: int | None = option(None, "decay over this many samples instead (Megatron); sets "
                                                 "--lr-decay-iters")
+    optimizer: str = option("auto", "muon: Muon for the blocks' matrices, AdamW for the rest; adamw; auto: muon from "
+                                    "scratch, adamw from pretrained weights", choices=["auto", "muon", "adamw"])
+    muon_lr: float = option(0.05, "Muon's peak learning rate (it follows --lr's schedule)")
     weight_decay: float = option(0.1, "AdamW weight decay (2-D weights only)")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.99, "AdamW beta2")
     grad_clip: float = option(1.0, "clip gradients at this global norm (0 = off)")
     # evaluation, logging, checkpoints
-    eval_interval: int = option(200, "evaluate every N steps")
+    eval_interval: int = option(100, "evaluate every N steps")
     eval_iters: int = option(20, "batches per evaluation and split")
     log_interval: int = option(10, "print the training loss every N steps")
     save_interval: int = option(0, "also save a checkpoint every N steps (0 = only at the end)")
@@ -244,7 +247,7 @@ def check_config(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if value is not None and value < 0:
             raise CLIError(f"{flag(name)} must be at least 0, got {value}")
-    for name in ("lr", "min_lr", "weight_decay", "grad_clip", "peak_tflops", "dropout"):
+    for name in ("lr", "min_lr", "muon_lr", "weight_decay", "grad_clip", "peak_tflops", "dropout"):
         value = getattr(cfg, name)
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise CLIError(f"{flag(name)} must be a finite number >= 0, got {value}")
@@ -292,9 +295,14 @@ def learning_rate(it: int, cfg: TrainConfig) -> float:
 
 def merge_resumed_config(cfg: TrainConfig, explicit: set[str], saved: dict, source: str) -> TrainConfig:
     """Resume with the checkpoint's settings except flags given now; a different model shape is an error."""
-    known = {k: v for k, v in saved.get("train_config", {}).items() if k in CONFIG_FIELDS}
+    known = {"optimizer": "adamw"}  # checkpoints from before the optimizer option were trained with AdamW
+    known.update((k, v) for k, v in saved.get("train_config", {}).items() if k in CONFIG_FIELDS)
     merged = TrainConfig(**{**asdict(TrainConfig()), **known, **{k: getattr(cfg, k) for k in explicit},
                             "init_from": "resume", "out_dir": cfg.out_dir})
+    if merged.optimizer not in ("auto", known["optimizer"]):
+        raise CLIError(f"{source} was trained with --optimizer {known['optimizer']}; its optimizer state cannot "
+                       f"continue under --optimizer {merged.optimizer}")
+    merged.optimizer = known["optimizer"]
     model_config = saved["model_config"]
     for name in MODEL_SHAPE:
         if name in explicit and getattr(merged, name) != model_config[name]:
@@ -403,7 +411,8 @@ class TorchEngine:
     def start(self, model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype,
               resume: dict | None) -> None:
         self.raw_model, self.device, self.dtype, self.grad_clip = model, device, dtype, cfg.grad_clip
-        self.optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), device.type)
+        self.optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), device.type,
+                                                    muon_lr=cfg.muon_lr if cfg.optimizer == "muon" else None)
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         if resume is not None:
             load_weights(model, resume["model"], self.path)
@@ -421,7 +430,7 @@ class TorchEngine:
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> float:
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's matrices: the same schedule at muon_lr
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
@@ -527,6 +536,8 @@ class Trainer:
         if cfg.grad_accum is None:
             cfg.grad_accum = self.data_parallel_size
         cfg = self.engine.settle_config(cfg, given, resumed)
+        if cfg.optimizer == "auto":  # Muon is measured from scratch; fine-tuning pretrained weights keeps AdamW
+            cfg.optimizer = "muon" if cfg.init_from == "scratch" else "adamw"
         check_config(cfg)
         if cfg.grad_accum % self.data_parallel_size:
             raise CLIError(f"--grad-accum {cfg.grad_accum} cannot be split across {self.replicas()}; "

@@ -23,6 +23,7 @@ sys.path.insert(0, ROOT)
 
 import cli  # noqa: E402
 import tokenizer  # noqa: E402
+from device import cpu_kind  # noqa: E402
 
 SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=256, batch_size=16)
 # Runs a command and reports its peak resident memory (the max over the process and its children).
@@ -70,15 +71,17 @@ def nanogpt_command(nanogpt_dir: str, data_dir: str, vocab: str, iters: int, eva
 
 
 def our_command(data_dir: str, variant: str, iters: int, eval_iters: int, workdir: str) -> tuple[list[str], str]:
-    """train.py with nanoGPT's shakespeare_char optimizer settings, so only the implementation differs.
-    variant is a dtype, optionally with "+compile" and/or "+<attention kernel>", e.g. bfloat16+compile+manual."""
+    """train.py with nanoGPT's shakespeare_char optimizer settings (AdamW), so only the implementation differs.
+    variant is a dtype, optionally with "+compile", "+muon" (the default optimizer from scratch, for its cost)
+    and/or "+<attention kernel>", e.g. bfloat16+compile+manual."""
     dtype, *options = variant.split("+")
     out_dir = tempfile.mkdtemp(dir=workdir, prefix=f"ours_{dtype}_")
     args = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()] + [
-        f"--data-dir={data_dir}", f"--out-dir={out_dir}", "--device=cpu", f"--dtype={dtype}", "--dropout=0.0",
+        f"--data-dir={data_dir}", f"--out-dir={out_dir}", "--overwrite", "--device=cpu", f"--dtype={dtype}", "--dropout=0.0",
         "--no-bias", "--lr=1e-3", "--min-lr=1e-4", "--warmup-iters=100", "--lr-decay-iters=5000", "--beta2=0.99",
-        f"--max-iters={iters}", f"--eval-interval={iters}", f"--eval-iters={eval_iters}", "--log-interval=1"]
-    args += ["--compile" if option == "compile" else f"--attn-kernel={option}" for option in options]
+        "--optimizer=adamw", f"--max-iters={iters}", f"--eval-interval={iters}", f"--eval-iters={eval_iters}", "--log-interval=1"]
+    named = {"compile": "--compile", "muon": "--optimizer=muon"}
+    args += [named.get(option, f"--attn-kernel={option}") for option in options]
     return [sys.executable, os.path.join(ROOT, "train.py"), *args], out_dir
 
 
@@ -103,7 +106,7 @@ def main() -> None:
     parser.add_argument("--eval-iters", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of all variants")
     parser.add_argument("--ours", default="float32,bfloat16,bfloat16+compile",
-                        help="this project's runs: dtypes, each optionally +compile and +<attention kernel> "
+                        help="this project's runs: dtypes, each optionally +compile, +muon and +<attention kernel> "
                              "(default: %(default)s)")
     parser.add_argument("--malloc-tuned", action="store_true",
                         help="also run nanoGPT with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184")
@@ -135,7 +138,8 @@ def main() -> None:
     tokens = SHAPE["batch_size"] * SHAPE["block_size"]
     base = statistics.median(r["ms"] for r in results.get("nanoGPT float32", [])) if args.nanogpt_dir else None
     print(f"\n{args.vocab} vocabulary, {args.iters} iterations, {tokens} tokens/iter, median over "
-          f"{args.repeats} round(s):")
+          f"{args.repeats} round(s), CPU {cpu_kind()} (ATEN_CPU_CAPABILITY="
+          f"{os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}), {os.cpu_count()} cores:")
     print(f"{'variant':32s} {'ms/iter':>8s} {'tokens/s':>9s} {'vs nanoGPT':>10s} {'val loss':>9s} {'peak RSS':>9s}")
     for name, rs in results.items():
         ms = statistics.median(r["ms"] for r in rs)

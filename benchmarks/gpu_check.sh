@@ -39,7 +39,8 @@ else
   SHAPE="--preset gpt2 --block-size 1024 --batch-size 16"; ITERS=40; SKIP=10
   SAMPLE="--device cuda --dtype bfloat16 --preset gpt2 --new-tokens 500 --block-size 1024"
 fi
-COMMON="--data-dir $WORK/data --eval-interval 100000 --eval-iters 1 --log-interval 1 --dtype $DTYPE --device $DEVICE"
+# AdamW, as nanoGPT and llm.c, so the MFU compares the same work (Muon adds its Newton-Schulz matmuls)
+COMMON="--data-dir $WORK/data --eval-interval 100000 --eval-iters 1 --log-interval 1 --dtype $DTYPE --device $DEVICE --optimizer adamw"
 RESULTS="$OUT_DIR/gpu_check.tsv"
 : > "$RESULTS"
 

@@ -35,3 +35,14 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert float(figures[("sampling with KV cache", "tokens/s")].replace(",", "")) > 0
     assert figures[("DDP 2 GPUs", "(fewer than 2 GPUs)")] == "skipped"
     assert "gpu_check results" in result.stdout
+
+
+def test_bench_train_rounds_and_table():
+    """Two interleaved rounds of this project's variants (no nanoGPT checkout): a row per round, then the table."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--iters", "2",
+                             "--eval-iters", "1", "--repeats", "2", "--ours", "float32+muon"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rounds = [line for line in result.stdout.splitlines() if line.startswith("round ")]
+    assert len(rounds) == 2 and all("ms/iter" in line for line in rounds), result.stdout
+    assert "CPU " in result.stdout and "ours float32+muon" in result.stdout.split("variant")[-1]

@@ -35,6 +35,7 @@ def test_checkpoint_written_by_an_older_version_samples_and_resumes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     new = load_checkpoint(str(tmp_path / "ckpt.pt"))
     assert new["iter_num"] == 5 and new["history"]["iter"][:len(old["history"]["iter"])] == old["history"]["iter"]
+    assert new["train_config"]["optimizer"] == "adamw"  # what it was trained with, before the option existed
 
 
 def test_checkpoint_of_compiled_model_loads_in_plain_model(tmp_path):

@@ -118,7 +118,7 @@ def test_one_node_example_trains_with_megatron_names(ds_ops, char_data, tmp_path
 MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
          "--device", "cpu", "--dtype", "float32", "--eval-iters", "2", "--log-interval", "1"]
 STEPS = ["--max-iters", "10", "--lr-decay-iters", "10", "--warmup-iters", "2", "--lr", "3e-3", "--grad-accum", "2",
-         "--eval-interval", "5"]
+         "--eval-interval", "5", "--optimizer", "adamw"]  # train.py's reference: DeepSpeed's configs use AdamW
 
 
 def launch_ds(data, out_dir, *extra, config="ds_config_zero1.json", slots=2, timeout=300):

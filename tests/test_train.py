@@ -45,12 +45,13 @@ def test_trains_on_embedded_corpus_and_samples(char_data, tmp_path):
     assert lines[0]["text"] in result.stdout
 
 
-def test_resume_is_bitwise_exact(char_data, tmp_path):
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_resume_is_bitwise_exact(char_data, tmp_path, optimizer):
     common = ["--max-iters", "16", "--lr-decay-iters", "16", "--warmup-iters", "4", "--eval-interval", "8",
-              "--dropout", "0.1", "--save-interval", "8"]
+              "--dropout", "0.1", "--save-interval", "8", "--optimizer", optimizer]
     full = train(char_data, tmp_path / "full", *common)
     first = train(char_data, tmp_path / "split", *common[:1], "10", *common[2:])
-    assert first["iter_num"] == 10
+    assert first["iter_num"] == 10 and first["train_config"]["optimizer"] == optimizer
     resumed = train(char_data, tmp_path / "split", "--init-from", "resume", "--max-iters", "16")
     assert resumed["history"]["loss"] == full["history"]["loss"]  # bitwise: dropout RNG and data position too
     for key, value in full["model"].items():

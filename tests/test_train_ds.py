@@ -22,7 +22,7 @@ pytest.importorskip("deepspeed")
 # all cores of its own machine (the same thread count everywhere keeps the runs bitwise comparable)
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 COMMON = ["--max-iters", "12", "--lr-decay-iters", "12", "--warmup-iters", "2", "--lr", "3e-3", "--grad-accum", "4",
-          "--eval-interval", "6"]
+          "--eval-interval", "6", "--optimizer", "adamw"]  # train.py's reference: DeepSpeed's configs use AdamW
 
 
 def launcher_cmd(hostfile, *extra_launcher_args) -> list[str]:

@@ -1,0 +1,85 @@
+"""muon.py: the orthogonalised update, its AdamW half, and how train.py picks and keeps an optimizer."""
+import pytest
+import torch
+from conftest import TINY_MODEL, assert_one_line_error, run_script
+
+from checkpoint import load_checkpoint
+from model import GPT, GPTConfig
+from muon import Muon, orthogonalize
+from training import TrainConfig
+
+
+@pytest.mark.parametrize("shape", [(48, 48), (32, 96), (96, 32)])
+def test_orthogonalize_pushes_singular_values_towards_one(shape):
+    generator, k = torch.Generator().manual_seed(0), min(shape)
+    u, _ = torch.linalg.qr(torch.randn(shape[0], k, generator=generator))
+    v, _ = torch.linalg.qr(torch.randn(shape[1], k, generator=generator))
+    update = u @ torch.diag(torch.logspace(-1, 1, k)) @ v.T  # singular values from 0.1 to 10
+    singular = torch.linalg.svdvals(orthogonalize(update))
+    assert singular.min() > 0.5 and singular.max() < 1.3, singular  # a spread of 100 -> about 1
+    assert orthogonalize(update).shape == update.shape
+
+
+def test_adamw_groups_match_torch_adamw():
+    torch.manual_seed(0)
+    weights = [torch.randn(8, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)]
+    ours, reference = [w.clone().requires_grad_() for w in weights], [w.clone().requires_grad_() for w in weights]
+    groups = lambda ps: [{"params": ps[:1], "weight_decay": 0.1}, {"params": ps[1:], "weight_decay": 0.0}]
+    muon = Muon(groups(ours), lr=1e-2, betas=(0.9, 0.99))
+    adamw = torch.optim.AdamW(groups(reference), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, foreach=False)
+    for step in range(5):
+        for params, optimizer in ((ours, muon), (reference, adamw)):
+            grads = torch.randn(12, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+            params[0].grad, params[1].grad = grads[:8, None].expand(8, 4).clone() * grads[8:], grads[8:].clone()
+            optimizer.step()
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_muon_update_is_orthogonal_at_muon_lr_and_skips_other_groups_scale():
+    """The trainer sets lr = schedule x lr_scale: Muon's matrices move by ~muon_lr in every direction."""
+    model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=16))
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu", muon_lr=0.05)
+    muon_group, *adamw_groups = optimizer.param_groups
+    fc = model.transformer.h[0].mlp.c_fc.weight  # 64 x 16: tall
+    assert muon_group["muon"] and any(p is fc for p in muon_group["params"])
+    assert muon_group["lr_scale"] == pytest.approx(50) and all(not g["muon"] for g in adamw_groups)
+    assert not any(p is model.transformer.wte.weight for p in muon_group["params"])  # embeddings keep AdamW
+    for group in optimizer.param_groups:
+        group["lr"] = 1e-3 * group["lr_scale"]
+    before = fc.detach().clone()
+    model(torch.randint(0, 16, (2, 8)), torch.randint(0, 16, (2, 8)))[1].backward()
+    optimizer.step()
+    singular = torch.linalg.svdvals((before - fc.detach()) / (0.05 * 2))  # sqrt(64 / 16) = 2 for a tall matrix
+    singular = singular[:15]  # LayerNorm's output sums to zero over its 16 features: the gradient has rank 15
+    assert singular.min() > 0.5 and singular.max() < 1.3, singular
+
+
+def test_recipe_of_the_quick_start_is_pinned():
+    """`python train.py` with no flags is the measured CPU recipe (docs/performance.md): change both together."""
+    cfg = TrainConfig()
+    recipe = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=32, grad_accum=None, max_iters=300,
+                  lr=4e-3, min_lr=None, warmup_iters=25, lr_decay_iters=None, optimizer="auto", muon_lr=0.05,
+                  weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0, dropout=0.0, bias=True, dtype="auto",
+                  compile=False, eval_interval=100, eval_iters=20)
+    assert {k: getattr(cfg, k) for k in recipe} == recipe
+
+
+def test_scratch_trains_with_muon_and_a_resume_keeps_the_optimizer(char_data, tmp_path):
+    flags = ["--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--max-iters", "4", "--eval-interval", "4"]
+    assert run_script("train.py", *flags).returncode == 0
+    ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert ckpt["train_config"]["optimizer"] == "muon" and ckpt["optimizer"]["param_groups"][0]["muon"]
+    switched = run_script("train.py", *flags, "--init-from", "resume", "--max-iters", "6", "--optimizer", "adamw")
+    assert_one_line_error(switched, "trained with --optimizer muon", "--optimizer adamw")
+    resumed = run_script("train.py", *flags, "--init-from", "resume", "--max-iters", "6", "--optimizer", "auto")
+    assert resumed.returncode == 0, resumed.stderr
+    assert load_checkpoint(str(tmp_path / "ckpt.pt"))["train_config"]["optimizer"] == "muon"
+
+
+def test_train_ds_refuses_muon_in_one_line(char_data, tmp_path):
+    """DeepSpeed trains with the optimizer of its config; asking for Muon there is a mistake, said at once."""
+    result = run_script("train_ds.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--optimizer",
+                        "muon", cwd=tmp_path, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert_one_line_error(result, "--optimizer muon", "ds_config.json")
+    assert not (tmp_path / "ds").exists()
