@@ -499,7 +499,8 @@ def tune_config(args: argparse.Namespace) -> TrainConfig:
     """tune's settings as a TrainConfig: checked by the trainers' rules, read by learning_rate (warmup, then
     cosine decay to lr/10) and tensorboard_writer, and saved in the checkpoint as train.py's are."""
     cfg = TrainConfig(out_dir=args.out_dir, init_from=args.ckpt, optimizer="adamw", lr=args.lr,
-                      warmup_iters=args.warmup_iters, max_iters=args.max_iters, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                      warmup_iters=args.warmup_iters, max_iters=args.max_iters, weight_decay=args.weight_decay,
+                      grad_clip=args.grad_clip,
                       batch_size=args.batch_size, log_interval=args.log_interval, device=args.device,
                       dtype=args.dtype, seed=args.seed, tensorboard_dir=args.tensorboard_dir,
                       run_name=args.run_name or time.strftime("%Y%m%d-%H%M%S"))

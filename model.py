@@ -411,16 +411,18 @@ class GPT(nn.Module):
         heads: tuple[nn.Module, ...] = (), muon_lr: float | None = None
     ) -> torch.optim.Optimizer:
         """AdamW over param_groups (with the heads' parameters); fused on CUDA, foreach elsewhere. With muon_lr,
-        muon.Muon instead: Muon at muon_lr for the blocks' matrices, AdamW at learning_rate for the rest."""
+        muon.Muon instead: Muon at muon_lr for the blocks' matrices (the group with muon=True), AdamW at
+        learning_rate for the rest."""
         if muon_lr is None:
             impl = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
             return torch.optim.AdamW(self.param_groups(weight_decay, heads), lr=learning_rate, betas=betas, **impl)
         from muon import Muon
         matrices = [p for p in self.transformer.h.parameters() if p.requires_grad and p.dim() == 2]
         chosen = set(matrices)
-        rest = [g | {"params": [p for p in g["params"] if p not in chosen]} for g in self.param_groups(weight_decay, heads)]
+        rest = [g | {"params": [p for p in g["params"] if p not in chosen]}
+                for g in self.param_groups(weight_decay, heads)]
         # no decay for Muon's matrices: its updates have a fixed size, and decay at its learning rates is too strong
-        muon_group = {"params": matrices, "muon": True, "weight_decay": 0.0, "lr_scale": muon_lr / learning_rate}
+        muon_group = {"params": matrices, "muon": True, "weight_decay": 0.0, "lr": muon_lr}
         return Muon([muon_group, *rest], lr=learning_rate, betas=betas)
 
     def flops_per_token(self) -> int:

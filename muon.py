@@ -7,8 +7,8 @@ embeddings, the tied LM head, biases and LayerNorm gains keep AdamW. It is the d
 scratch because it reaches a given loss in far fewer steps (figures: docs/performance.md).
 
 Param groups with muon=True get the Muon update, the others AdamW's (decoupled weight decay, bias
-correction, as torch.optim.AdamW). Each group may carry lr_scale: the trainer sets lr = schedule x lr_scale,
-so both parts follow one schedule (Muon's learning rates are ~10x AdamW's).
+correction, as torch.optim.AdamW). Each group has its own lr (Muon's are ~10x AdamW's); the trainer moves
+both along one schedule.
 """
 import torch
 
@@ -35,7 +35,7 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.99),
                  momentum: float = 0.95, eps: float = 1e-8):
-        defaults = dict(lr=lr, betas=betas, momentum=momentum, eps=eps, weight_decay=0.0, muon=False, lr_scale=1.0)
+        defaults = dict(lr=lr, betas=betas, momentum=momentum, eps=eps, weight_decay=0.0, muon=False)
         super().__init__(param_groups, defaults)
 
     @torch.no_grad()

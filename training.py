@@ -411,6 +411,7 @@ class TorchEngine:
     def start(self, model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype,
               resume: dict | None) -> None:
         self.raw_model, self.device, self.dtype, self.grad_clip = model, device, dtype, cfg.grad_clip
+        self.muon_scale = cfg.muon_lr / cfg.lr if cfg.optimizer == "muon" else 1.0  # from the flags, also on resume
         self.optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), device.type,
                                                     muon_lr=cfg.muon_lr if cfg.optimizer == "muon" else None)
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
@@ -430,7 +431,7 @@ class TorchEngine:
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> float:
         for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's matrices: the same schedule at muon_lr
+            group["lr"] = lr * self.muon_scale if group.get("muon") else lr  # Muon's: the schedule at --muon-lr
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1

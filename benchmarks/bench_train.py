@@ -77,9 +77,10 @@ def our_command(data_dir: str, variant: str, iters: int, eval_iters: int, workdi
     dtype, *options = variant.split("+")
     out_dir = tempfile.mkdtemp(dir=workdir, prefix=f"ours_{dtype}_")
     args = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()] + [
-        f"--data-dir={data_dir}", f"--out-dir={out_dir}", "--overwrite", "--device=cpu", f"--dtype={dtype}", "--dropout=0.0",
-        "--no-bias", "--lr=1e-3", "--min-lr=1e-4", "--warmup-iters=100", "--lr-decay-iters=5000", "--beta2=0.99",
-        "--optimizer=adamw", f"--max-iters={iters}", f"--eval-interval={iters}", f"--eval-iters={eval_iters}", "--log-interval=1"]
+        f"--data-dir={data_dir}", f"--out-dir={out_dir}", "--overwrite", "--device=cpu", f"--dtype={dtype}",
+        "--dropout=0.0", "--no-bias", "--lr=1e-3", "--min-lr=1e-4", "--warmup-iters=100", "--lr-decay-iters=5000",
+        "--beta2=0.99", "--optimizer=adamw", f"--max-iters={iters}", f"--eval-interval={iters}",
+        f"--eval-iters={eval_iters}", "--log-interval=1"]
     named = {"compile": "--compile", "muon": "--optimizer=muon"}
     args += [named.get(option, f"--attn-kernel={option}") for option in options]
     return [sys.executable, os.path.join(ROOT, "train.py"), *args], out_dir

@@ -36,17 +36,15 @@ def test_adamw_groups_match_torch_adamw():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_muon_update_is_orthogonal_at_muon_lr_and_skips_other_groups_scale():
-    """The trainer sets lr = schedule x lr_scale: Muon's matrices move by ~muon_lr in every direction."""
+def test_muon_update_is_orthogonal_at_muon_lr():
+    """Muon's matrices move by ~muon_lr in every direction; the rest is AdamW's."""
     model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=16))
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu", muon_lr=0.05)
     muon_group, *adamw_groups = optimizer.param_groups
     fc = model.transformer.h[0].mlp.c_fc.weight  # 64 x 16: tall
     assert muon_group["muon"] and any(p is fc for p in muon_group["params"])
-    assert muon_group["lr_scale"] == pytest.approx(50) and all(not g["muon"] for g in adamw_groups)
+    assert muon_group["lr"] == 0.05 and all(not g["muon"] and g["lr"] == 1e-3 for g in adamw_groups)
     assert not any(p is model.transformer.wte.weight for p in muon_group["params"])  # embeddings keep AdamW
-    for group in optimizer.param_groups:
-        group["lr"] = 1e-3 * group["lr_scale"]
     before = fc.detach().clone()
     model(torch.randint(0, 16, (2, 8)), torch.randint(0, 16, (2, 8)))[1].backward()
     optimizer.step()
@@ -83,3 +81,16 @@ def test_train_ds_refuses_muon_in_one_line(char_data, tmp_path):
                         "muon", cwd=tmp_path, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     assert_one_line_error(result, "--optimizer muon", "ds_config.json")
     assert not (tmp_path / "ds").exists()
+
+
+def test_a_new_muon_lr_on_resume_takes_effect(char_data, tmp_path):
+    """The checkpoint's optimizer state carries the old rates; the flags given on resume must win over them."""
+    flags = ["--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--eval-interval", "100"]
+    assert run_script("train.py", *flags, "--max-iters", "4").returncode == 0
+    before = load_checkpoint(str(tmp_path / "ckpt.pt"))["model"]
+    resumed = run_script("train.py", *flags, "--init-from", "resume", "--max-iters", "6", "--muon-lr", "0")
+    assert resumed.returncode == 0, resumed.stderr
+    after = load_checkpoint(str(tmp_path / "ckpt.pt"))["model"]
+    fc = "transformer.h.0.mlp.c_fc.weight"
+    assert torch.equal(before[fc], after[fc])  # Muon at rate 0: the matrices stay
+    assert not torch.equal(before["transformer.wte.weight"], after["transformer.wte.weight"])  # AdamW goes on
