@@ -59,8 +59,10 @@ _KERNELS = {
     "math": SDPBackend.MATH,
     "cudnn": SDPBackend.CUDNN_ATTENTION,
 }
-# "manual" is the attention written out below; "auto" uses it for bfloat16 on CPU, else lets SDPA choose.
+# "manual" is the attention written out below; "auto" uses it for bfloat16 on CPU up to MANUAL_MAX_KEYS keys,
+# else lets SDPA choose (its flash kernel wins beyond: benchmarks/bench_sdpa.py, docs/performance.md).
 ATTN_KERNELS = ("auto", "manual", *_KERNELS)
+MANUAL_MAX_KEYS = 512
 
 
 def check_config(config: GPTConfig) -> None:
@@ -164,7 +166,7 @@ class CausalSelfAttention(nn.Module):
             k, v = kv_cache.append(k, v)
         dropout_p = self.dropout if self.training else 0.0
         cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
-        if self.kernel == "manual" or (self.kernel == "auto" and cpu_bf16):
+        if self.kernel == "manual" or (self.kernel == "auto" and cpu_bf16 and k.size(-2) <= MANUAL_MAX_KEYS):
             y = manual_attention(q, k, v, dropout_p)
         else:
             # is_causal aligns the mask top-left, which is right only without cached keys; a single
@@ -195,10 +197,10 @@ def manual_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
 
     The T queries are the last T of the keys' positions (so it works with a KV cache). On CPUs
     without AMX, SDPA's flash kernel is slow in bfloat16, while plain bf16 matmuls run at full speed
-    and nothing here is recomputed in the backward pass: forward + backward per layer, block 256,
-    head size 32: 11.0 vs 23.0 ms; 512/64: 57 vs 114; 1024/64: 161 vs 188. In float32 it only ties
-    (and loses at 1024: 297 vs 234), and on GPUs the fused kernels win, so "auto" uses it for
-    bfloat16 on CPU only. The price is memory: the (T, T) weights are kept for the backward pass.
+    and nothing here is recomputed in the backward pass, so up to 512 keys it is about twice as fast.
+    Beyond, the (T, T) weights it keeps for the backward pass cost more than flash's recomputation
+    (1024 keys: ~1.6x slower), in float32 it never wins, and on GPUs the fused kernels do: "auto" uses
+    it for bfloat16 on CPU up to MANUAL_MAX_KEYS keys (figures: docs/performance.md).
     The mask is added as -inf rather than masked_fill'ed: one pass fewer over the scores.
     """
     T, S = q.size(-2), k.size(-2)

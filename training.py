@@ -71,8 +71,8 @@ class TrainConfig:
     block_size: int = option(64, "context length in tokens")
     dropout: float = option(0.0, "dropout probability (may change on resume)")
     bias: bool = option(True, "biases in Linear and LayerNorm layers, as GPT-2")
-    attn_kernel: str = option("auto", "attention: manual (written out; auto's pick for bfloat16 on CPU) or an "
-                            "SDPA kernel (may change on resume)", choices=ATTN_KERNELS)
+    attn_kernel: str = option("auto", "attention: manual (written out; auto's pick for bfloat16 on CPU up to 512 "
+                            "keys) or an SDPA kernel (may change on resume)", choices=ATTN_KERNELS)
     # optimisation
     batch_size: int = option(32, "micro-batch size per process")
     grad_accum: int | None = option(None, "micro-batches per optimizer step over ALL processes (default: one per "

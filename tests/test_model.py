@@ -165,6 +165,19 @@ def test_auto_kernel_writes_attention_out_for_bfloat16_on_cpu():
         assert torch.equal(m(idx)[0], ref(idx)[0]) == same
 
 
+@torch.no_grad()
+def test_auto_kernel_leaves_long_bfloat16_attention_to_sdpa():
+    """Beyond MANUAL_MAX_KEYS keys, auto is SDPA's flash kernel on CPU, not the written-out form."""
+    T = model.MANUAL_MAX_KEYS + 1
+    layer = model.CausalSelfAttention(GPTConfig(block_size=T, vocab_size=VOCAB, n_layer=1, n_head=1, n_embd=8)).eval()
+    x = torch.randn(1, T, 8).to(torch.bfloat16)
+    outputs = {}
+    for kernel in ("auto", "flash", "manual"):
+        layer.kernel = kernel
+        outputs[kernel] = layer.to(torch.bfloat16)(x)
+    assert torch.equal(outputs["auto"], outputs["flash"]) and not torch.equal(outputs["auto"], outputs["manual"])
+
+
 def test_manual_attention_matches_sdpa_in_gradients_and_drops_attention_weights():
     q, k, v = (torch.randn(2, 3, 10, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     grad = torch.randn(2, 3, 10, 8, dtype=torch.float64)
