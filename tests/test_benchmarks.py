@@ -46,3 +46,21 @@ def test_bench_train_rounds_and_table():
     rounds = [line for line in result.stdout.splitlines() if line.startswith("round ")]
     assert len(rounds) == 2 and all("ms/iter" in line for line in rounds), result.stdout
     assert "CPU " in result.stdout and "ours float32+muon" in result.stdout.split("variant")[-1]
+
+
+def test_bench_floor_sums_the_step_matmuls():
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_floor.py"), "--n-layer", "1",
+                             "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "2",
+                             "--repeats", "2", "--step-ms", "1000"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    ms = {line.split("  ")[0]: float(line.split()[-4 if "GFLOP" in line else -2])
+          for line in result.stdout.splitlines() if " ms" in line and "speedup" not in line and "with" not in line}
+    linear, attention = ms["linear matmuls (fwd + 2 bwd)"], ms["causal attention matmuls"]
+    assert linear > 0 and attention > 0
+    assert abs(ms["floor (everything else free)"] - (linear + attention)) <= 0.015
+    speedup = float(result.stdout.split("largest speedup over a 1000.0 ms step: ")[1].split("x")[0])
+    assert abs(1000 / speedup - ms["floor (everything else free)"]) <= 0.01  # the floor is printed to 0.01 ms
+
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_floor.py"), "--n-embd", "30"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and bad.stderr.startswith("error:") and len(bad.stderr.splitlines()) == 1
