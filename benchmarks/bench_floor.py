@@ -12,9 +12,7 @@ LayerNorm, softmax, AdamW, the loss) taking no time.
     python benchmarks/bench_floor.py --step-ms 227.3     # bench_train.py's shape, float32
 """
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -22,22 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import cli  # noqa: E402
+from benchmarks.bench_sdpa import time_ms  # noqa: E402
 from device import DTYPES, describe, keep_freed_memory_in_heap, resolve_device  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-
-
-def median_ms(fn, device: torch.device, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def linear_products(model: GPT, tokens: int, dtype: torch.dtype, device: torch.device):
@@ -93,8 +78,8 @@ def main() -> None:
     with torch.no_grad():
         linear, linear_flops = linear_products(model, args.batch_size * args.block_size, dtype, device)
         attention, attention_flops = attention_products(cfg, args.batch_size, dtype, device)
-        linear_ms = median_ms(linear, device, args.repeats)
-        causal_ms = median_ms(attention, device, args.repeats) / 2  # a causal kernel does half the products
+        linear_ms = time_ms(linear, device, 1, args.repeats)
+        causal_ms = time_ms(attention, device, 1, args.repeats) / 2  # a causal kernel does half the products
     floor = linear_ms + causal_ms
     ideal = linear_ms * (1 + attention_flops / 2 / linear_flops)  # attention as fast as the big matmuls
     print(f"{describe(device)}, {args.dtype}, {args.n_layer}L x {args.n_embd} ({args.n_head} heads), "

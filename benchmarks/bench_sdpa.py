@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -57,14 +58,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(kernel: str, qkv: list[torch.Tensor], device: torch.device, warmup: int, repeats: int) -> float:
+def time_ms(work: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median milliseconds of work() on the device, after warm-up runs."""
     for _ in range(warmup):
-        forward_backward(kernel, qkv)
+        work()
     times = []
     for _ in range(repeats):
         sync(device)
         start = time.perf_counter()
-        forward_backward(kernel, qkv)
+        work()
         sync(device)
         times.append((time.perf_counter() - start) * 1000)
     return statistics.median(times)
@@ -108,7 +110,8 @@ def measure(kernel: str, shape: tuple[int, ...], dtype: torch.dtype, device: tor
     with warnings.catch_warnings(record=True) as caught:  # on CUDA torch explains each refusal in a warning
         warnings.simplefilter("always")
         try:
-            ms = time_ms(kernel, inputs(shape, dtype, device), device, warmup, repeats)
+            qkv = inputs(shape, dtype, device)
+            ms = time_ms(lambda: forward_backward(kernel, qkv), device, warmup, repeats)
         except RuntimeError as e:
             reasons = [str(w.message).strip().splitlines()[0] for w in caught] or [str(e).strip().splitlines()[0]]
             if device.type == "cpu" and kernel in ("efficient", "cudnn"):
