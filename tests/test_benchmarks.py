@@ -1,5 +1,6 @@
 """The benchmark scripts run and write well-formed records (their speeds are figures, not test assertions)."""
 import json
+import re
 import subprocess
 import sys
 
@@ -53,8 +54,7 @@ def test_bench_floor_sums_the_step_matmuls():
                              "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "2",
                              "--repeats", "2", "--step-ms", "1000"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    ms = {line.split("  ")[0]: float(line.split()[-4 if "GFLOP" in line else -2])
-          for line in result.stdout.splitlines() if " ms" in line and "speedup" not in line and "with" not in line}
+    ms = {name: float(value) for name, value in re.findall(r"^(\S.*?)\s{2,}([\d.]+) ms", result.stdout, re.M)}
     linear, attention = ms["linear matmuls (fwd + 2 bwd)"], ms["causal attention matmuls"]
     assert linear > 0 and attention > 0
     assert abs(ms["floor (everything else free)"] - (linear + attention)) <= 0.015
