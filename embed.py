@@ -14,28 +14,29 @@ pooling and dtype, so queries are always encoded the same way. File formats: doc
 import argparse
 import hashlib
 import json
-import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Iterator
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
-import cli
-from checkpoint import CHECKPOINT_FILE, capture_rng, load_model, make_checkpoint, save_checkpoint
-from cli import CLIError
-from data import refuse_existing
-from device import describe, resolve_device, resolve_dtype
-from embedding import POOLINGS, embed, encode, info_nce, top_k
-from files import atomic_write, check_output, lock_folder, read_json, remove_temporaries, write_json
-from hf import find_model_dir
 from model import GPT
-from tokenizer import Tokenizer, input_files, is_json_lines, load_tokenizer, open_binary
-from training import MODEL_SHAPE, StopRequest, TrainConfig, check_config, learning_rate, tensorboard_writer
+from toolkit import cli, flags
+from toolkit.checkpoint import CHECKPOINT_FILE
+from toolkit.cli import CLIError
+from toolkit.device import describe, resolve_device, resolve_dtype
+from toolkit.documents import input_files, is_json_lines, open_binary
+from toolkit.embedding import POOLINGS, embed, encode, info_nce, top_k
+from toolkit.files import atomic_write, check_output, lock_folder, read_json, refuse_existing, write_json
+from toolkit.flags import option
+from toolkit.hf import find_model_dir
+from toolkit.load import load_model
+from toolkit.optim import make_optimizer
+from toolkit.tokenizers import Tokenizer, load_tokenizer
+from toolkit.training import LoopConfig, Schedule, TorchEngine, Trainer, claim_out_dir
 
 INDEX_FORMAT = "embed.py index"
 INDEX_FILE = "index.json"  # written last: an index is complete when it is there
@@ -470,21 +471,31 @@ def read_tune_pairs(path: str, tokenizer: Tokenizer, max_tokens: int) -> list[tu
     return pairs
 
 
-def pair_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
-    """Endless batches of pair numbers: each epoch a new seeded permutation; an incomplete last batch is left
-    out, so every batch has the same number of in-batch negatives."""
-    for epoch in range(sys.maxsize):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        for start in range(0, n - batch_size + 1, batch_size):
-            yield order[start:start + batch_size]
-
-
-def contrastive_loss(model: GPT, batch: list[tuple[list[int], ...]], pooling: str, temperature: float,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """InfoNCE of a batch: each query against all positives of the batch, then the hard negatives it holds."""
-    queries = embed(model, [pair[0] for pair in batch], pooling, dtype)
-    documents = embed(model, [pair[1] for pair in batch] + [pair[2] for pair in batch if len(pair) > 2], pooling, dtype)
-    return info_nce(queries, documents, temperature)
+@dataclass
+class TuneConfig:
+    ckpt: str = option(None, "the model to tune: a ckpt.pt, or an HF GPT-2 folder / cached name", required=True)
+    pairs: str = option(None, 'JSON lines {"query": ..., "positive": ...[, "negative": ...]}', required=True)
+    out_dir: str = option(None, "where ckpt.pt and tensorboard/ go", required=True)
+    overwrite: bool = option(False, "replace a ckpt.pt in --out-dir")
+    bias_only: bool = option(False, "train the bias parameters only (SGPT's BitFit)")
+    pooling: str = option("weighted-mean", "as encode's", choices=list(POOLINGS))
+    temperature: float = option(0.05, "InfoNCE temperature", check="positive-number")
+    max_iters: int = option(200, "optimizer steps", check="positive")
+    batch_size: int = option(32, "pairs per step, in each process; each query's negatives are the other pairs' "
+                                 "documents", check="positive")
+    lr: float = option(1e-4, "peak learning rate", check="positive-number")
+    warmup_iters: int = option(10, "linear warmup steps, then cosine decay to lr/10", check="non-negative")
+    weight_decay: float = option(0.0, "AdamW weight decay (2-D weights only)", check="non-negative-number")
+    beta1: float = option(0.9, "AdamW beta1", check="probability")
+    beta2: float = option(0.99, "AdamW beta2", check="probability")
+    grad_clip: float = option(1.0, "clip gradients at this global norm (0 = off)", check="non-negative-number")
+    seed: int = option(1337, "seed of the batch order")
+    log_interval: int = option(10, "print the training loss every N steps", check="positive")
+    device: str = option("auto", "auto, cpu, cuda, cuda:N or mps")
+    dtype: str = option("auto", "autocast dtype; auto = bfloat16 where the hardware computes it natively, else "
+                                "float32", choices=["auto", "float32", "bfloat16"])
+    tensorboard_dir: str | None = option(None, "TensorBoard log dir (default OUT_DIR/tensorboard)")
+    run_name: str | None = option(None, "TensorBoard run name (default: the start time)", check="folder-name")
 
 
 def train_bias_only(model: GPT) -> None:
@@ -495,92 +506,71 @@ def train_bias_only(model: GPT) -> None:
         raise CLIError("--bias-only: this model has no bias parameters (it was trained with --no-bias)")
 
 
-def tune_config(args: argparse.Namespace) -> TrainConfig:
-    """tune's settings as a TrainConfig: checked by the trainers' rules, read by learning_rate (warmup, then
-    cosine decay to lr/10) and tensorboard_writer, and saved in the checkpoint as train.py's are."""
-    cfg = TrainConfig(out_dir=args.out_dir, init_from=args.ckpt, optimizer="adamw", lr=args.lr,
-                      warmup_iters=args.warmup_iters, max_iters=args.max_iters, weight_decay=args.weight_decay,
-                      grad_clip=args.grad_clip,
-                      batch_size=args.batch_size, log_interval=args.log_interval, device=args.device,
-                      dtype=args.dtype, seed=args.seed, tensorboard_dir=args.tensorboard_dir,
-                      run_name=args.run_name or time.strftime("%Y%m%d-%H%M%S"))
-    check_config(cfg)
-    if cfg.max_iters < 1:
-        raise CLIError(f"--max-iters must be at least 1, got {cfg.max_iters}")
-    if not (math.isfinite(args.temperature) and args.temperature > 0):
-        raise CLIError(f"--temperature must be a finite number > 0, got {args.temperature}")
-    return cfg
+class Contrastive:
+    """The loop's objective for tune: InfoNCE of each batch of pairs, each query against all positives of the batch,
+    then the hard negatives it holds. Every epoch is a new seeded permutation of the pairs; an incomplete last batch
+    is left out, so every batch has the same number of in-batch negatives."""
+
+    def __init__(self, cfg: TuneConfig, model: GPT, facts: dict, pairs: list[tuple[list[int], ...]],
+                 dtype: torch.dtype):
+        self.cfg, self.model, self.facts, self.pairs, self.dtype = cfg, model, facts, pairs, dtype
+        self.batch_size = min(cfg.batch_size, len(pairs))
+
+    def micro_batches(self, step: int) -> list[tuple[list[tuple[list[int], ...]], float]]:
+        epoch, index = divmod(step, len(self.pairs) // self.batch_size)
+        order = torch.randperm(len(self.pairs), generator=torch.Generator().manual_seed(self.cfg.seed + epoch))
+        rows = order[index * self.batch_size:][: self.batch_size].tolist()
+        return [([self.pairs[i] for i in rows], 1.0)]
+
+    def loss(self, model: GPT, batch: list[tuple[list[int], ...]]) -> torch.Tensor:
+        queries = embed(model, [pair[0] for pair in batch], self.cfg.pooling, self.dtype)
+        documents = embed(model, [pair[1] for pair in batch] + [pair[2] for pair in batch if len(pair) > 2],
+                          self.cfg.pooling, self.dtype)
+        with torch.autocast(queries.device.type, enabled=False):  # the scores in float32, whatever the model ran in
+            return info_nce(queries, documents, self.cfg.temperature)
+
+    def throughput(self) -> tuple[int, str, None]:
+        return self.batch_size, "pairs", None
+
+    def evaluate(self, engine) -> dict:
+        return {}  # `embed.py eval` measures recall against an index
+
+    def good_weights(self, engine) -> bool:
+        return engine.weights_finite()
+
+    def checkpoint_state(self, best: dict | None) -> dict:
+        cfg = self.cfg
+        return {"model_config": asdict(self.model.config), "train_config": asdict(cfg), "tokenizer": self.facts,
+                "embedding": {"base": encoder_identity(cfg.ckpt), "pairs": os.path.abspath(cfg.pairs),
+                              "pooling": cfg.pooling, "temperature": cfg.temperature, "bias_only": cfg.bias_only}}
 
 
 def tune_command(args: argparse.Namespace) -> None:
-    cfg = tune_config(args)
-    path = os.path.join(args.out_dir, CHECKPOINT_FILE)
-    check_outputs([path], [args.ckpt, args.pairs], "--out-dir", args.overwrite)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    model, tokenizer, facts = load_encoder(args.ckpt, device)
-    cfg = replace(cfg, **{name: getattr(model.config, name) for name in MODEL_SHAPE})
-    pairs = read_tune_pairs(args.pairs, tokenizer, model.config.block_size)
-    if args.bias_only:
+    cfg = TuneConfig(**flags.values(args, TuneConfig))
+    flags.check_values(cfg)
+    cfg.run_name = cfg.run_name or time.strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(cfg.out_dir, CHECKPOINT_FILE)
+    check_outputs([path], [cfg.ckpt, cfg.pairs], "--out-dir", cfg.overwrite)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    model, tokenizer, facts = load_encoder(cfg.ckpt, device)
+    pairs = read_tune_pairs(cfg.pairs, tokenizer, model.config.block_size)
+    if cfg.bias_only:
         train_bias_only(model)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), device.type)
-    lock_folder(args.out_dir)  # one run per --out-dir, as the trainers
-    remove_temporaries(args.out_dir)
+    model.train()
+    objective = Contrastive(cfg, model, facts, pairs, dtype)
+    optimizer = make_optimizer(model, "adamw", cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2),
+                               device_type=device.type)
+    engine = TorchEngine(path, model, model, optimizer, device, dtype, objective.loss, cfg.grad_clip)
+    claim_out_dir(cfg.out_dir, path, resuming=False, overwrite=True)  # check_outputs refused an existing one
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"tuning {trained / 1e6:.3f}M of {model.num_params(non_embedding=False) / 1e6:.3f}M parameters on "
-          f"{len(pairs):,} pairs, batch {min(cfg.batch_size, len(pairs))}, {args.pooling} pooling, temperature "
-          f"{args.temperature}; device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}")
-    stop_request = StopRequest()
-    history = tune_steps(model, optimizer, pairs, cfg, args, dtype, stop_request)
-    steps = history["iter"][-1]
-    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-        raise CLIError(f"the weights after step {steps} are not finite; stopped without saving. Try a lower --lr")
-    state = {"model_config": asdict(model.config), "train_config": asdict(cfg), "tokenizer": facts,
-             "iter_num": steps, "best_val_loss": float("inf"), "history": history}
-    checkpoint = make_checkpoint(state, model, optimizer.state_dict(), None, capture_rng(device))
-    checkpoint["embedding"] = {"base": encoder_identity(args.ckpt), "pairs": os.path.abspath(args.pairs),
-                               "pooling": args.pooling, "temperature": args.temperature, "bias_only": args.bias_only}
-    save_checkpoint(checkpoint, path)
-    print(f"{'stopped by signal' if stop_request.requested else 'done'} after {steps} steps; saved {path}")
-
-
-def tune_steps(model: GPT, optimizer: torch.optim.Optimizer, pairs: list[tuple[list[int], ...]], cfg: TrainConfig,
-               args: argparse.Namespace, dtype: torch.dtype, stop_request: StopRequest) -> dict:
-    """Train until cfg.max_iters steps or a stop request (after its step); returns the loss history, whose last
-    entry is the last step. A non-finite loss raises before its update."""
-    history = {"iter": [], "loss": [], "eval_iter": [], "val": []}  # train.py's layout
-    batches = pair_batches(len(pairs), min(cfg.batch_size, len(pairs)), cfg.seed)
-    writer = tensorboard_writer(cfg)
-    model.train()
-    bar = tqdm(total=cfg.max_iters, desc="tune", disable=None, dynamic_ncols=True)
-    for step in range(1, cfg.max_iters + 1):
-        lr = learning_rate(step - 1, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t0 = time.perf_counter()
-        loss = contrastive_loss(model, [pairs[i] for i in next(batches)], args.pooling, args.temperature, dtype)
-        value = loss.item()
-        if not math.isfinite(value):
-            raise CLIError(f"loss is {value} at step {step}; stopped without saving. "
-                           f"Try a lower --lr or a higher --temperature")
-        loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.update(1)
-        last = step == cfg.max_iters or stop_request.requested
-        if step % cfg.log_interval == 0 or last:
-            history["iter"].append(step)
-            history["loss"].append(value)
-            writer.add_scalar("tune/loss", value, step)
-            writer.add_scalar("tune/lr", lr, step)
-            bar.write(f"step {step}: loss {value:.4f}, lr {lr:.2e}, {(time.perf_counter() - t0) * 1000:.0f} ms")
-        if last:
-            break
-    bar.close()
-    writer.close()
-    return history
+          f"{len(pairs):,} pairs, batch {objective.batch_size}, {cfg.pooling} pooling, temperature "
+          f"{cfg.temperature}; device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}")
+    loop = LoopConfig(max_iters=cfg.max_iters, log_interval=cfg.log_interval,
+                      hint="a lower --lr or a higher --temperature")
+    schedule = Schedule(cfg.lr, cfg.warmup_iters, cfg.max_iters, cfg.lr / 10)
+    Trainer(engine, objective, schedule, loop, cfg.out_dir, cfg.run_name, cfg.tensorboard_dir, desc="tune").fit()
 
 
 # ----- the command line -----
@@ -600,13 +590,15 @@ def add_encoding_arguments(p: argparse.ArgumentParser) -> None:
                                                     "vector each (default: the model's block size)")
     p.add_argument("--overlap", type=int, help="tokens each chunk shares with the one before (default: an eighth "
                                                "of --chunk-tokens)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="float32",
-                   help="autocast dtype of the model; recorded in an index for its queries (default: %(default)s)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="autocast dtype of the model, recorded in an index for its queries; auto = bfloat16 where "
+                        "the hardware computes it natively, else float32 (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
 
 
 def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch-size", type=int, default=16, help="texts per forward pass (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="texts per forward pass, in each process (default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: %(default)s)")
 
 
@@ -617,29 +609,7 @@ def add_index_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, help="the model to tune: a ckpt.pt, or an HF GPT-2 folder / cached name")
-    p.add_argument("--pairs", required=True, help='JSON lines {"query": ..., "positive": ...[, "negative": ...]}')
-    p.add_argument("--out-dir", required=True, help="where ckpt.pt and tensorboard/ go")
-    p.add_argument("--overwrite", action="store_true", help="replace a ckpt.pt in --out-dir")
-    p.add_argument("--bias-only", action="store_true", help="train the bias parameters only (SGPT's BitFit)")
-    p.add_argument("--pooling", choices=POOLINGS, default="weighted-mean", help="as encode's (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.05, help="InfoNCE temperature (default: %(default)s)")
-    p.add_argument("--max-iters", type=int, default=200, help="optimizer steps (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="pairs per step; each query's negatives are the other pairs' documents (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default: %(default)s)")
-    p.add_argument("--warmup-iters", type=int, default=10,
-                   help="linear warmup steps, then cosine decay to lr/10 (default: %(default)s)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay, 2-D weights only "
-                                                                   "(default: %(default)s)")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip, 0 = off (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=1337, help="seed of the batch order (default: %(default)s)")
-    p.add_argument("--log-interval", type=int, default=10, help="print the loss every N steps (default: %(default)s)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: %(default)s)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="autocast dtype; auto = bfloat16 where the hardware has it (default: %(default)s)")
-    p.add_argument("--tensorboard-dir", help="TensorBoard log dir (default OUT_DIR/tensorboard)")
-    p.add_argument("--run-name", help="TensorBoard run name (default: the start time)")
+    flags.add_flags(p, TuneConfig)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -10,22 +10,24 @@ as a plain ckpt.pt (--export-ckpt, what test.py and train.py read) or an HF GPT-
 The default is ckpt/ds/ckpt_ds.pt when it was converted from the newest checkpoint, else ckpt/ds. The model
 config and the tokenizer come from the checkpoint folder (train_state.json, written by train_ds.py; for a
 converted output, the folder above it or --ds-dir), so no training flags need repeating. The line printed
-first names the weights actually loaded. Sampling options are those of test.py.
+first names the weights actually loaded. Sampling options are those of test.py (toolkit/sampling.py).
 """
 import os
 import sys
 
-import cli
-from files import check_output
-from checkpoint import default_deepspeed_source, load_deepspeed_model, make_checkpoint, save_checkpoint
-from test import add_sampling_arguments, check_sampling_args, run_sampling
-from tokenizer import load_tokenizer
+from toolkit import cli
+from toolkit.checkpoint import make_checkpoint, save_checkpoint
+from toolkit.ds_checkpoint import default_deepspeed_source, load_deepspeed_model
+from toolkit.files import check_output
+from toolkit.hf import save_gpt2
+from toolkit.sampling import add_sampling_arguments, check_sampling_args, run_sampling
+from toolkit.tokenizers import load_tokenizer
 
 DEFAULT_DS_DIR = os.path.join("ckpt", "ds")
 CONVERTED_NAME = "ckpt_ds.pt"  # the seed's `python zero_to_fp32.py . ckpt_ds.pt`
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = cli.argument_parser(__doc__)
     parser.add_argument("--ckpt", default=None,
                         help=f"DeepSpeed checkpoint folder or zero_to_fp32 output (default: "
@@ -41,7 +43,7 @@ def main() -> None:
                         help="write the model as a plain ckpt.pt (weights, configs, tokenizer; no optimizer state) "
                              "for test.py, and exit")
     add_sampling_arguments(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     check_sampling_args(args, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir])
     for flag, path in (("--export-hf", args.export_hf), ("--export-ckpt", args.export_ckpt)):
         if path:
@@ -56,7 +58,7 @@ def main() -> None:
         print(f"wrote {args.export_ckpt} (iteration {state['iter_num']}); sample it with `python test.py --ckpt "
               f"{args.export_ckpt}`", flush=True)
     if args.export_hf:
-        model.save_pretrained(args.export_hf, tokenizer=facts)
+        save_gpt2(model, args.export_hf, facts)
         note = "" if facts.get("tokenizer") == "gpt2" else \
             f" (its {facts.get('tokenizer')} tokenizer, not GPT-2's, is described in tokenizer_facts.json for test.py)"
         print(f"wrote an HF GPT-2 folder to {args.export_hf}{note}", flush=True)

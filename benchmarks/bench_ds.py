@@ -26,9 +26,9 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import cli  # noqa: E402
-from cli import free_port  # noqa: E402
-from files import read_json, write_json  # noqa: E402
+from toolkit import cli  # noqa: E402
+from toolkit.distributed import free_port  # noqa: E402
+from toolkit.files import read_json, write_json  # noqa: E402
 
 STEP_LINE = re.compile(r"^iter (\d+): loss ([\d.naninf]+), lr \S+, ([\d.]+) ms", re.M)
 MODES = ("single", "ddp", "zero2", "zero3_offload", "zero3")

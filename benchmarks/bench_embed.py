@@ -27,8 +27,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import cli  # noqa: E402
-from embedding import encode, top_k  # noqa: E402
+from toolkit import cli  # noqa: E402
+from toolkit.embedding import encode, top_k  # noqa: E402
 from model import GPT, GPTConfig, PRESETS  # noqa: E402
 
 MODELS = {"4 x 128, char vocab": dict(n_layer=4, n_head=4, n_embd=128, block_size=256, vocab_size=103),

@@ -19,9 +19,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import cli  # noqa: E402
+from toolkit import cli  # noqa: E402
 from benchmarks.bench_sdpa import time_ms  # noqa: E402
-from device import DTYPES, describe, keep_freed_memory_in_heap, resolve_device  # noqa: E402
+from toolkit.device import DTYPES, describe, keep_freed_memory_in_heap, resolve_device  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 

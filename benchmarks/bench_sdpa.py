@@ -27,8 +27,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import cli  # noqa: E402
-from device import DTYPES, describe, resolve_device  # noqa: E402
+from toolkit import cli  # noqa: E402
+from toolkit.device import DTYPES, describe, resolve_device  # noqa: E402
 from model import manual_attention  # noqa: E402
 
 SDPA = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,

@@ -25,9 +25,9 @@ from pydoc_data.topics import topics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import cli  # noqa: E402
-import gpt2_vocab  # noqa: E402
-from files import atomic_write  # noqa: E402
+from toolkit import cli  # noqa: E402
+from toolkit import gpt2_vocab  # noqa: E402
+from toolkit.files import atomic_write  # noqa: E402
 
 
 def make_document(rng: random.Random, paragraphs: list[str]) -> str:

@@ -21,9 +21,9 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import cli  # noqa: E402
-import tokenizer  # noqa: E402
-from device import cpu_kind  # noqa: E402
+from toolkit import cli  # noqa: E402
+from toolkit import prepare  # noqa: E402
+from toolkit.device import cpu_kind  # noqa: E402
 
 SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=256, batch_size=16)
 # Runs a command and reports its peak resident memory (the max over the process and its children).
@@ -35,12 +35,12 @@ RSS_WRAPPER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:
 def prepare_data(vocab: str, workdir: str) -> str:
     """The pydoc corpus as nanoGPT files: char level (the default corpus) or GPT-2 BPE."""
     if vocab == "char":
-        return os.path.abspath(tokenizer.ensure_default_corpus(os.path.join(ROOT, "data", "pydoc_char")))
+        return os.path.abspath(prepare.ensure_default_corpus(os.path.join(ROOT, "data", "pydoc_char")))
     out = os.path.join(ROOT, "data", "pydoc_gpt2")
     if not os.path.exists(os.path.join(out, "meta.json")):
         docs = os.path.join(workdir, "pydoc_docs")
         os.makedirs(docs, exist_ok=True)
-        for i, text in enumerate(tokenizer.default_corpus_documents()):
+        for i, text in enumerate(prepare.default_corpus_documents()):
             with open(os.path.join(docs, f"{i:03d}.txt"), "w", encoding="utf-8") as f:
                 f.write(text)
         subprocess.run([sys.executable, os.path.join(ROOT, "tokenizer.py"), "--input", docs, "--tokenizer", "gpt2",

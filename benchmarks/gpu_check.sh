@@ -32,7 +32,8 @@ if [ $DRY = 1 ]; then
   SDPA="--device cpu --dtypes float32 --shapes 1x2x64x16 --kernels math,flash,manual --warmup 1 --repeats 2"
   SHAPE="--n-layer 1 --n-head 2 --n-embd 32 --block-size 32 --batch-size 2"; ITERS=6; SKIP=2
   SAMPLE="--device cpu --dtype float32 --new-tokens 8 --block-size 32"
-  export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
+  # the script's steps, not Inductor's C++ build: --compile runs eagerly (tests/test_model.py traces compile)
+  export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1
 else
   DEVICE=cuda; DTYPE=bfloat16; GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
   SDPA="--device cuda --dtypes bfloat16 --shapes 8x12x1024x64,4x12x2048x64"
@@ -67,7 +68,7 @@ EOF
 }
 
 echo "== environment"
-python -c "import torch, sys; sys.path.insert(0, '.'); from device import describe, resolve_device; \
+python -c "import torch, sys; sys.path.insert(0, '.'); from toolkit.device import describe, resolve_device; \
 print('torch', torch.__version__, '|', describe(resolve_device('$DEVICE')))" | tee "$OUT_DIR/environment.txt"
 
 echo "== attention kernels"
@@ -81,8 +82,8 @@ with open(sys.argv[2], "a") as f:
 EOF
 
 echo "== data: random GPT-2-vocabulary tokens"
-python -c "import sys, numpy as np; sys.path.insert(0, '.'); from data import write_nanogpt; \
-from gpt2_vocab import GPT2_FACTS; ids = np.random.default_rng(0).integers(0, 50257, 2_000_000, dtype=np.uint16); \
+python -c "import sys, numpy as np; sys.path.insert(0, '.'); from toolkit.data import write_nanogpt; \
+from toolkit.gpt2_vocab import GPT2_FACTS; ids = np.random.default_rng(0).integers(0, 50257, 2_000_000, dtype=np.uint16); \
 write_nanogpt('$WORK/data', ids[:1_900_000], ids[1_900_000:], dict(GPT2_FACTS))"
 
 echo "== training"

@@ -1,12 +1,17 @@
-"""Shared fixtures: the real embedded corpus prepared once, and a runner for the scripts as users run them."""
+"""Shared fixtures: the real embedded corpus prepared once, and two runners for the scripts as users run them: in
+this process (run_main: the same main() and error handling, without an interpreter start) and as a process of its
+own (run_script: where the process is the point, e.g. signals, launchers, imports)."""
+import contextlib
+import io
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-import gpt2_vocab
+from toolkit import gpt2_vocab
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
@@ -18,6 +23,32 @@ def run_script(script: str, *args: str, cwd: Path | None = None, timeout: float 
     """Run one of the project's scripts in a subprocess, the way a user would."""
     return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=cwd or ROOT, text=True,
                           input=input, capture_output=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def run_main(script: str, *args: str, cwd: Path | None = None, env: dict | None = None,
+             input: str = "") -> subprocess.CompletedProcess:
+    """Run one of the project's scripts in this process as `python SCRIPT ARGS` would in one process: its main()
+    under cli.run's one-line-error contract, stdout and stderr captured, the exit status returned; cwd, the
+    environment and stdin are restored afterwards."""
+    from toolkit import cli
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd, saved_stdin = dict(os.environ), os.getcwd(), sys.stdin
+    status = 0
+    try:
+        os.environ.update({k: str(v) for k, v in (env or {}).items()})
+        os.chdir(cwd or ROOT)
+        sys.stdin = io.StringIO(input)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main = runpy.run_path(str(ROOT / script), run_name="script")["main"]
+            cli.run(lambda: main([str(a) for a in args]))
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+        sys.stdin = saved_stdin
+    return subprocess.CompletedProcess([script, *map(str, args)], status, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -80,6 +111,6 @@ def fake_deepspeed_folder(ds_dir: Path, tag: str = "global_step4", payload=None,
 def char_data(tmp_path_factory) -> Path:
     """The embedded default corpus (Python's documentation, char level), prepared by `python tokenizer.py`."""
     workdir = tmp_path_factory.mktemp("pydoc")
-    result = run_script("tokenizer.py", cwd=workdir)
+    result = run_main("tokenizer.py", cwd=workdir)
     assert result.returncode == 0, result.stderr
     return workdir / "data" / "pydoc_char"

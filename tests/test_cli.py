@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_script
+from conftest import ROOT, run_main
 
 SCRIPTS = ["tokenizer.py", "train.py", "train_ddp.py", "train_ds.py", "test.py", "test_ds.py", "finetune.py",
            "embed.py"]
@@ -16,24 +16,25 @@ SUBCOMMAND = {"embed.py": ["encode", "--ckpt", "ckpt.pt", "--input", "texts.txt"
 def test_help_and_no_abbreviations(script):
     """argparse's prefix matching is off: Megatron's --save must never be read as --save-interval."""
     command = SUBCOMMAND.get(script, [])
-    help_text = run_script(script, *command, "--help", env={"DS_ACCELERATOR": "cpu"})
+    help_text = run_main(script, *command, "--help", env={"DS_ACCELERATOR": "cpu"})
     assert help_text.returncode == 0 and "usage:" in help_text.stdout, help_text.stderr
     flag = "--num-samples" if script.startswith("test") else "--workers" if script == "tokenizer.py" else \
         "--chunk-tokens" if script == "embed.py" else "--lm-weight" if script == "finetune.py" else \
         "--eval-interval"
     assert flag in help_text.stdout
-    abbreviated = run_script(script, *command, flag[:-3], "5", env={"DS_ACCELERATOR": "cpu"})
+    abbreviated = run_main(script, *command, flag[:-3], "5", env={"DS_ACCELERATOR": "cpu"})
     assert abbreviated.returncode == 2 and f"unrecognized arguments: {flag[:-3]}" in abbreviated.stderr
 
 
 def test_megatron_save_is_not_taken_for_save_interval():
     """--save is Megatron's name for --out-dir, never a prefix of --save-interval."""
-    from training import parse_config
+    from toolkit.pretraining import parse_config
     cfg, explicit, _ = parse_config(["--save", "ckpt_dir"])
     assert cfg.out_dir == "ckpt_dir" and cfg.save_interval == 0 and "save_interval" not in explicit
 
 
 def test_sampling_imports_neither_the_training_core_nor_deepspeed():
-    code = "import sys, test; print(sorted(m for m in ('training', 'train_ds', 'deepspeed') if m in sys.modules))"
+    code = ("import runpy, sys; runpy.run_path('test.py', run_name='sampling'); "
+            "print(sorted(m for m in ('toolkit.training', 'toolkit.pretraining', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

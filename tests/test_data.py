@@ -1,17 +1,17 @@
-"""data.py: loading both formats, Megatron's document split, deterministic windows, batches, corrupt data."""
+"""toolkit/data.py: loading both formats, Megatron's document split, deterministic windows, batches, corrupt
+data."""
 import json
 import os
 import struct
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from cli import CLIError  # noqa: E402
-from data import Corpus, get_batch, load_corpus, window_offsets  # noqa: E402
+from toolkit.cli import CLIError
+from toolkit.data import Corpus, get_batch, load_corpus, window_offsets
+from toolkit.prepare import ensure_default_corpus
+from toolkit.tokenizers import load_tokenizer
 
 FACTS = {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256}
 
@@ -164,8 +164,7 @@ def test_missing_empty_or_invalid_files(tmp_path):
 
 
 def test_corpus_from_tokenizer_script(tmp_path):
-    """The real pipeline end to end: tokenizer.py's default corpus loads and batches."""
-    from tokenizer import ensure_default_corpus, load_tokenizer
+    """The real pipeline end to end: the default corpus loads and batches."""
     corpus = load_corpus(ensure_default_corpus(str(tmp_path / "pydoc_char")))
     x, y = get_batch(corpus.train, window_offsets(len(corpus.train), 32, 4, seed=0, step=0), 32, "cpu")
     text = load_tokenizer(corpus.meta).decode(x[0].tolist())

@@ -1,5 +1,5 @@
-"""finetune.py and tasks.py: GPT-1's layouts, padding, the four tasks learnt from a body pretrained here (and not
-from a random one), regression, predictions, torchrun, signals, the init sources and bad input."""
+"""finetune.py, toolkit/finetuning.py and toolkit/tasks.py: GPT-1's layouts, padding, the four tasks learnt from a
+body pretrained here (and not from a random one), regression, predictions, torchrun, signals and bad input."""
 import json
 import math
 import os
@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import load_checkpoint, save_checkpoint
-from cli import free_port
-from conftest import ROOT, assert_one_line_error, fake_deepspeed_folder, run_script
-from finetune import load_pretrained
+from conftest import ROOT, assert_one_line_error, run_main
 from model import GPT, GPTConfig
-from tasks import Example, TaskModel, add_special_tokens, encode_records, layout, pad_batch
-from tokenizer import Tokenizer, default_corpus_documents
+from toolkit.checkpoint import load_checkpoint, save_checkpoint
+from toolkit.distributed import free_port
+from toolkit.prepare import default_corpus_documents
+from toolkit.tasks import Example, TaskModel, add_special_tokens, encode_records, layout, pad_batch
+from toolkit.tokenizers import Tokenizer
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # one thread runs these tiny models several times faster
 FINETUNE = ["--device", "cpu", "--dtype", "float32", "--dropout", "0", "--epochs", "3", "--lr", "3e-3",
@@ -28,8 +28,8 @@ TRAIN_EXAMPLES = 1000
 CHANCE = {"classify": 0.5, "entail": 0.5, "similarity": 0.5, "choice": 0.25}
 
 
-def finetune(*args, timeout=300) -> subprocess.CompletedProcess:
-    return run_script("finetune.py", *args, env=ENV, timeout=timeout)
+def finetune(*args) -> subprocess.CompletedProcess:
+    return run_main("finetune.py", *args)
 
 
 def ok(result: subprocess.CompletedProcess) -> dict:
@@ -129,10 +129,10 @@ def pretrained(char_data, tmp_path_factory) -> str:
     """A tiny char-level GPT pretrained on the pydoc corpus by train.py (val loss about 1.65; AdamW, as when the
     figures in docs/finetune.md were measured)."""
     out = tmp_path_factory.mktemp("pretrained")
-    result = run_script("train.py", "--data-dir", char_data, "--out-dir", out, "--n-layer", "2", "--n-head", "2",
-                        "--n-embd", "64", "--block-size", "32", "--batch-size", "32", "--max-iters", "600",
-                        "--lr", "5e-3", "--warmup-iters", "20", "--eval-interval", "600", "--eval-iters", "5",
-                        "--log-interval", "600", "--device", "cpu", "--optimizer", "adamw", env=ENV)
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", out, "--n-layer", "2", "--n-head", "2",
+                      "--n-embd", "64", "--block-size", "32", "--batch-size", "32", "--max-iters", "600",
+                      "--lr", "5e-3", "--warmup-iters", "20", "--eval-interval", "600", "--eval-iters", "5",
+                      "--log-interval", "600", "--device", "cpu", "--optimizer", "adamw")
     assert result.returncode == 0, result.stderr[-2000:]
     return str(out / "ckpt.pt")
 
@@ -284,8 +284,8 @@ def test_finetuned_checkpoint_samples_with_test_py(finetuned):
     vocab = checkpoint["model_config"]["vocab_size"]
     assert sorted(special.values()) == list(range(vocab - 3, vocab)) and checkpoint["tokenizer"]["vocab_size"] == vocab
     assert checkpoint["finetune"]["label_names"] == ["real", "shuffled"] and checkpoint["head"]["weight"].shape[0] == 2
-    sample = run_script("test.py", "--ckpt", out / "ckpt.pt", "--device", "cpu", "--num-samples", "1",
-                        "--max-new-tokens", "30", "--prompt", "def ", env=ENV)
+    sample = run_main("test.py", "--ckpt", out / "ckpt.pt", "--device", "cpu", "--num-samples", "1",
+                      "--max-new-tokens", "30", "--prompt", "def ")
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("def ") and len(sample.stdout) > 10
 
@@ -298,8 +298,8 @@ def test_two_processes_give_the_metrics_of_one(datasets, pretrained, tmp_path):
     small = [write_jsonl(tmp_path / name, read_jsonl(path)[:n])
              for name, path, n in (("train.jsonl", train, 96), ("val.jsonl", val, 40))]
     args = ["--task", "classify", "--train", small[0], "--val", small[1], "--init-from", pretrained,
-            *FINETUNE, "--epochs", "2", "--head-dropout", "0"]
-    one = ok(finetune(*args, "--out-dir", tmp_path / "one"))
+            *FINETUNE, "--epochs", "2", "--head-dropout", "0", "--batch-size", "8"]  # x 2 micro-batches a step
+    one = ok(finetune(*args, "--grad-accum", "2", "--out-dir", tmp_path / "one"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()), "--nproc_per_node",
            "2", str(ROOT / "finetune.py"), *map(str, args), "--out-dir", str(tmp_path / "two")]
     two = ok(subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300, env={**os.environ, **ENV}))
@@ -325,31 +325,10 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(datasets, pretrained, tmp_p
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-2000:]
-    assert "stopped by signal at step" in out
+    assert "stopped by signal at iteration" in out
     report = json.loads(out.splitlines()[-1])
     assert report["epochs"] == 0 and 1 <= report["steps"] < math.ceil(TRAIN_EXAMPLES / 16)
     assert load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] == report["steps"]
-
-
-def test_init_from_hf_folder_and_deepspeed_folder(pretrained, tmp_path):
-    """The other --init-from sources give the same body and tokenizer facts, with the dropout asked for."""
-    checkpoint = load_checkpoint(pretrained)
-    source = GPT(GPTConfig(**checkpoint["model_config"]))
-    source.load_state_dict(checkpoint["model"])
-    source.save_pretrained(str(tmp_path / "hf"), tokenizer=checkpoint["tokenizer"])
-    for path in (pretrained, str(tmp_path / "hf")):
-        body, facts = load_pretrained(path, dropout=0.1)
-        assert facts["chars"] == checkpoint["tokenizer"]["chars"] and body.config.dropout == 0.1
-        torch.testing.assert_close(body.state_dict(), source.state_dict())
-    # a consolidated DeepSpeed checkpoint: zero_to_fp32's output inside the folder that holds the model config
-    config = dict(block_size=8, vocab_size=257, n_layer=1, n_head=1, n_embd=8)
-    fake_deepspeed_folder(tmp_path / "ds", tokenizer={"tokenizer": "byte", "vocab_size": 257, "eot_id": 256},
-                          model_config=config)
-    consolidated = GPT(GPTConfig(**config))
-    torch.save(consolidated.state_dict(), tmp_path / "ds" / "ckpt_ds.pt")
-    body, facts = load_pretrained(str(tmp_path / "ds" / "ckpt_ds.pt"), dropout=0.1)
-    assert facts["tokenizer"] == "byte" and body.config.dropout == 0.1
-    torch.testing.assert_close(body.state_dict(), consolidated.state_dict())
 
 
 # ----------------------------------------------------------------------------- bad input

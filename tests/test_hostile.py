@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, assert_one_line_error, fake_deepspeed_folder, run_script
-from data import write_nanogpt
+from conftest import ROOT, TINY_MODEL, assert_one_line_error, fake_deepspeed_folder, run_main, run_script
 from model import GPT, GPTConfig
+from toolkit.data import write_nanogpt
+from toolkit.hf import save_gpt2
 
 
 class Exploit:
@@ -31,8 +32,8 @@ class Exploit:
 def good_run(char_data, tmp_path_factory):
     """A finished 4-step run of the tiny model: its out dir (copied by each test) and its data."""
     out = tmp_path_factory.mktemp("good")
-    result = run_script("train.py", "--data-dir", char_data, "--out-dir", out, *TINY_MODEL, "--max-iters", "4",
-                        "--eval-interval", "4")
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", out, *TINY_MODEL, "--max-iters", "4",
+                      "--eval-interval", "4")
     assert result.returncode == 0, result.stderr
     return out
 
@@ -45,7 +46,7 @@ def run_dir(good_run, tmp_path):
 
 
 def train(char_data, out, *flags, **kwargs):
-    return run_script("train.py", "--data-dir", char_data, "--out-dir", out, *TINY_MODEL, *flags, **kwargs)
+    return run_main("train.py", "--data-dir", char_data, "--out-dir", out, *TINY_MODEL, *flags, **kwargs)
 
 
 def assert_unchanged(out, before: bytes) -> None:
@@ -57,7 +58,7 @@ def assert_unchanged(out, before: bytes) -> None:
 
 def test_deepspeed_checkpoint_with_code_is_refused_by_test_ds(tmp_path):
     fake_deepspeed_folder(tmp_path / "ds", payload=Exploit())
-    result = run_script("test_ds.py", "--ckpt", tmp_path / "ds", cwd=tmp_path, env={"DS_ACCELERATOR": "cpu"})
+    result = run_main("test_ds.py", "--ckpt", tmp_path / "ds", cwd=tmp_path, env={"DS_ACCELERATOR": "cpu"})
     assert_one_line_error(result, "never unpickled")
     assert not (tmp_path / "PWNED").exists()
 
@@ -99,8 +100,8 @@ def test_infinite_learning_rate_is_refused_up_front(char_data, run_dir):
 def test_genfile_never_replaces_the_checkpoint_or_the_code(run_dir, target):
     path = run_dir / target if target == "ckpt.pt" else ROOT / target
     before = path.read_bytes()
-    result = run_script("test.py", "--ckpt", run_dir / "ckpt.pt", "--device", "cpu", "--max-new-tokens", "5",
-                        "--genfile", path, "--overwrite")
+    result = run_main("test.py", "--ckpt", run_dir / "ckpt.pt", "--device", "cpu", "--max-new-tokens", "5",
+                      "--genfile", path, "--overwrite")
     assert_one_line_error(result, "--genfile", "would overwrite")
     assert path.read_bytes() == before
 
@@ -138,18 +139,18 @@ def test_checkpoint_of_an_enormous_model_is_refused_at_once(tmp_path):
     torch.save({"model": {}, "model_config": dict(block_size=8, vocab_size=16, n_layer=100_000, n_head=16,
                                                   n_embd=1024)}, tmp_path / "ckpt.pt")
     start = time.monotonic()
-    result = run_script("test.py", "--ckpt", tmp_path / "ckpt.pt", "--device", "cpu")
+    result = run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", "--device", "cpu")
     assert_one_line_error(result, "GiB for their float32 weights alone")
     assert time.monotonic() - start < 30
 
 
 @pytest.mark.parametrize("change", [dict(n_layer=10**9), dict(n_embd=10**9, n_head=1), dict(n_positions=10**12)])
 def test_hf_config_of_an_enormous_model_is_refused_at_once(tmp_path, change):
-    GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8)).save_pretrained(str(tmp_path))
+    save_gpt2(GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8)), str(tmp_path))
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
     start = time.monotonic()
-    assert_one_line_error(run_script("test.py", "--ckpt", tmp_path, "--device", "cpu"), "config.json")
+    assert_one_line_error(run_main("test.py", "--ckpt", tmp_path, "--device", "cpu"), "config.json")
     assert time.monotonic() - start < 30
 
 
@@ -213,12 +214,12 @@ def test_config_file_values_are_typed_like_their_flags(char_data, tmp_path, conf
 # 9. lesser cases
 
 def test_corrupt_or_malicious_hf_weights(tmp_path):
-    GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8)).save_pretrained(str(tmp_path / "hf"))
+    save_gpt2(GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8)), str(tmp_path / "hf"))
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
-    assert_one_line_error(run_script("test.py", "--ckpt", tmp_path / "hf", "--device", "cpu"), "model.safetensors")
+    assert_one_line_error(run_main("test.py", "--ckpt", tmp_path / "hf", "--device", "cpu"), "model.safetensors")
     (tmp_path / "hf" / "model.safetensors").unlink()
     torch.save({"transformer.wte.weight": Exploit()}, tmp_path / "hf" / "pytorch_model.bin")
-    result = run_script("test.py", "--ckpt", tmp_path / "hf", "--device", "cpu", cwd=tmp_path)
+    result = run_main("test.py", "--ckpt", tmp_path / "hf", "--device", "cpu", cwd=tmp_path)
     assert_one_line_error(result, "never unpickled")
     assert not (tmp_path / "PWNED").exists()
 
@@ -232,8 +233,8 @@ def test_truncated_train_bin_is_found_from_meta_json(char_data, tmp_path):
 
 def test_tokenizer_chunk_size_must_be_finite(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
-    result = run_script("tokenizer.py", "--input", tmp_path / "a.txt", "--tokenizer", "byte", "--output-dir",
-                        tmp_path / "out", "--chunk-mb", "inf")
+    result = run_main("tokenizer.py", "--input", tmp_path / "a.txt", "--tokenizer", "byte", "--output-dir",
+                      tmp_path / "out", "--chunk-mb", "inf")
     assert_one_line_error(result, "--chunk-mb")
 
 
@@ -265,8 +266,8 @@ def test_temporary_files_of_a_killed_save_are_removed_by_the_next_run(char_data,
 @pytest.mark.parametrize("flags, fragment", [(["--temperature", "nan"], "temperature"),
                                              (["--top-p", "0"], "top_p"), (["--top-k", "0"], "top_k")])
 def test_sampling_values_are_checked_before_sampling(run_dir, flags, fragment):
-    result = run_script("test.py", "--ckpt", run_dir / "ckpt.pt", "--device", "cpu", *flags,
-                        "--genfile", run_dir / "samples.jsonl")
+    result = run_main("test.py", "--ckpt", run_dir / "ckpt.pt", "--device", "cpu", *flags,
+                      "--genfile", run_dir / "samples.jsonl")
     assert_one_line_error(result, fragment)
     assert not (run_dir / "samples.jsonl").exists()
 

@@ -1,15 +1,13 @@
-import json
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+"""model.py: the network, nanoGPT's (logits, loss) contract and the chunked loss, attention kernels, the KV cache
+and sampling. HF numerics are tests/test_hf.py's."""
 import model
 from model import GPT, PRESETS, GPTConfig
-
-transformers = pytest.importorskip("transformers")
-transformers.logging.set_verbosity_error()
+from toolkit.device import check_memory
+from toolkit.optim import make_optimizer
 
 VOCAB = 211
 
@@ -36,87 +34,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def random_hf_model():
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
-    )
-    torch.manual_seed(0)
-    hf = transformers.GPT2LMHeadModel(cfg)
-    hf.config._attn_implementation = "eager"
-    return perturb(hf)
-
-
-@torch.no_grad()
-def test_load_hf_safetensors_matches_transformers(tmp_path):
-    hf = random_hf_model()
-    hf.save_pretrained(tmp_path)
-    m = GPT.from_pretrained(str(tmp_path))
-    idx = torch.randint(0, VOCAB, (2, 32))
-    assert rel_err(m(idx)[0], hf(idx).logits) < 1e-5
-    assert m.lm_head.weight is m.transformer.wte.weight
-
-
-@torch.no_grad()
-def test_load_hf_bin_without_prefix(tmp_path):
-    hf = random_hf_model()
-    hf.config.to_json_file(tmp_path / "config.json")
-    state = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
-    state["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 32, 32))  # old checkpoints carry mask buffers
-    torch.save(state, tmp_path / "pytorch_model.bin")
-    m = GPT.from_pretrained(str(tmp_path))
-    idx = torch.randint(0, VOCAB, (2, 17))
-    assert rel_err(m(idx)[0], hf(idx).logits) < 1e-5
-
-
-@pytest.mark.parametrize("bias", [True, False])
-@torch.no_grad()
-def test_save_pretrained_loads_in_transformers(tmp_path, bias):
-    m = tiny_gpt(bias=bias)
-    m.save_pretrained(str(tmp_path / "out"))
-    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
-    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
-    idx = torch.randint(0, VOCAB, (2, 32))
-    assert rel_err(m(idx)[0], hf(idx).logits) < 1e-5
-    again = GPT.from_pretrained(str(tmp_path / "out"))
-    assert torch.equal(again(idx)[0], GPT.from_pretrained(str(tmp_path / "out"))(idx)[0])
-    assert rel_err(again(idx)[0], m(idx)[0]) < 1e-6
-
-
-def test_from_pretrained_rejects_incompatible_config(tmp_path):
-    m = tiny_gpt()
-    m.save_pretrained(str(tmp_path))
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "activation_function": "relu"}))
-    with pytest.raises(ValueError, match="activation_function"):
-        GPT.from_pretrained(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "layer_norm_epsilon": 1e-6}))
-    with pytest.raises(ValueError, match="layer_norm_epsilon"):
-        GPT.from_pretrained(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
-    with pytest.raises(ValueError, match="model_type"):
-        GPT.from_pretrained(str(tmp_path))
-
-
-def test_from_pretrained_hub_names_only_from_local_cache(tmp_path, monkeypatch):
-    import huggingface_hub.constants
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    with pytest.raises(FileNotFoundError) as e:
-        GPT.from_pretrained("gpt2")
-    # the CLI that the pinned huggingface_hub installs
-    assert "\n" not in str(e.value) and "`hf download openai-community/gpt2 --local-dir DIR`" in str(e.value)
-    with pytest.raises(FileNotFoundError, match="no model directory"):
-        GPT.from_pretrained(str(tmp_path / "missing"))
-    # a snapshot in the cache, laid out as huggingface_hub writes it, is found under either repository name
-    m = tiny_gpt()
-    repo = tmp_path / "hub" / "models--openai-community--gpt2"
-    m.save_pretrained(str(repo / "snapshots" / "abc123"))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("abc123")
-    idx = torch.randint(0, VOCAB, (1, 8))
-    for name in ("gpt2", "openai-community/gpt2"):
-        assert torch.allclose(GPT.from_pretrained(name)(idx)[0], m(idx)[0], atol=1e-6)
-
-
 @torch.no_grad()
 def test_bad_inputs_raise_clear_value_errors():
     m = tiny_gpt()
@@ -135,7 +52,7 @@ def test_training_forward_is_one_graph():
     m = tiny_gpt()
     idx = torch.randint(0, VOCAB, (2, 16))
     compiled = torch.compile(m, fullgraph=True, backend="eager")  # fullgraph: a graph break is an error
-    assert torch.equal(compiled(idx, idx)[1], m(idx, idx)[1])
+    assert torch.equal(compiled(idx, idx, chunked_loss=True)[1], m(idx, idx, chunked_loss=True)[1])
 
 
 @torch.no_grad()
@@ -272,23 +189,34 @@ def loss_and_grads(m, loss_fn):
     return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
 
 
+def test_forward_returns_logits_and_loss_as_nanogpt():
+    m = tiny_gpt()
+    idx, targets = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
+    targets[1, :4] = -1
+    logits, loss = m(idx, targets)
+    assert logits.shape == (2, 16, VOCAB) and loss.shape == ()
+    assert torch.equal(logits, m(idx)[0]) and m(idx)[1] is None
+    assert loss.item() == pytest.approx(F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=-1)
+                                        .item(), rel=1e-6)
+
+
 @pytest.mark.parametrize("chunk_elements", [None, 1000])  # 1000: several row chunks
-def test_fused_loss_matches_naive(monkeypatch, chunk_elements):
+def test_chunked_loss_matches_plain_cross_entropy(monkeypatch, chunk_elements):
     if chunk_elements:
-        monkeypatch.setattr(model, "_CHUNK_ELEMENTS", chunk_elements)
+        monkeypatch.setattr(model, "CHUNK_ELEMENTS", chunk_elements)
     m = tiny_gpt().train()
     idx = torch.randint(0, VOCAB, (3, 32))
     targets = torch.randint(0, VOCAB, (3, 32))
     targets[0, :10] = -1
     targets[2, -1] = -1
-    fused, fused_grads = loss_and_grads(m, lambda: m(idx, targets)[1])
-    assert m(idx, targets)[0] is None
-    ref, ref_grads = loss_and_grads(m, lambda: naive_loss(m, idx, targets))
-    assert torch.allclose(fused, ref, rtol=1e-6)
+    fused, fused_grads = loss_and_grads(m, lambda: m(idx, targets, chunked_loss=True)[1])
+    assert m(idx, targets, chunked_loss=True)[0] is None  # the logits are never built
+    ref, ref_grads = loss_and_grads(m, lambda: m(idx, targets)[1])
+    assert torch.allclose(fused, ref, rtol=1e-6) and torch.allclose(ref, naive_loss(m, idx, targets), rtol=1e-6)
     for name, g in ref_grads.items():
         assert rel_err(fused_grads[name], g) < 1e-5, name
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        fused, fused_grads = loss_and_grads(m, lambda: m(idx, targets)[1])
+        fused, fused_grads = loss_and_grads(m, lambda: m(idx, targets, chunked_loss=True)[1])
         ref, ref_grads = loss_and_grads(m, lambda: naive_loss(m, idx, targets))
     assert fused.dtype == torch.float32 and torch.allclose(fused, ref, rtol=1e-2)
     for name, g in ref_grads.items():
@@ -308,11 +236,11 @@ def test_compiled_gelu_form_equals_tanh_gelu():
     assert torch.allclose(xs[0].grad, xs[1].grad, rtol=0, atol=1e-12)
 
 
-def test_fused_loss_without_grad():
+def test_chunked_loss_without_grad():
     m = tiny_gpt()
     idx, targets = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
     with torch.no_grad():
-        _, loss = m(idx, targets)
+        _, loss = m(idx, targets, chunked_loss=True)
         assert torch.allclose(loss, naive_loss(m, idx, targets), rtol=1e-6)
 
 
@@ -330,11 +258,16 @@ def test_param_count_and_flops():
 
 @pytest.mark.parametrize("change, message", [
     (dict(n_layer=0), "n_layer must be a positive integer"), (dict(n_embd="64"), "n_embd must be a positive integer"),
-    (dict(n_head=3), "divisible"), (dict(dropout=1.0), "dropout"), (dict(bias="no"), "bias"),
-    (dict(n_layer=100_000, n_embd=1024, n_head=16), "GiB for their float32 weights alone, more than")])
-def test_impossible_or_oversized_config_is_refused_before_allocation(change, message):
+    (dict(n_head=3), "divisible"), (dict(dropout=1.0), "dropout"), (dict(bias="no"), "bias")])
+def test_impossible_config_is_refused_before_allocation(change, message):
     with pytest.raises(ValueError, match=message):
         GPT(tiny_config(**change))
+
+
+def test_a_model_larger_than_the_memory_is_refused_before_it_is_built():
+    check_memory(tiny_config())
+    with pytest.raises(ValueError, match="GiB for their float32 weights alone, more than"):
+        check_memory(tiny_config(n_layer=100_000, n_embd=1024, n_head=16))
 
 
 def test_crop_block_size_and_optimizer():
@@ -344,7 +277,7 @@ def test_crop_block_size_and_optimizer():
     assert m(torch.zeros(1, 16, dtype=torch.long))[0].shape == (1, 16, VOCAB)
     with pytest.raises(ValueError):
         m.crop_block_size(17)
-    opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    opt = make_optimizer(m, "adamw", lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() < 2 for p in no_decay["params"])
@@ -356,7 +289,7 @@ def test_sampling_distribution():
     torch.manual_seed(0)
 
     def freqs(**kw):
-        return torch.bincount(model._sample(logits, **kw), minlength=4) / 40000
+        return torch.bincount(model.sample(logits, **kw), minlength=4) / 40000
 
     assert torch.allclose(freqs(temperature=1.0, top_k=None, top_p=None), logits[0].softmax(-1), atol=0.01)
     assert torch.allclose(freqs(temperature=2.0, top_k=None, top_p=None), (logits[0] / 2).softmax(-1), atol=0.01)

@@ -14,12 +14,13 @@ import pytest
 
 from conftest import ROOT
 from model import GPT, GPTConfig
+from toolkit.hf import save_gpt2
 
 TINY_TRAINING = "--n-layer 1 --n-head 2 --n-embd 32 --block-size 32 --batch-size 2 --eval-iters 1 --eval-interval 2 " \
                 "--dtype float32"
 TINY_SAMPLING = "--max-new-tokens 5 --num-samples 2"
 TINY_FINETUNING = "--epochs 1 --batch-size 4 --dtype float32"
-LINKED = ["ds_config.json", "hostfile.txt", *(p.name for p in ROOT.glob("*.py"))]
+LINKED = ["ds_config.json", "hostfile.txt", "toolkit", *(p.name for p in ROOT.glob("*.py"))]
 
 
 def readme_commands() -> list[str]:
@@ -65,7 +66,7 @@ def user_folder(tmp_path, ds_ops):
         for i in range(300):
             f.write(json.dumps({"id": i, "text": f"Document {i}. " + "Words of the web. " * 50}) + "\n")
     snapshot = tmp_path / "hf-cache" / "models--openai-community--gpt2" / "snapshots" / "0123abc"
-    GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)).save_pretrained(str(snapshot))
+    save_gpt2(GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)), str(snapshot))
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text("0123abc")
     return tmp_path

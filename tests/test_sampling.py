@@ -1,13 +1,19 @@
-"""test.py: sampling from checkpoints and HF directories, streaming, interactive prompts, JSONL output."""
+"""test.py and toolkit/sampling.py: sampling from checkpoints and HF directories, streaming, interactive prompts,
+JSONL output that is whole or absent."""
 import json
+import resource
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from checkpoint import save_checkpoint
-from conftest import assert_one_line_error, run_script
+from conftest import ROOT, assert_one_line_error, run_main
 from model import GPT, GPTConfig
-from tokenizer import load_tokenizer
+from toolkit.checkpoint import save_checkpoint
+from toolkit.hf import save_gpt2
+from toolkit.tokenizers import load_tokenizer
 
 SAMPLE = ["--device", "cpu", "--max-new-tokens", "24"]
 
@@ -33,7 +39,7 @@ def char_ckpt(char_data, tmp_path_factory):
 
 
 def test_streams_samples_with_prompt(char_ckpt):
-    result = run_script("test.py", "--ckpt", char_ckpt, *SAMPLE, "--stream", "--prompt", "def ",
+    result = run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, "--stream", "--prompt", "def ",
                         "--num-samples", "2")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("def ") >= 2 and result.stdout.count("-" * 40) == 2
@@ -42,14 +48,14 @@ def test_streams_samples_with_prompt(char_ckpt):
 def test_same_seed_same_samples_and_prompt_from_file(char_ckpt, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("import os\n")
-    runs = [run_script("test.py", "--ckpt", char_ckpt, *SAMPLE, "--prompt", f"FILE:{prompt}", "--seed", "7")
+    runs = [run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, "--prompt", f"FILE:{prompt}", "--seed", "7")
             for _ in range(2)]
     assert runs[0].returncode == 0, runs[0].stderr
     assert runs[0].stdout == runs[1].stdout and runs[0].stdout.startswith("import os\n")
 
 
 def test_interactive_prompt_loop(char_ckpt):
-    result = run_script("test.py", "--ckpt", char_ckpt, *SAMPLE, "--interactive", "--num-samples", "1",
+    result = run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, "--interactive", "--num-samples", "1",
                         input="class \nfor \n\n")
     assert result.returncode == 0, result.stderr
     assert "class " in result.stdout and "for " in result.stdout
@@ -59,7 +65,7 @@ def test_unconditional_genfile_and_stop_at_eot(tmp_path):
     path = tmp_path / "ckpt.pt"
     write_checkpoint(path, {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256}, rig_eot=True)
     genfile = tmp_path / "gen.jsonl"
-    result = run_script("test.py", "--ckpt", path, *SAMPLE, "--num-samples", "3", "--micro-batch-size", "2",
+    result = run_main("test.py", "--ckpt", path, *SAMPLE, "--num-samples", "3", "--micro-batch-size", "2",
                         "--genfile", genfile, "--temperature", "0")
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in genfile.read_text().splitlines()]
@@ -69,9 +75,9 @@ def test_unconditional_genfile_and_stop_at_eot(tmp_path):
 def test_samples_from_hf_gpt2_directory(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, vocab_size=50257, n_layer=1, n_head=2, n_embd=16))
-    model.save_pretrained(str(tmp_path / "hf"))
+    save_gpt2(model, str(tmp_path / "hf"))
     genfile = tmp_path / "gen.jsonl"
-    result = run_script("test.py", "--ckpt", tmp_path / "hf", *SAMPLE, "--prompt", "Hello world",
+    result = run_main("test.py", "--ckpt", tmp_path / "hf", *SAMPLE, "--prompt", "Hello world",
                         "--genfile", genfile, "--num-samples", "1")
     assert result.returncode == 0, result.stderr
     line = json.loads(genfile.read_text())
@@ -82,23 +88,24 @@ def test_samples_from_hf_gpt2_directory(tmp_path):
 @pytest.mark.parametrize("args,fragment", [
     (["--num-samples", "0"], "--num-samples"),
     (["--prompt", "\u4e2d\u6587"], "not in the char vocabulary"),
-    (["--prompt", "FILE:/nonexistent/prompt.txt"], "prompt.txt"),
+    (["--prompt", "FILE:/nonexistent/prompt.txt"], "--prompt FILE: not found: /nonexistent/prompt.txt"),
+    (["--top-k", "x"], "--top-k: invalid int value: 'x'"),
 ])
 def test_bad_sampling_input(char_ckpt, args, fragment):
-    assert_one_line_error(run_script("test.py", "--ckpt", char_ckpt, *SAMPLE, *args), fragment)
+    assert_one_line_error(run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, *args), fragment)
 
 
 def test_missing_checkpoint(tmp_path):
-    assert_one_line_error(run_script("test.py", "--ckpt", tmp_path / "ckpt.pt", "--device", "cpu"), "not found")
+    assert_one_line_error(run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", "--device", "cpu"), "not found")
 
 
 def test_genfile_is_not_replaced_without_overwrite(char_ckpt, tmp_path):
     genfile = tmp_path / "samples.jsonl"
     genfile.write_text("earlier samples\n")
-    result = run_script("test.py", "--ckpt", char_ckpt, *SAMPLE, "--genfile", genfile)
+    result = run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, "--genfile", genfile)
     assert_one_line_error(result, "already exists", "--overwrite")
     assert genfile.read_text() == "earlier samples\n"
-    ok = run_script("test.py", "--ckpt", char_ckpt, *SAMPLE, "--genfile", genfile, "--overwrite", "--num-samples", "1")
+    ok = run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, "--genfile", genfile, "--overwrite", "--num-samples", "1")
     assert ok.returncode == 0 and len(genfile.read_text().splitlines()) == 1
 
 
@@ -107,7 +114,7 @@ def test_hf_export_of_a_char_model_samples_and_generates_in_transformers(char_da
     import transformers
     facts = json.loads((char_data / "meta.json").read_text())
     model = write_checkpoint(tmp_path / "ckpt.pt", facts)
-    model.save_pretrained(str(tmp_path / "hf"), tokenizer=facts)
+    save_gpt2(model, str(tmp_path / "hf"), facts)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["bos_token_id"] is None and config["eos_token_id"] is None
     assert oct((tmp_path / "hf" / "model.safetensors").stat().st_mode & 0o777) != oct(0o600)
@@ -115,9 +122,24 @@ def test_hf_export_of_a_char_model_samples_and_generates_in_transformers(char_da
     out = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 8)
     genfile = tmp_path / "gen.jsonl"
-    sampled = run_script("test.py", "--ckpt", tmp_path / "hf", *SAMPLE, "--prompt", "def ", "--genfile", genfile,
+    sampled = run_main("test.py", "--ckpt", tmp_path / "hf", *SAMPLE, "--prompt", "def ", "--genfile", genfile,
                          "--num-samples", "1", "--temperature", "0")
     assert sampled.returncode == 0, sampled.stderr
-    from_ckpt = run_script("test.py", "--ckpt", tmp_path / "ckpt.pt", *SAMPLE, "--prompt", "def ",
+    from_ckpt = run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", *SAMPLE, "--prompt", "def ",
                            "--num-samples", "1", "--temperature", "0", "--no-stream")
     assert json.loads(genfile.read_text())["text"] == from_ckpt.stdout.splitlines()[0]
+
+
+def limit_file_size():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+
+
+def test_a_genfile_that_cannot_be_written_is_one_line_and_leaves_no_partial_file(char_ckpt, tmp_path):
+    """The file size limit stands in for a full disk: the samples that fit are not left behind as a short file."""
+    genfile = tmp_path / "samples.jsonl"
+    cmd = [sys.executable, str(ROOT / "test.py"), "--ckpt", str(char_ckpt), *SAMPLE, "--num-samples", "200",
+           "--batch-size", "50", "--genfile", str(genfile)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=limit_file_size)
+    assert_one_line_error(result, f"cannot write {genfile}", "file size limit", "nothing was replaced")
+    assert list(tmp_path.iterdir()) == []

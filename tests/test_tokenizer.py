@@ -1,9 +1,13 @@
-"""tokenizer.py: exact GPT-2 ids, the output formats (read back independently), parallel determinism, bad input."""
+"""tokenizer.py and the tokenizers: exact GPT-2 ids, the output formats (read back independently), parallel
+determinism, bad input, failed writes."""
 import bz2
+import errno
 import gzip
 import json
 import lzma
 import os
+import resource
+import signal
 import struct
 import subprocess
 import sys
@@ -12,15 +16,14 @@ import numpy as np
 import pytest
 import tiktoken
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import gpt2_vocab  # noqa: E402
-import tokenizer  # noqa: E402
-from cli import CLIError  # noqa: E402
-from data import is_val_document, load_corpus  # noqa: E402
-from tokenizer import Tokenizer, load_tokenizer  # noqa: E402
+import conftest
+from toolkit import gpt2_vocab, prepare
+from toolkit.cli import CLIError
+from toolkit.data import is_val_document, load_corpus
+from toolkit.files import write_error
+from toolkit.tokenizers import Tokenizer, load_tokenizer
 
-SCRIPT = os.path.join(ROOT, "tokenizer.py")
+SCRIPT = str(conftest.ROOT / "tokenizer.py")
 SAMPLE = "Hello world! The café's naïve 123 tokens\n\n\tdon't  break — 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 <|endoftext|> ok"
 
 
@@ -31,8 +34,8 @@ def r50k(gpt2_vocabulary) -> tiktoken.Encoding:
 
 
 def run_script(*args: str, cwd: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, **(env or {})}, timeout=120)
+    """`python tokenizer.py ARGS`, run in this process."""
+    return conftest.run_main("tokenizer.py", *args, cwd=cwd, env=env)
 
 
 def write_jsonl(path, texts: list[str], opener=open) -> str:
@@ -279,13 +282,13 @@ def test_default_corpus(tmp_path):
     folder = tmp_path / "data" / "pydoc_char"
     meta = json.load(open(folder / "meta.json"))
     train, val = np.fromfile(folder / "train.bin", np.uint16), np.fromfile(folder / "val.bin", np.uint16)
-    assert (meta["format"], meta["tokenizer"], meta["documents"]) == ("nanogpt", "char", len(tokenizer.default_corpus_documents()))
+    assert (meta["format"], meta["tokenizer"], meta["documents"]) == ("nanogpt", "char", len(prepare.default_corpus_documents()))
     assert 80 <= meta["vocab_size"] <= 130 and meta["vocab_size"] == len(meta["chars"])
     assert 0.09 < len(val) / (len(train) + len(val)) < 0.11
     assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
-    assert load_tokenizer(meta).decode(train[:200].tolist()) == "\n\n".join(tokenizer.default_corpus_documents())[:200]
+    assert load_tokenizer(meta).decode(train[:200].tolist()) == "\n\n".join(prepare.default_corpus_documents())[:200]
     before = os.path.getmtime(folder / "train.bin")
-    assert tokenizer.ensure_default_corpus(str(folder)) == str(folder)
+    assert prepare.ensure_default_corpus(str(folder)) == str(folder)
     assert os.path.getmtime(folder / "train.bin") == before
 
 
@@ -363,3 +366,32 @@ def test_one_text_file_is_split_by_tokens(tmp_path, seed):
     val = np.fromfile(out / "val.bin", dtype=np.uint16)
     assert len(val) == int(len(text) * 0.1)
     assert bytes(np.concatenate([train, val]).astype(np.uint8)) == text.encode()  # val is the tail
+
+
+def test_an_output_folder_in_the_way_of_a_file_is_one_line(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", ["one", "two"])
+    (tmp_path / "taken").write_text("a file")
+    result = run_script("--input", src, "--tokenizer", "byte", "--output-dir", str(tmp_path / "taken"))
+    assert_one_error_line(result, f"--output-dir {tmp_path / 'taken'}: a file is in the way")
+    assert "Errno" not in result.stderr
+
+
+def limit_file_size():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4000, 4000))
+
+
+def test_a_write_that_fails_names_the_output_and_leaves_nothing(tmp_path):
+    """The file size limit stands in for a full disk (the limit of a process: a process of its own)."""
+    src = write_jsonl(tmp_path / "a.jsonl", [f"document {i} " * 20 for i in range(200)])
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, SCRIPT, "--input", src, "--tokenizer", "byte", "--output-dir", str(out)],
+                            capture_output=True, text=True, timeout=120, preexec_fn=limit_file_size)
+    assert_one_error_line(result, f"cannot write {out}", "file size limit", "nothing was replaced")
+    assert os.listdir(out) == []
+
+
+def test_a_full_disk_is_said_in_words():
+    error = write_error("data/x/train.bin", OSError(errno.ENOSPC, "No space left on device"))
+    assert str(error).startswith("cannot write data/x/train.bin: no space left on device (")
+    assert "bytes free); nothing was replaced" in str(error) and "Errno" not in str(error)

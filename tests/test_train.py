@@ -9,14 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import load_checkpoint, model_from_checkpoint
+from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main, tensorboard_scalars
 from model import GPT, GPTConfig
-from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_script, tensorboard_scalars
-from training import TrainConfig, learning_rate, parse_config
+from toolkit.checkpoint import load_checkpoint, model_from_checkpoint
+from toolkit.data import load_corpus, write_nanogpt
+from toolkit.hf import save_gpt2
+from toolkit.pretraining import TrainConfig, evaluation_windows, parse_config, schedule
 
 
 def train(char_data, out_dir, *extra):
-    result = run_script("train.py", "--data-dir", char_data, "--out-dir", out_dir, *TINY_MODEL, *extra)
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", out_dir, *TINY_MODEL, *extra)
     assert result.returncode == 0, result.stderr
     return load_checkpoint(str(out_dir / "ckpt.pt"))
 
@@ -30,11 +32,12 @@ def test_trains_on_embedded_corpus_and_samples(char_data, tmp_path):
     assert not any(k.startswith("_orig_mod.") for k in ckpt["model"])
     scalars = tensorboard_scalars(tmp_path / "tensorboard")
     assert [step for step, _ in scalars["loss/train"]] == list(range(1, 61))  # --log-interval 1
-    assert [v for _, v in scalars["loss/val"]] == pytest.approx(val)
-    assert {"loss/train_eval", "loss/val_ppl", "lr", "perf/tokens_per_s"} <= set(scalars)
+    assert [v for _, v in scalars["eval/val_loss"]] == pytest.approx(val)
+    assert {"eval/train_loss", "eval/val_ppl", "lr", "perf/tokens_per_s"} <= set(scalars)
+    assert [m["val_loss"] for m in ckpt["history"]["metrics"]] == val
 
     genfile = tmp_path / "samples.jsonl"
-    result = run_script("test.py", "--ckpt", tmp_path / "ckpt.pt", "--num-samples", "3", "--max-new-tokens", "40",
+    result = run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", "--num-samples", "3", "--max-new-tokens", "40",
                         "--genfile", genfile, "--device", "cpu", "--prompt", "def ")
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in genfile.read_text().splitlines()]
@@ -76,7 +79,8 @@ def test_sigterm_saves_a_loadable_checkpoint(char_data, tmp_path):
 # Counts glibc's mmapped blocks (mallinfo2().hblks) around allocating a 64 MB tensor, before and after
 # keep_freed_memory_in_heap, in a fresh process so the test sees glibc's defaults.
 MMAP_PROBE = """
-import ctypes, torch, device
+import ctypes, torch
+from toolkit import device
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split())]
 libc = ctypes.CDLL("libc.so.6")
@@ -98,11 +102,14 @@ def test_big_cpu_blocks_come_from_the_heap():
 
 
 def test_learning_rate_schedule():
-    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_iters=10, lr_decay_iters=110, max_iters=200)
-    assert learning_rate(0, cfg) < learning_rate(9, cfg) < 1e-3
-    assert learning_rate(10, cfg) == pytest.approx(1e-3)
-    assert learning_rate(60, cfg) == pytest.approx(5.5e-4)
-    assert learning_rate(110, cfg) == learning_rate(150, cfg) == pytest.approx(1e-4)
+    learning_rate = schedule(TrainConfig(lr=1e-3, min_lr=1e-4, warmup_iters=10, lr_decay_iters=110, max_iters=200))
+    assert learning_rate(0) < learning_rate(9) < 1e-3
+    assert learning_rate(10) == pytest.approx(1e-3)
+    assert learning_rate(60) == pytest.approx(5.5e-4)
+    assert learning_rate(110) == learning_rate(150) == pytest.approx(1e-4)
+    linear = schedule(TrainConfig(lr=1e-3, min_lr=0.0, warmup_iters=0, max_iters=100))
+    linear.shape = "linear"
+    assert linear(0) == pytest.approx(1e-3) and linear(50) == pytest.approx(5e-4) and linear(100) == 0
 
 
 def test_train_samples_sets_the_steps_and_the_schedule_follows_them(char_data, tmp_path):
@@ -111,8 +118,8 @@ def test_train_samples_sets_the_steps_and_the_schedule_follows_them(char_data, t
                  "--eval-interval", "100")
     assert ckpt["iter_num"] == 12 and ckpt["train_config"]["max_iters"] == 12
     lrs = [lr for _, lr in tensorboard_scalars(tmp_path / "tensorboard")["lr"]]
-    assert len(lrs) == 12 and lrs[-1] == pytest.approx(learning_rate(11, TrainConfig(lr=1e-3, warmup_iters=2,
-                                                                                      max_iters=12)))
+    assert len(lrs) == 12 and lrs[-1] == pytest.approx(schedule(TrainConfig(lr=1e-3, warmup_iters=2,
+                                                                            max_iters=12))(11))
     assert lrs[-1] < 0.15e-3  # near min_lr (lr/10): the decay ran over the 12 steps trained
 
 
@@ -124,22 +131,26 @@ def test_config_file_and_flag_precedence(tmp_path):
     assert {"n_layer", "lr", "batch_size"} <= explicit and "n_head" not in explicit
 
 
-def test_help_lists_flags():
-    result = run_script("train.py", "--help")
+def test_help_lists_flags_with_megatron_names_in_their_own_group():
+    result = run_main("train.py", "--help")
     assert result.returncode == 0
-    for flag in ("--eval-interval", "--eval-iters", "--train-samples", "--init-from", "--grad-accum", "--dtype"):
-        assert flag in result.stdout
+    ours, megatron = result.stdout.split("Megatron-LM's names:")
+    for flag in ("--eval-interval", "--eval-iters", "--init-from", "--grad-accum", "--dtype", "--muon-lr"):
+        assert f"  {flag} " in ours, flag
+    for flag in ("--train-samples", "--global-batch-size", "--load", "--learning-rate", "--num-layers", "--save",
+                 "--micro-batch-size", "--seq-length"):
+        assert f"  {flag} " in megatron and f"  {flag} " not in ours, flag
 
 
 # ----- bad input: one line, non-zero exit, nothing lost -----
 
 def test_missing_data_dir(tmp_path):
-    result = run_script("train.py", "--data-dir", tmp_path / "nope", "--out-dir", tmp_path, *TINY_MODEL)
+    result = run_main("train.py", "--data-dir", tmp_path / "nope", "--out-dir", tmp_path, *TINY_MODEL)
     assert_one_line_error(result, "nope")
 
 
 def test_block_size_longer_than_data(char_data, tmp_path):
-    result = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
                         "--block-size", "10000000")
     assert_one_line_error(result, "block")
 
@@ -147,7 +158,7 @@ def test_block_size_longer_than_data(char_data, tmp_path):
 def test_resume_with_conflicting_shape(char_data, tmp_path):
     train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100")
     before = (tmp_path / "ckpt.pt").read_bytes()
-    result = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
                         "--init-from", "resume", "--n-layer", "3")
     assert_one_line_error(result, "n_layer")
     assert (tmp_path / "ckpt.pt").read_bytes() == before
@@ -159,9 +170,9 @@ def test_damaged_checkpoint(char_data, tmp_path, damage):
     path = tmp_path / "ckpt.pt"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x00not a checkpoint" * 100)
-    for result in (run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
-                              "--init-from", "resume"),
-                   run_script("test.py", "--ckpt", path, "--device", "cpu")):
+    for result in (run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
+                            "--init-from", "resume"),
+                   run_main("test.py", "--ckpt", path, "--device", "cpu")):
         assert_one_line_error(result, "ckpt.pt")
 
 
@@ -178,7 +189,7 @@ def test_pickle_that_is_not_a_checkpoint_never_runs(tmp_path, writer):
         path.write_bytes(pickle.dumps(payload))
     else:
         torch.save(payload, path)
-    result = run_script("test.py", "--ckpt", path, "--device", "cpu", cwd=tmp_path)
+    result = run_main("test.py", "--ckpt", path, "--device", "cpu", cwd=tmp_path)
     assert_one_line_error(result, "ckpt.pt")
     assert not (tmp_path / "PWNED").exists()
 
@@ -186,7 +197,7 @@ def test_pickle_that_is_not_a_checkpoint_never_runs(tmp_path, writer):
 def test_float16_on_cpu_without_support(char_data, tmp_path):
     if torch.cpu._is_amx_fp16_supported():
         pytest.skip("this CPU computes float16 natively")
-    result = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL[:-6],
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL[:-6],
                         "--dtype", "float16", "--device", "cpu")
     assert_one_line_error(result, "float16")
 
@@ -198,9 +209,9 @@ def test_vocabulary_of_data_differs_from_checkpoint(char_data, tmp_path):
     texts.mkdir()
     for i in range(4):
         (texts / f"{i}.txt").write_text(f"document {i}: a tiny byte-level corpus. " * 100)
-    assert run_script("tokenizer.py", "--input", texts, "--tokenizer", "byte", "--output-dir", byte_data,
-                      "--val-fraction", "0.5").returncode == 0
-    result = run_script("train.py", "--data-dir", byte_data, "--out-dir", tmp_path, *TINY_MODEL,
+    assert run_main("tokenizer.py", "--input", texts, "--tokenizer", "byte", "--output-dir", byte_data,
+                    "--val-fraction", "0.5").returncode == 0
+    result = run_main("train.py", "--data-dir", byte_data, "--out-dir", tmp_path, *TINY_MODEL,
                         "--init-from", "resume")
     assert_one_line_error(result, "tokenizer")
 
@@ -208,7 +219,7 @@ def test_vocabulary_of_data_differs_from_checkpoint(char_data, tmp_path):
 def test_nan_loss_stops_and_keeps_last_checkpoint(char_data, tmp_path):
     train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100")
     before = (tmp_path / "ckpt.pt").read_bytes()
-    result = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
                         "--init-from", "resume", "--max-iters", "50", "--lr", "1e30", "--grad-clip", "0",
                         "--warmup-iters", "0")
     assert_one_line_error(result, "loss is")
@@ -218,7 +229,7 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(char_data, tmp_path):
 # ----- what a new user runs into -----
 
 def test_preset_and_a_contradicting_shape_flag(char_data, tmp_path):
-    result = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path / "out", "--preset", "gpt2",
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path / "out", "--preset", "gpt2",
                         "--n-layer", "2", "--device", "cpu")
     assert_one_line_error(result, "--preset gpt2 has n-layer 12 but --n-layer 2 was given")
     assert not (tmp_path / "out").exists()
@@ -227,7 +238,7 @@ def test_preset_and_a_contradicting_shape_flag(char_data, tmp_path):
 def test_a_new_run_never_replaces_another_runs_checkpoint_silently(char_data, tmp_path):
     train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100")
     before = (tmp_path / "ckpt.pt").read_bytes()
-    again = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--max-iters", "2")
+    again = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--max-iters", "2")
     assert_one_line_error(again, "holds the checkpoint of another run", "--init-from resume", "--overwrite")
     assert (tmp_path / "ckpt.pt").read_bytes() == before
     replaced = train(char_data, tmp_path, "--max-iters", "3", "--overwrite", "--eval-interval", "100")
@@ -246,19 +257,17 @@ def test_each_run_logs_to_its_own_tensorboard_folder(char_data, tmp_path):
 
 
 def test_a_validation_split_too_short_names_the_split_and_the_fix(tmp_path):
-    from data import write_nanogpt
     write_nanogpt(str(tmp_path / "data"), np.zeros(5000, np.uint16), np.zeros(20, np.uint16),
                   {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256})
-    result = run_script("train.py", "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "out", *TINY_MODEL)
+    result = run_main("train.py", "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "out", *TINY_MODEL)
     assert_one_line_error(result, "the val split", "has 20 tokens", "--block-size", "--val-fraction")
 
 
 def test_init_from_hf_with_a_longer_block_size_fails_at_start(tmp_path):
-    from data import write_nanogpt
-    GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)).save_pretrained(str(tmp_path / "hf"))
+    save_gpt2(GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)), str(tmp_path / "hf"))
     write_nanogpt(str(tmp_path / "data"), np.zeros(5000, np.uint16), np.zeros(500, np.uint16),
                   {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "encoding": "r50k_base"})
-    result = run_script("train.py", "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "out",
+    result = run_main("train.py", "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "out",
                         "--init-from", tmp_path / "hf", "--block-size", "32", "--device", "cpu")
     assert_one_line_error(result, "--block-size 32 is longer than the 16 positions")
     assert "iter 1:" not in result.stdout
@@ -266,8 +275,6 @@ def test_init_from_hf_with_a_longer_block_size_fails_at_start(tmp_path):
 
 def test_a_small_validation_split_is_scored_whole(tmp_path):
     """Fewer non-overlapping windows than eval_iters batches would draw: every window is scored, exactly."""
-    from data import load_corpus, write_nanogpt
-    from training import evaluation_windows
     assert evaluation_windows(100, 32, 8, seed=0, stream=2).tolist() == [0, 32, 64]
     assert len(evaluation_windows(10_000, 32, 8, seed=0, stream=2)) == 8
     ids = np.random.default_rng(0).integers(0, 257, 6000).astype(np.uint16)

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
-from cli import free_port
-from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_script, tensorboard_scalars
-from training import add_config_arguments
-from train_ddp import extra_arguments
+from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main, tensorboard_scalars
+from toolkit import flags
+from toolkit.checkpoint import load_checkpoint
+from toolkit.distributed import add_distributed_flags, free_port
+from toolkit.pretraining import ALIASES, TrainConfig
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds worker processes in /proc")
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fi
 COMMON = [*TINY_MODEL, "--grad-accum", "2", "--lr", "3e-3", "--warmup-iters", "2", "--lr-decay-iters", "10",
           "--eval-interval", "5"]
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-WORKER_TRACEBACK = re.compile(r'File "[^"]*(train_ddp|training|model|data)\.py"')
+WORKER_TRACEBACK = re.compile(r'File "[^"]*(train_ddp|training|pretraining|model|data)\.py"')
 
 
 def torchrun_cmd(launcher: list, *args) -> list[str]:
@@ -47,7 +47,7 @@ def ok(result) -> subprocess.CompletedProcess:
 
 
 def train_py(*args) -> subprocess.CompletedProcess:
-    return ok(run_script("train.py", *args, env=ENV))
+    return ok(run_main("train.py", *args))
 
 
 def assert_same_training(a: dict, b: dict, tol=1e-5) -> None:
@@ -114,7 +114,7 @@ def test_two_ranks_train_exactly_like_one_process(char_data, tmp_path, reference
     assert ddp["history"]["val"] == pytest.approx(reference["history"]["val"], abs=1e-5)
     scalars = tensorboard_scalars(tmp_path / "tensorboard")  # rank 0's, flushed before the workers exit
     assert [step for step, _ in scalars["loss/train"]] == list(range(1, 11))
-    assert [v for _, v in scalars["loss/val"]] == pytest.approx(ddp["history"]["val"])
+    assert [v for _, v in scalars["eval/val_loss"]] == pytest.approx(ddp["history"]["val"])
 
 
 def test_plain_torchrun_command_defaults_to_one_micro_batch_per_process(char_data, tmp_path):
@@ -141,8 +141,8 @@ def test_two_nodes_over_localhost_then_sample(char_data, tmp_path, reference):
     assert "1 accumulation x 2 processes" in outputs[0][0] and "done:" not in outputs[1][0]
     ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
     assert_same_training(ckpt, reference)
-    sample = run_script("test.py", "--ckpt", tmp_path / "ckpt.pt", "--device", "cpu", "--num-samples", "1",
-                        "--max-new-tokens", "30", "--prompt", "def ")
+    sample = run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", "--device", "cpu", "--num-samples", "1",
+                      "--max-new-tokens", "30", "--prompt", "def ")
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("def ") and len(sample.stdout) > 10
 
@@ -233,14 +233,11 @@ def test_bad_input_is_not_restarted_by_torchrun(char_data, tmp_path):
 
 
 def test_without_torchrun_or_peers_fails_fast_with_one_line(char_data, tmp_path):
-    clean = {k: "" for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env = {k: v for k, v in os.environ.items() if k not in clean}
-    plain = subprocess.run([sys.executable, str(ROOT / "train_ddp.py"), "--data-dir", str(char_data)], cwd=ROOT,
-                           text=True, capture_output=True, timeout=60, env=env)
-    assert_one_line_error(plain, "torchrun")
-    lonely = run_script("train_ddp.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--timeout", "2",
-                        env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                             "MASTER_PORT": str(free_port())}, timeout=60)
+    assert not {"RANK", "WORLD_SIZE"} & set(os.environ)
+    assert_one_line_error(run_main("train_ddp.py", "--data-dir", char_data), "torchrun")
+    lonely = run_main("train_ddp.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--timeout", "2",
+                      env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(free_port())})
     assert_one_line_error(lonely, "rendezvous at 127.0.0.1:", "2 processes expected")
 
 
@@ -248,8 +245,9 @@ def test_no_flag_collides_with_torchrun_options():
     """argparse matches abbreviations of torchrun's own options even after the script name."""
     from torch.distributed.run import get_args_parser
     parser = argparse.ArgumentParser()
-    add_config_arguments(parser)
-    extra_arguments(parser)
+    parser.add_argument("--config")
+    flags.add_flags(parser, TrainConfig, ALIASES)
+    add_distributed_flags(parser)
     ours = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
     assert "--backend" in ours and "--grad-accum" in ours
     for flag in ours:

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from cli import free_port
-from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_script
+from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main
+from toolkit.distributed import free_port
 
 pytest.importorskip("deepspeed")
 
@@ -48,7 +48,7 @@ def train_state(out_dir) -> dict:
 
 def final_weights(out_dir) -> dict:
     """The full fp32 weights of the run's latest checkpoint, gathered by DeepSpeed's zero_to_fp32."""
-    from checkpoint import gather_deepspeed_weights
+    from toolkit.ds_checkpoint import gather_deepspeed_weights
     return gather_deepspeed_weights(str(out_dir / "ds"), train_state(out_dir)["tag"])
 
 
@@ -97,25 +97,25 @@ def test_zero3_offload_trains_converts_and_samples(zero3_run, tmp_path):
 
     for ckpt in (ds / "ckpt_ds.pt", ds):  # converted output, and the checkpoint folder (in memory)
         genfile = tmp_path / f"{ckpt.name}.jsonl"
-        sampled = run_script("test_ds.py", "--ckpt", ckpt, "--num-samples", "2", "--max-new-tokens", "20",
-                             "--device", "cpu", "--prompt", "def ", "--genfile", genfile, env=ENV)
+        sampled = run_main("test_ds.py", "--ckpt", ckpt, "--num-samples", "2", "--max-new-tokens", "20",
+                           "--device", "cpu", "--prompt", "def ", "--genfile", genfile, env=ENV)
         assert sampled.returncode == 0, sampled.stderr[-2000:]
         lines = [json.loads(line) for line in genfile.read_text().splitlines()]
         assert len(lines) == 2 and all(line["text"].startswith("def ") for line in lines)
     # both sources hold the same weights, so the same seed gives the same samples
     assert (tmp_path / "ckpt_ds.pt.jsonl").read_text() == (tmp_path / "ds.jsonl").read_text()
 
-    exported = run_script("test_ds.py", "--ckpt", ds, "--export-hf", tmp_path / "hf", env=ENV)
+    exported = run_main("test_ds.py", "--ckpt", ds, "--export-hf", tmp_path / "hf", env=ENV)
     assert exported.returncode == 0, exported.stderr
-    from model import GPT
-    hf = GPT.from_pretrained(str(tmp_path / "hf"))
+    from toolkit.hf import load_gpt2
+    hf = load_gpt2(str(tmp_path / "hf"))
     assert_same_weights(hf.state_dict(), engine_weights)
 
 
 def test_zero3_offload_matches_train_py(zero3_run, char_data, tmp_path):
     """2 ranks x 2 micro-steps under ZeRO-3 offload = 1 process x 4 micro-steps of train.py (fp32 AdamW)."""
     out, _, _ = zero3_run
-    single = run_script("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, *COMMON)
+    single = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, *COMMON)
     assert single.returncode == 0, single.stderr
     reference = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     losses = train_state(out)["history"]["loss"]
@@ -166,12 +166,12 @@ def test_two_node_no_ssh_then_exact_resume(zero3_run, char_data, hostfile, tmp_p
     user = tmp_path / "user"
     user.mkdir()
     (user / "ckpt").symlink_to(tmp_path)
-    default = run_script("test_ds.py", "--num-samples", "1", "--max-new-tokens", "5", "--device", "cpu",
-                         cwd=user, env=ENV)
+    default = run_main("test_ds.py", "--num-samples", "1", "--max-new-tokens", "5", "--device", "cpu",
+                       cwd=user, env=ENV)
     assert default.returncode == 0, default.stderr[-2000:]
     assert "loaded ckpt/ds (global_step12, iteration 12)" in default.stderr
-    stale = run_script("test_ds.py", "--ckpt", "ckpt/ds/ckpt_ds.pt", "--num-samples", "1", "--max-new-tokens", "5",
-                       "--device", "cpu", cwd=user, env=ENV)
+    stale = run_main("test_ds.py", "--ckpt", "ckpt/ds/ckpt_ds.pt", "--num-samples", "1", "--max-new-tokens", "5",
+                     "--device", "cpu", cwd=user, env=ENV)
     assert stale.returncode == 0 and "zero_to_fp32 output older than global_step12" in stale.stderr, stale.stderr
 
 
@@ -189,22 +189,32 @@ def test_resume_with_another_world_size_goes_through_the_universal_checkpoint(ze
     assert state["history"]["loss"][:12] == before["history"]["loss"] and len(state["history"]["loss"]) == 14
 
 
-def test_flag_contradicting_ds_config_is_one_line(ds_ops, char_data, hostfile, tmp_path):
-    config = json.loads((ROOT / "ds_config.json").read_text())
-    config["train_micro_batch_size_per_gpu"] = 4
-    (tmp_path / "ds.json").write_text(json.dumps(config))
-    cmd = launcher_cmd(hostfile, "--no_ssh_check") + train_ds_args(char_data, tmp_path, "--batch-size", "8",
-                                                                   "--max-iters", "2")
-    cmd[cmd.index("--deepspeed_config") + 1] = str(tmp_path / "ds.json")
-    result = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300, env={**os.environ, **ENV})
-    assert_one_line_error(result, "train_micro_batch_size_per_gpu 4", "--batch-size 8")
-    assert not (tmp_path / "ds").exists()
+@pytest.mark.parametrize("change, flags, fragments", [
+    ({"train_micro_batch_size_per_gpu": 4}, {"batch_size": 8}, ["train_micro_batch_size_per_gpu 4", "--batch-size 8"]),
+    ({"gradient_clipping": 0.5}, {"grad_clip": 2.0}, ["gradient_clipping 0.5", "--grad-clip 2.0"]),
+    ({"scheduler": {"type": "WarmupLR"}}, {}, ["scheduler section", "remove it"]),
+    ({"train_batch_size": 100}, {}, ["train_batch_size 100", "derived"]),
+    ({"bf16": {"enabled": True}}, {"dtype": "float32"}, ["precision bfloat16", "--dtype float32"]),
+])
+def test_a_flag_contradicting_ds_config_is_refused(change, flags, fragments):
+    """Each value has one source of truth: set in ds_config.json and by a flag to something else, it is an error."""
+    from toolkit.cli import CLIError
+    from toolkit.deepspeed_engine import reconcile
+    from toolkit.pretraining import TrainConfig
+    ds = {**json.loads((ROOT / "ds_config.json").read_text()), **change}
+    cfg = TrainConfig(grad_accum=2, **flags)
+    with pytest.raises(CLIError) as error:
+        reconcile(cfg, set(flags), ds, "ds_config.json", 2, torch.device("cpu"))
+    assert all(fragment in str(error.value) for fragment in fragments), str(error.value)
+    agreed, full = reconcile(TrainConfig(grad_accum=2), set(), json.loads((ROOT / "ds_config.json").read_text()),
+                             "ds_config.json", 2, torch.device("cpu"))
+    assert full["train_micro_batch_size_per_gpu"] == agreed.batch_size and full["gradient_accumulation_steps"] == 1
 
 
 def test_test_ds_bad_input_is_one_line(tmp_path):
-    assert_one_line_error(run_script("test_ds.py", "--ckpt", tmp_path / "missing", env=ENV), "not found")
+    assert_one_line_error(run_main("test_ds.py", "--ckpt", tmp_path / "missing", env=ENV), "not found")
     (tmp_path / "junk").mkdir()
-    assert_one_line_error(run_script("test_ds.py", "--ckpt", tmp_path / "junk", env=ENV),
+    assert_one_line_error(run_main("test_ds.py", "--ckpt", tmp_path / "junk", env=ENV),
                           "not a DeepSpeed checkpoint")
 
 

@@ -14,8 +14,8 @@ import sys
 import tarfile
 import tempfile
 
-from cli import CLIError
-from files import atomic_write
+from toolkit.cli import CLIError
+from toolkit.files import atomic_write
 
 # the tokenizer facts (as stored in meta.json and checkpoints) of GPT-2's own vocabulary
 GPT2_FACTS = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "encoding": "r50k_base"}

@@ -5,7 +5,7 @@ Pipeline: the layers are the token embedding (TiedLayerSpec "wte", whose weight 
 position embedding, the blocks, the final LayerNorm and the tied head. They are cut from a GPT that every rank
 builds with the same seed (so any layout starts from train.py's weights); each stage keeps its own layers and
 the blocks are balanced over the stages (embeddings on the first, the head on the last). The loss is
-model.linear_cross_entropy on the head's input and the tied weight, as in GPT.forward.
+model.chunked_cross_entropy on the head's input and the tied weight, as GPT.forward's training path.
 
 Tensor parallel: AutoTP splits c_attn (q, k and v each by heads) and c_fc by output columns, both c_proj by input
 rows (an all-reduce after them); embeddings, LayerNorms and the head stay whole. CausalSelfAttention takes its
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from model import GPT, GPTConfig, linear_cross_entropy
+from model import GPT, GPTConfig, chunked_cross_entropy
 
 # AutoTP's partition rules for model.py's names: (parameter pattern, column or row, sub-parameters)
 TP_RULES = [
@@ -63,8 +63,12 @@ class Layout:
         return " x ".join(parts + [f"{self.data_parallel} data-parallel"])
 
 
-def check_layout(layout: Layout, config: GPTConfig, zero_stage: int) -> None:
-    """ValueError for a layout this model or DeepSpeed cannot run (the world size is checked by Layout itself)."""
+def check_layout(layout: Layout, config: GPTConfig, zero_stage: int, training: bool = True) -> None:
+    """ValueError for a layout this model or DeepSpeed cannot run (the world size is checked by Layout itself);
+    training=False for a memory estimate, which also takes pipeline and tensor parallel together."""
+    if training and layout.pipeline_stages > 1 and layout.tp_size > 1:
+        raise ValueError("--pipeline-stages and --tp-size together are not supported: DeepSpeed's pipeline engine "
+                         "does not compose with AutoTP; use one of them (--estimate-memory takes both)")
     if layout.pipeline_stages > 1 and zero_stage > 1:
         raise ValueError(f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1, not {zero_stage}; use a config "
                          f"with stage 1 (e.g. ds_config_zero1.json)")
@@ -133,7 +137,7 @@ def head_inputs(embedding: TokenEmbedding, x: torch.Tensor) -> tuple[torch.Tenso
 
 
 def pipeline_loss(outputs: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
-    return linear_cross_entropy(*outputs, targets)
+    return chunked_cross_entropy(*outputs, targets)
 
 
 def pipeline_module(model: GPT, stages: int):

@@ -1,7 +1,6 @@
-"""Where and how the math runs: device, dtype, autocast, CPU threads and allocator, peak FLOP/s.
+"""Where and how the math runs: device, dtype, autocast, CPU kind, threads and allocator, memory, peak FLOP/s.
 
-Shared by sampling, the trainers and the benchmarks, so every script makes the same choices (and
-sampling never needs the training code to make them).
+Shared by sampling, the trainers and the benchmarks, so every script makes the same choices.
 """
 import contextlib
 import ctypes
@@ -10,7 +9,8 @@ import sys
 
 import torch
 
-from cli import CLIError
+from model import GPTConfig
+from toolkit.cli import CLIError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # dense bf16 peak TFLOP/s of known GPUs, for MFU
@@ -76,7 +76,7 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
 def set_job_threads() -> None:
     """CPU threads of one process in a multi-process job: OMP_NUM_THREADS when set, else the cores shared
     out over this machine's processes (torchrun sets OMP_NUM_THREADS=1; the deepspeed launcher sets
-    nothing, and N processes x all cores each ran ~10x slower)."""
+    nothing, and N processes that each use every core slow each other down many times over)."""
     if "OMP_NUM_THREADS" in os.environ:
         threads = int(os.environ["OMP_NUM_THREADS"] or 1)
     else:
@@ -112,3 +112,23 @@ def peak_flops(device: torch.device, peak_tflops: float | None = None) -> float 
         gpu = torch.cuda.get_device_name(device)
         return next((t * 1e12 for key, t in PEAK_TFLOPS.items() if key in gpu), None)
     return None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the system can still give (MemAvailable on Linux), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(config: GPTConfig) -> None:
+    """Refuse (ValueError) a model whose float32 weights alone exceed the memory available, before it is built."""
+    n, available = config.num_params(non_embedding=False), available_memory()
+    if available is not None and 4 * n > available:
+        raise ValueError(f"model config: {n:,} parameters need {4 * n / 2**30:,.1f} GiB for their float32 weights "
+                         f"alone, more than the {available / 2**30:,.1f} GiB of memory available")

@@ -1,50 +1,77 @@
-"""Command-line plumbing shared by every script: argument parsers, and bad input as one line on stderr,
-not a traceback."""
+"""How a script meets its user: argument parsers, and bad input as one line on stderr, never a traceback.
+
+    if __name__ == "__main__":
+        cli.run(main)              # one process: `error: ...` and exit 1 on bad input
+        cli.run_distributed(main)  # every rank of a torchrun / deepspeed / mpirun job
+"""
 import argparse
 import datetime
+import errno
 import os
 import signal
-import socket
 import sys
 import time
 from typing import Callable
+
+
+_at_end: list[Callable[[], None]] = []  # what run() does when main() ends, however it ends
 
 
 class CLIError(Exception):
     """A problem with the user's input or files; printed as `error: <message>` with exit status 1."""
 
 
-def argument_parser(description: str | None) -> argparse.ArgumentParser:
-    """An ArgumentParser that keeps the description's layout and takes no abbreviations: with prefix
-    matching, Megatron's --save would be read as a prefix of --save-interval."""
-    return argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   allow_abbrev=False)
+def at_end(action: Callable[[], None]) -> None:
+    """Have run() call action when the script's main() ends (e.g. to let go of a folder lock)."""
+    if action not in _at_end:
+        _at_end.append(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are one line too: `error: ... (see --help)`, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def argument_parser(description: str | None) -> ArgumentParser:
+    """A parser that keeps the description's layout and takes no abbreviations: with prefix matching, Megatron's
+    --save would be read as a prefix of --save-interval."""
+    return ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                          allow_abbrev=False)
+
+
+def error_message(error: Exception) -> str:
+    """The one line a user sees for an error: its text, or for an operating-system error the file and the cause in
+    words (`data/x: no such file or directory`), never `[Errno N]`."""
+    if isinstance(error, OSError) and error.strerror:
+        cause = error.strerror.lower()
+        if error.errno == errno.ENOSPC:
+            cause = "no space left on device; free some space and run again"
+        return f"{error.filename}: {cause}" if error.filename else cause
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def run(main: Callable[[], None]) -> None:
     """Run a script's main(); user-facing errors (CLIError, ValueError, OSError) print one line and exit 1.
     SIGTERM interrupts like Ctrl-C, so the script's cleanup (temporary files) runs either way."""
-    signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         main()
     except (CLIError, ValueError, OSError) as e:
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {error_message(e)}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        while _at_end:
+            _at_end.pop()()
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
-
-
-def free_port() -> int:
-    """A TCP port on this machine that nothing listens on now (for a launcher's --master_port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def report_distributed_error(message: str) -> None:
@@ -83,14 +110,14 @@ def stop_torchrun_restarts() -> None:
 
 
 def run_distributed(main: Callable[[], None]) -> None:
-    """run()'s contract in every rank of a launcher (torchrun, deepspeed): user errors are one line from
+    """run()'s contract in every rank of a launcher (torchrun, deepspeed, mpirun): user errors are one line from
     rank 0, a lost peer is one line, and the process group is always destroyed before the non-zero exit."""
     import torch.distributed as dist
     status = 0
     try:
         main()
     except (CLIError, ValueError, OSError) as e:
-        report_distributed_error(" ".join(str(e).split()) or type(e).__name__)
+        report_distributed_error(error_message(e))
         stop_torchrun_restarts()
         status = 1
     except RuntimeError as e:  # a peer died or hung: the launcher stops (or restarts) the job anyway
@@ -110,9 +137,8 @@ def run_distributed(main: Callable[[], None]) -> None:
     # Leave without interpreter finalization. DeepSpeed keeps references to its gloo groups, whose C++
     # worker threads are then torn down during finalization and can abort a run that has finished and
     # saved ("terminate called without an active exception", SIGABRT; pytorch/pytorch#190489). Everything
-    # is written and flushed by now.
-    # mpirun counts a process that exits without MPI_Finalize as failed (mpi4py finalizes at interpreter exit,
-    # which os._exit skips)
+    # is written and flushed by now. mpirun counts a process that exits without MPI_Finalize as failed
+    # (mpi4py finalizes at interpreter exit, which os._exit skips).
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()

@@ -10,8 +10,8 @@ embedding (GPT-1, Radford et al. 2018, section 3.3):
 
 A linear head (after dropout) reads the final hidden state at each sequence's extract token. A sequence
 longer than the block size loses tokens from the left of its context (text, premise, context; for
-similarity, the longer text), never from the hypothesis or an answer. finetune.py trains and applies it;
-docs/finetune.md gives the file schemas.
+similarity, the longer text), never from the hypothesis or an answer. toolkit/finetuning.py trains and applies
+it; docs/finetune.md gives the file schemas.
 """
 import json
 from dataclasses import dataclass
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from cli import CLIError
-from model import GPT, linear_cross_entropy
-from tokenizer import Tokenizer
+from model import GPT, chunked_cross_entropy
+from toolkit.cli import CLIError
+from toolkit.tokenizers import Tokenizer
 
 FIELDS = {"classify": ("text",), "entail": ("premise", "hypothesis"), "similarity": ("text_a", "text_b"),
           "choice": ("context", "choices")}
@@ -221,5 +221,5 @@ class TaskModel(nn.Module):
             logits = self.head(self.dropout(final)).squeeze(-1)  # one score per answer
         else:
             logits = self.head(self.dropout(final.sum(dim=1)))  # similarity adds its two orderings
-        lm_loss = None if lm_targets is None else linear_cross_entropy(hidden, self.body.lm_head.weight, lm_targets)
+        lm_loss = None if lm_targets is None else chunked_cross_entropy(hidden, self.body.lm_head.weight, lm_targets)
         return logits.float(), lm_loss

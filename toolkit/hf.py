@@ -6,7 +6,6 @@
 HF stores the attention and MLP weights as Conv1D, transposed relative to nn.Linear; keys may carry a
 `transformer.` prefix; `lm_head.weight` is tied to the token embedding and may be absent. Nothing is
 ever downloaded: hub names are looked up in the local cache through huggingface_hub.
-GPT.from_pretrained and GPT.save_pretrained call these.
 """
 import math
 import os
@@ -14,10 +13,11 @@ import os
 import torch
 from torch import nn
 
-from checkpoint import read_weights
-from files import atomic_write, read_json, write_json
-from gpt2_vocab import GPT2_FACTS
 from model import GPT, GPTConfig, check_config
+from toolkit.checkpoint import read_weights
+from toolkit.device import check_memory
+from toolkit.files import atomic_write, read_json, write_json
+from toolkit.gpt2_vocab import GPT2_FACTS
 
 TOKENIZER_FILE = "tokenizer_facts.json"  # this toolkit's tokenizer facts, for folders of other vocabularies
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -74,6 +74,7 @@ def read_config(directory: str) -> GPTConfig:
                        n_head=hf.get("n_head"), n_embd=hf.get("n_embd"), bias=True)
     try:
         check_config(config)  # before anything is allocated
+        check_memory(config)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     return config

@@ -14,8 +14,8 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from device import autocast
 from model import GPT
+from toolkit.device import autocast
 
 POOLINGS = ("weighted-mean", "mean", "last")
 SEARCH_BLOCK_BYTES = 64 * 2**20  # vectors scored per matrix product: bounded memory whatever the index size
@@ -54,8 +54,9 @@ def embed(model: GPT, token_lists: list[list[int]], pooling: str, dtype: torch.d
     ids, lengths = pad(token_lists, device)
     with autocast(device, dtype):
         hidden = model.hidden_states(ids).float()
-    pooled = torch.einsum("bt,btc->bc", pooling_weights(lengths, ids.size(1), pooling), hidden)
-    return F.normalize(pooled, dim=-1)
+    with torch.autocast(device.type, enabled=False):  # also when the caller runs under autocast
+        pooled = torch.einsum("bt,btc->bc", pooling_weights(lengths, ids.size(1), pooling), hidden)
+        return F.normalize(pooled, dim=-1)
 
 
 @torch.no_grad()

@@ -1,16 +1,22 @@
-"""Muon for the transformer's matrices, AdamW for everything else, in one torch optimizer.
+"""The optimizers: AdamW (with weight decay on matrices only), and Muon for the transformer's matrices with AdamW
+for everything else, in one torch optimizer.
+
+    optimizer = make_optimizer(model, "muon", lr=4e-3, muon_lr=0.05, weight_decay=0.1, betas=(0.9, 0.99))
 
 Muon (Keller Jordan, 2024; kellerjordan.github.io/posts/muon) replaces each 2-D weight's update by the
 orthogonalised Nesterov momentum: a few Newton-Schulz iterations push the singular values of the momentum
 towards 1, so every direction of the matrix learns at a similar rate. It is meant for the hidden matrices;
 embeddings, the tied LM head, biases and LayerNorm gains keep AdamW. It is the default for training from
-scratch because it reaches a given loss in far fewer steps (figures: docs/performance.md).
+scratch because it reaches a given loss in far fewer steps (docs/performance.md).
 
 Param groups with muon=True get the Muon update, the others AdamW's (decoupled weight decay, bias
 correction, as torch.optim.AdamW). Each group has its own lr (Muon's are ~10x AdamW's); the trainer moves
 both along one schedule.
 """
 import torch
+import torch.nn as nn
+
+OPTIMIZERS = ("adamw", "muon")
 
 # quintic Newton-Schulz coefficients from the Muon write-up: fast convergence of the singular values near 1
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -64,3 +70,31 @@ class Muon(torch.optim.Optimizer):
         p.mul_(1 - group["lr"] * group["weight_decay"])
         denominator = (state["exp_avg_sq"] / (1 - beta2 ** step)).sqrt_().add_(group["eps"])
         p.addcdiv_(state["exp_avg"], denominator, value=-group["lr"] / (1 - beta1 ** step))
+
+
+def decay_groups(modules: tuple[nn.Module, ...], weight_decay: float) -> list[dict]:
+    """Optimizer groups of the modules' trainable parameters: decay on matrices and embeddings (dim >= 2), none on
+    biases and LayerNorm gains (also for the pieces of a GPT laid out over pipeline stages)."""
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def make_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, betas: tuple[float, float],
+                   muon_lr: float | None = None, device_type: str = "cpu") -> torch.optim.Optimizer:
+    """The optimizer of a model's trainable parameters. adamw: torch's AdamW over decay_groups (fused on CUDA,
+    foreach elsewhere). muon: Muon at muon_lr (no weight decay: its updates have a fixed size, and decay at its
+    rates is too strong) for the 2-D weights of the model's transformer blocks (model.transformer.h, as in GPT and
+    in anything wrapping one as .body), AdamW at lr for the rest. The Muon group's lr_scale (muon_lr / lr) tells the
+    trainer to move it along the same schedule."""
+    if name == "adamw":
+        impl = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
+        return torch.optim.AdamW(decay_groups((model,), weight_decay), lr=lr, betas=betas, **impl)
+    blocks = getattr(model, "body", model).transformer.h
+    matrices = [p for p in blocks.parameters() if p.requires_grad and p.dim() == 2]
+    chosen = set(matrices)
+    rest = [g | {"params": [p for p in g["params"] if p not in chosen]} for g in decay_groups((model,), weight_decay)]
+    muon = {"params": matrices, "muon": True, "weight_decay": 0.0, "lr": muon_lr, "lr_scale": muon_lr / lr}
+    return Muon([muon, *rest], lr=lr, betas=betas)

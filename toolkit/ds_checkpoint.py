@@ -1,192 +1,30 @@
-"""The checkpoint formats: written atomically, read without running code, checked before use.
+"""DeepSpeed checkpoint folders (train_ds.py's OUT_DIR/ds): read safely, gathered into whole weights in memory.
 
-`ckpt.pt` (train.py, train_ddp.py) is a plain dict saved with torch.save:
-    model          the weights: a plain state dict without torch.compile's `_orig_mod.` prefix (nanoGPT's layout)
-    model_config   GPTConfig fields
-    tokenizer      tokenizer facts (tokenizer.load_tokenizer rebuilds it, so sampling needs no data folder)
-    train_config   TrainConfig fields
-    iter_num       optimizer steps done; also the data position (windows depend only on seed and iteration)
-    best_val_loss, history (the loss curve)
-    optimizer, scaler, rng   what exact resume needs (scaler is None unless float16)
-
-A DeepSpeed checkpoint folder (train_ds.py, OUT_DIR/ds) is DeepSpeed's own layout (`latest`,
-`global_stepN/` with one model-state and one optimizer-state file per process, `zero_to_fp32.py`), plus
-`global_stepN/train_state.json`: the same facts as ckpt.pt without the weights, optimizer and rng
-(DeepSpeed saves those), plus world_size, zero_stage, deepspeed_version and tag. DeepSpeed unpickles its
-files without restrictions, so every file in a tag folder is checked to hold only tensors, plain data and
-DeepSpeed's own plain types before DeepSpeed is given the folder.
+The layout is DeepSpeed's own (`latest`, `global_stepN/` with one model-state and one optimizer-state file per
+process, `zero_to_fp32.py`), plus `global_stepN/train_state.json`: the same facts as ckpt.pt without the weights,
+optimizer and rng (DeepSpeed saves those), plus world_size, zero_stage, pipeline_stages, tp_size,
+deepspeed_version and tag. DeepSpeed unpickles its files without restrictions, so every file in a tag folder is
+checked to hold only tensors, plain data and DeepSpeed's own plain types before DeepSpeed is given the folder.
 """
+import argparse
 import contextlib
 import os
-import pickle
 import re
 import shutil
 import sys
-import warnings
-import zipfile
+import tempfile
 
 import torch
 
-from cli import CLIError
-from files import atomic_write, read_json, write_json
-from gpt2_vocab import GPT2_FACTS
-from model import GPT, GPTConfig
+from model import GPT
+from toolkit.checkpoint import load_plain, model_from_weights, read_weights
+from toolkit.cli import CLIError
+from toolkit.files import read_json, write_json
+from toolkit.parallel import gpt_state_from_universal
 
-CHECKPOINT_FILE = "ckpt.pt"
-STATE_FILE = "train_state.json"  # in each global_stepN/ of a DeepSpeed folder
-STATE_KEYS = ("model_config", "train_config", "tokenizer", "iter_num", "best_val_loss", "history")
-WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # added to every key by torch.compile's and DDP's wrapper modules
-WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors")
-INDEX_FILES = ("pytorch_model.bin.index.json", "model.safetensors.index.json")
 TAG = re.compile(r"global_step(\d+)")
+STATE_FILE = "train_state.json"  # in each global_stepN/
 
-
-# ----- ckpt.pt -----
-
-def clean_state_dict(state_dict: dict) -> dict:
-    """Strip wrapper prefixes so compiled, DDP and plain models share one checkpoint layout."""
-    clean = {}
-    for key, value in state_dict.items():
-        for prefix in WRAPPER_PREFIXES:
-            key = key.removeprefix(prefix)
-        clean[key] = value
-    return clean
-
-
-def capture_rng(device: torch.device) -> dict:
-    rng = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device)
-    return rng
-
-
-def restore_rng(rng: dict, device: torch.device) -> None:
-    if "torch" in rng:
-        torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], device)
-
-
-def make_checkpoint(state: dict, model: torch.nn.Module, optimizer: dict, scaler: dict | None,
-                    rng: dict) -> dict:
-    """The ckpt.pt dict: the training state (STATE_KEYS) plus weights, optimizer, scaler and RNG states."""
-    return {**{k: state[k] for k in STATE_KEYS}, "model": clean_state_dict(model.state_dict()),
-            "optimizer": optimizer, "scaler": scaler, "rng": rng}
-
-
-def save_checkpoint(checkpoint: dict, path: str) -> None:
-    """torch.save through a temporary file: a crash never leaves half a checkpoint."""
-    atomic_write(path, lambda tmp: torch.save(checkpoint, tmp))
-
-
-def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict:
-    """A ckpt.pt of this toolkit; anything else is a CLIError, and no pickled code ever runs."""
-    if not os.path.isfile(path):
-        raise CLIError(f"checkpoint not found: {path}")
-    checkpoint = _load_plain(path, map_location)
-    required = ("model", "model_config")
-    if not isinstance(checkpoint, dict) or any(k not in checkpoint for k in required):
-        raise CLIError(f"{path} is not a checkpoint of this toolkit (needs keys {', '.join(required)})")
-    return checkpoint
-
-
-def _load_plain(path: str, map_location="cpu", allowed: tuple = ()):
-    """torch.load(weights_only=True): tensors and plain data (plus the `allowed` classes), or a CLIError."""
-    try:
-        with warnings.catch_warnings(), torch.serialization.safe_globals(list(allowed)):
-            warnings.simplefilter("ignore")  # e.g. about the pickle protocol of files torch.save did not write
-            return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError:
-        raise CLIError(f"{path} holds Python objects other than tensors and plain data, which are never "
-                       f"unpickled; it is not a checkpoint this toolkit can read safely") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
-        raise CLIError(f"{path} is truncated or corrupt ({type(e).__name__})") from None
-
-
-def load_weights(model: GPT, weights: dict, source: str) -> None:
-    """Copy a state dict into model: wrapper prefixes stripped, the tied head under either key."""
-    weights = clean_state_dict(weights)
-    # the LM head is tied to the token embedding; converters may write either key or both
-    for a, b in (("lm_head.weight", "transformer.wte.weight"), ("transformer.wte.weight", "lm_head.weight")):
-        if a not in weights and b in weights:
-            weights[a] = weights[b]
-    try:
-        model.load_state_dict({k: v.float() for k, v in weights.items()})
-    except (RuntimeError, AttributeError) as e:
-        raise CLIError(f"the weights in {source} do not fit its model config: {str(e).splitlines()[0]}") from None
-
-
-def model_from_weights(model_config: dict, weights: dict, source: str, **overrides) -> GPT:
-    """A GPT of model_config with the given weights; overrides change e.g. attn_kernel or dropout."""
-    try:
-        model = GPT(GPTConfig(**{**model_config, **overrides}))
-    except (TypeError, ValueError) as e:
-        raise CLIError(f"{source} has an unusable model config: {e}") from None
-    load_weights(model, weights, source)
-    return model
-
-
-def model_from_checkpoint(checkpoint: dict, source: str = "checkpoint", **overrides) -> GPT:
-    """Build a GPT from a ckpt.pt dict's config and weights."""
-    return model_from_weights(checkpoint["model_config"], checkpoint["model"], source, **overrides)
-
-
-def load_model(path: str, **overrides) -> tuple[GPT, dict]:
-    """(model, tokenizer facts) from a ckpt.pt, or an HF GPT-2 folder / cached hub name (GPT-2's tokenizer);
-    overrides set e.g. attn_kernel. Dropout is off (this is for inference) unless overrides set it."""
-    overrides = {"dropout": 0.0, **overrides}
-    if os.path.isdir(path) or not os.path.exists(path) and not path.endswith(".pt"):
-        import hf
-        model = hf.load_gpt2(path, **overrides)
-        return model, hf.read_tokenizer(hf.find_model_dir(path), model.config.vocab_size)
-    checkpoint = load_checkpoint(path)
-    model = model_from_checkpoint(checkpoint, path, **overrides)
-    return model, checkpoint.get("tokenizer", GPT2_FACTS)
-
-
-# ----- weight files: pytorch_model.bin, model.safetensors, zero_to_fp32 output -----
-
-def read_weights_file(path: str) -> dict[str, torch.Tensor]:
-    """One .bin/.pt (loaded with weights_only) or .safetensors file holding a state dict."""
-    if path.endswith(".safetensors"):
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-        try:
-            state = load_file(path)
-        except (SafetensorError, OSError) as e:
-            raise CLIError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]})") from None
-    else:
-        state = _load_plain(path)
-    if isinstance(state, dict) and isinstance(state.get("module"), dict):
-        state = state["module"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CLIError(f"{path} does not hold a state dict of tensors")
-    return state
-
-
-def read_weights(path: str) -> dict[str, torch.Tensor]:
-    """A weights file, or a folder holding one (or shards listed in an index), as HF and zero_to_fp32 write."""
-    if os.path.isfile(path):
-        return read_weights_file(path)
-    for index_name in INDEX_FILES:
-        index = os.path.join(path, index_name)
-        if os.path.isfile(index):
-            weight_map = read_json(index, "weights index").get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CLIError(f"{index} has no weight_map")
-            state = {}
-            for shard in sorted(set(weight_map.values())):
-                if os.path.basename(shard) != shard:
-                    raise CLIError(f"{index} names a shard outside its folder: {shard}")
-                state.update(read_weights_file(os.path.join(path, shard)))
-            return state
-    for name in WEIGHT_FILES:
-        if os.path.isfile(os.path.join(path, name)):
-            return read_weights_file(os.path.join(path, name))
-    raise FileNotFoundError(f"{path}: no {', '.join(WEIGHT_FILES)} or sharded index")
-
-
-# ----- DeepSpeed checkpoint folders -----
 
 def is_deepspeed_folder(path: str) -> bool:
     return os.path.isdir(path) and (os.path.isfile(os.path.join(path, "latest")) or bool(deepspeed_tags(path)))
@@ -243,7 +81,7 @@ def check_deepspeed_files(ds_dir: str, tag: str) -> None:
     folder = os.path.join(ds_dir, tag)
     for name in sorted(os.listdir(folder)):
         if name.endswith(".pt"):
-            _load_plain(os.path.join(folder, name), allowed=(LossScaler, ZeroStageEnum, fragment_address))
+            load_plain(os.path.join(folder, name), allowed=(LossScaler, ZeroStageEnum, fragment_address))
 
 
 def to_universal(ds_dir: str, tag: str, out_root: str) -> str:
@@ -251,7 +89,6 @@ def to_universal(ds_dir: str, tag: str, out_root: str) -> str:
     float32, with its optimizer state, whatever the ZeRO stage, pipeline stages and tensor-parallel shards were.
     load_universal resumes from it on any number of processes. The tag's files are checked first."""
     check_deepspeed_files(ds_dir, tag)
-    import argparse
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
     out = os.path.join(out_root, tag)
     args = argparse.Namespace(input_folder=os.path.join(ds_dir, tag), output_folder=out, num_extract_workers=1,
@@ -272,7 +109,7 @@ def read_universal_weights(universal_dir: str) -> dict[str, torch.Tensor]:
     for name in sorted(os.listdir(zero)):
         path = os.path.join(zero, name, "fp32.pt")
         if os.path.isfile(path):
-            tensor = _load_plain(path).get("param")
+            tensor = load_plain(path).get("param")
             if not isinstance(tensor, torch.Tensor):
                 raise CLIError(f"{path} holds no parameter tensor")
             weights[name] = tensor
@@ -284,8 +121,6 @@ def gather_deepspeed_weights(ds_dir: str, tag: str, pipeline_stages: int = 1, tp
     ZeRO data parallel, through its universal checkpoint (to a temporary folder) for pipeline or tensor parallel,
     which zero_to_fp32 cannot read; pipeline layer names become GPT's."""
     if pipeline_stages > 1 or tp_size > 1:
-        import tempfile
-        from parallel import gpt_state_from_universal
         with tempfile.TemporaryDirectory(prefix="universal-") as tmp:
             weights = read_universal_weights(to_universal(ds_dir, tag, tmp))
         return gpt_state_from_universal(weights) if pipeline_stages > 1 else weights

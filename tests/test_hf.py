@@ -1,0 +1,117 @@
+"""toolkit/hf.py: HF GPT-2 folders both ways, checked against transformers' own GPT2LMHeadModel."""
+import json
+import os
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+from toolkit.hf import load_gpt2, save_gpt2
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+VOCAB = 211
+
+
+def tiny_config(**kw) -> GPTConfig:
+    return GPTConfig(**{**dict(block_size=32, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=64), **kw})
+
+
+def perturb(m: torch.nn.Module, std: float = 0.05, seed: int = 0) -> torch.nn.Module:
+    """Add noise to every parameter so biases and LayerNorms are not at their trivial init."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+    return m.eval()
+
+
+def tiny_gpt(seed: int = 0, std: float = 0.05, **kw) -> GPT:
+    torch.manual_seed(seed)
+    return perturb(GPT(tiny_config(**kw)), std, seed)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def random_hf_model():
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(cfg)
+    hf.config._attn_implementation = "eager"
+    return perturb(hf)
+
+
+@torch.no_grad()
+def test_load_hf_safetensors_matches_transformers(tmp_path):
+    hf = random_hf_model()
+    hf.save_pretrained(tmp_path)
+    m = load_gpt2(str(tmp_path))
+    idx = torch.randint(0, VOCAB, (2, 32))
+    assert rel_err(m(idx)[0], hf(idx).logits) < 1e-5
+    assert m.lm_head.weight is m.transformer.wte.weight
+
+
+@torch.no_grad()
+def test_load_hf_bin_without_prefix(tmp_path):
+    hf = random_hf_model()
+    hf.config.to_json_file(tmp_path / "config.json")
+    state = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    state["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 32, 32))  # old checkpoints carry mask buffers
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    m = load_gpt2(str(tmp_path))
+    idx = torch.randint(0, VOCAB, (2, 17))
+    assert rel_err(m(idx)[0], hf(idx).logits) < 1e-5
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@torch.no_grad()
+def test_save_pretrained_loads_in_transformers(tmp_path, bias):
+    m = tiny_gpt(bias=bias)
+    save_gpt2(m, str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    idx = torch.randint(0, VOCAB, (2, 32))
+    assert rel_err(m(idx)[0], hf(idx).logits) < 1e-5
+    again = load_gpt2(str(tmp_path / "out"))
+    assert torch.equal(again(idx)[0], load_gpt2(str(tmp_path / "out"))(idx)[0])
+    assert rel_err(again(idx)[0], m(idx)[0]) < 1e-6
+
+
+def test_from_pretrained_rejects_incompatible_config(tmp_path):
+    m = tiny_gpt()
+    save_gpt2(m, str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "activation_function": "relu"}))
+    with pytest.raises(ValueError, match="activation_function"):
+        load_gpt2(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "layer_norm_epsilon": 1e-6}))
+    with pytest.raises(ValueError, match="layer_norm_epsilon"):
+        load_gpt2(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type"):
+        load_gpt2(str(tmp_path))
+
+
+def test_from_pretrained_hub_names_only_from_local_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(FileNotFoundError) as e:
+        load_gpt2("gpt2")
+    # the CLI that the pinned huggingface_hub installs
+    assert "\n" not in str(e.value) and "`hf download openai-community/gpt2 --local-dir DIR`" in str(e.value)
+    with pytest.raises(FileNotFoundError, match="no model directory"):
+        load_gpt2(str(tmp_path / "missing"))
+    # a snapshot in the cache, laid out as huggingface_hub writes it, is found under either repository name
+    m = tiny_gpt()
+    repo = tmp_path / "hub" / "models--openai-community--gpt2"
+    save_gpt2(m, str(repo / "snapshots" / "abc123"))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    idx = torch.randint(0, VOCAB, (1, 8))
+    for name in ("gpt2", "openai-community/gpt2"):
+        assert torch.allclose(load_gpt2(name)(idx)[0], m(idx)[0], atol=1e-6)

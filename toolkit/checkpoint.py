@@ -1,0 +1,169 @@
+"""The ckpt.pt format and weight files: written atomically, read without running code, checked before use.
+
+`ckpt.pt` (train.py, train_ddp.py) is a plain dict saved with torch.save:
+    model          the weights: a plain state dict without torch.compile's `_orig_mod.` prefix (nanoGPT's layout)
+    model_config   GPTConfig fields
+    tokenizer      tokenizer facts (toolkit.tokenizers.load_tokenizer rebuilds it: sampling needs no data folder)
+    train_config   the run's options (toolkit.pretraining.TrainConfig, or the fine-tuning's)
+    iter_num       optimizer steps done; also the data position (windows depend only on seed and iteration)
+    best_val_loss, history (the loss curve)
+    optimizer, scaler, rng   what exact resume needs (scaler is None unless float16)
+
+Fine-tuned checkpoints add `head` (the task head's weights) and `finetune` (the task's facts). Weight files are
+what HF folders and DeepSpeed's zero_to_fp32 write: pytorch_model.bin, model.safetensors, sharded folders.
+DeepSpeed's own folder is toolkit/ds_checkpoint.py's; toolkit/load.py reads any of them.
+"""
+import os
+import pickle
+import warnings
+import zipfile
+
+import torch
+
+from model import GPT, GPTConfig
+from toolkit.cli import CLIError
+from toolkit.device import check_memory
+from toolkit.files import atomic_write, read_json
+
+CHECKPOINT_FILE = "ckpt.pt"
+STATE_KEYS = ("model_config", "train_config", "tokenizer", "iter_num", "best_val_loss", "history")
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # added to every key by torch.compile's and DDP's wrapper modules
+WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors")
+INDEX_FILES = ("pytorch_model.bin.index.json", "model.safetensors.index.json")
+
+
+# ----- ckpt.pt -----
+
+def clean_state_dict(state_dict: dict) -> dict:
+    """Strip wrapper prefixes so compiled, DDP and plain models share one checkpoint layout."""
+    clean = {}
+    for key, value in state_dict.items():
+        for prefix in WRAPPER_PREFIXES:
+            key = key.removeprefix(prefix)
+        clean[key] = value
+    return clean
+
+
+def capture_rng(device: torch.device) -> dict:
+    rng = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def restore_rng(rng: dict, device: torch.device) -> None:
+    if "torch" in rng:
+        torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def make_checkpoint(state: dict, model: torch.nn.Module, optimizer: dict | None, scaler: dict | None,
+                    rng: dict) -> dict:
+    """The ckpt.pt dict: the training state (STATE_KEYS, and what else a trainer keeps, e.g. a task head) plus
+    the weights, optimizer, scaler and RNG states."""
+    missing = [k for k in STATE_KEYS if k not in state]
+    assert not missing, missing
+    return {**state, "model": clean_state_dict(model.state_dict()), "optimizer": optimizer, "scaler": scaler,
+            "rng": rng}
+
+
+def save_checkpoint(checkpoint: dict, path: str) -> None:
+    """torch.save through a temporary file: a crash never leaves half a checkpoint."""
+    atomic_write(path, lambda tmp: torch.save(checkpoint, tmp))
+
+
+def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict:
+    """A ckpt.pt of this toolkit; anything else is a CLIError, and no pickled code ever runs."""
+    if not os.path.isfile(path):
+        raise CLIError(f"checkpoint not found: {path}")
+    checkpoint = load_plain(path, map_location)
+    required = ("model", "model_config")
+    if not isinstance(checkpoint, dict) or any(k not in checkpoint for k in required):
+        raise CLIError(f"{path} is not a checkpoint of this toolkit (needs keys {', '.join(required)})")
+    return checkpoint
+
+
+def load_plain(path: str, map_location="cpu", allowed: tuple = ()):
+    """torch.load(weights_only=True): tensors and plain data (plus the `allowed` classes), or a CLIError."""
+    try:
+        with warnings.catch_warnings(), torch.serialization.safe_globals(list(allowed)):
+            warnings.simplefilter("ignore")  # e.g. about the pickle protocol of files torch.save did not write
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        raise CLIError(f"{path} holds Python objects other than tensors and plain data, which are never "
+                       f"unpickled; it is not a checkpoint this toolkit can read safely") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
+        raise CLIError(f"{path} is truncated or corrupt ({type(e).__name__})") from None
+
+
+def load_weights(model: GPT, weights: dict, source: str) -> None:
+    """Copy a state dict into model: wrapper prefixes stripped, the tied head under either key."""
+    weights = clean_state_dict(weights)
+    # the LM head is tied to the token embedding; converters may write either key or both
+    for a, b in (("lm_head.weight", "transformer.wte.weight"), ("transformer.wte.weight", "lm_head.weight")):
+        if a not in weights and b in weights:
+            weights[a] = weights[b]
+    try:
+        model.load_state_dict({k: v.float() for k, v in weights.items()})
+    except (RuntimeError, AttributeError) as e:
+        raise CLIError(f"the weights in {source} do not fit its model config: {str(e).splitlines()[0]}") from None
+
+
+def model_from_weights(model_config: dict, weights: dict, source: str, **overrides) -> GPT:
+    """A GPT of model_config with the given weights; overrides change e.g. attn_kernel or dropout."""
+    try:
+        config = GPTConfig(**{**model_config, **overrides})
+        check_memory(config)
+        model = GPT(config)
+    except (TypeError, ValueError) as e:
+        raise CLIError(f"{source} has an unusable model config: {e}") from None
+    load_weights(model, weights, source)
+    return model
+
+
+def model_from_checkpoint(checkpoint: dict, source: str = "checkpoint", **overrides) -> GPT:
+    """Build a GPT from a ckpt.pt dict's config and weights."""
+    return model_from_weights(checkpoint["model_config"], checkpoint["model"], source, **overrides)
+
+
+# ----- weight files: pytorch_model.bin, model.safetensors, zero_to_fp32 output -----
+
+def read_weights_file(path: str) -> dict[str, torch.Tensor]:
+    """One .bin/.pt (loaded with weights_only) or .safetensors file holding a state dict."""
+    if path.endswith(".safetensors"):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+        try:
+            state = load_file(path)
+        except (SafetensorError, OSError) as e:
+            raise CLIError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]})") from None
+    else:
+        state = load_plain(path)
+    if isinstance(state, dict) and isinstance(state.get("module"), dict):
+        state = state["module"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CLIError(f"{path} does not hold a state dict of tensors")
+    return state
+
+
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """A weights file, or a folder holding one (or shards listed in an index), as HF and zero_to_fp32 write."""
+    if os.path.isfile(path):
+        return read_weights_file(path)
+    for index_name in INDEX_FILES:
+        index = os.path.join(path, index_name)
+        if os.path.isfile(index):
+            weight_map = read_json(index, "weights index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CLIError(f"{index} has no weight_map")
+            state = {}
+            for shard in sorted(set(weight_map.values())):
+                if os.path.basename(shard) != shard:
+                    raise CLIError(f"{index} names a shard outside its folder: {shard}")
+                state.update(read_weights_file(os.path.join(path, shard)))
+            return state
+    for name in WEIGHT_FILES:
+        if os.path.isfile(os.path.join(path, name)):
+            return read_weights_file(os.path.join(path, name))
+    raise FileNotFoundError(f"{path}: no {', '.join(WEIGHT_FILES)} or sharded index")

@@ -1,0 +1,347 @@
+"""DeepSpeed as a training engine: ds_config.json reconciled with the flags, the ZeRO / pipeline / AutoTP engine
+the loop runs, its checkpoints, and joining the process group of the deepspeed launcher, torchrun or mpirun.
+
+    init_distributed(cfg, args)
+    trainer = pretraining.setup(cfg, given, DeepSpeedBackend(ds, ds_path, cfg.out_dir, ...))
+
+DeepSpeedBackend follows toolkit/pretraining.py's backend protocol; its start() returns itself, an engine with
+train_step, eval_loss, weights_finite and save (toolkit/training.py). Forward, backward, the ZeRO optimizer step
+and the checkpoints in OUT_DIR/ds go through DeepSpeed; the learning rate comes from the loop's schedule.
+"""
+import copy
+import datetime
+import os
+import shutil
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from model import GPT, GPTConfig
+from toolkit.checkpoint import capture_rng, restore_rng
+from toolkit.cli import CLIError
+from toolkit.device import resolve_device, resolve_dtype, set_job_threads
+from toolkit.distributed import free_port
+from toolkit.ds_checkpoint import check_deepspeed_files, prune_deepspeed_tags, read_train_state, to_universal, \
+    write_train_state
+from toolkit.optim import decay_groups
+from toolkit.parallel import Layout, autotp_config, check_layout, pipeline_module
+from toolkit.pretraining import TrainConfig
+
+# Values that both the flags and the DeepSpeed config can set: (flags, config key, the config value the flags
+# give for W processes, the flag values a config value gives). --grad-accum counts micro-batches over all
+# processes, DeepSpeed's gradient_accumulation_steps those of one process.
+SHARED_SETTINGS = [
+    (("batch_size",), "train_micro_batch_size_per_gpu",
+     lambda c, w: c.batch_size, lambda v, w: {"batch_size": int(v)}),
+    (("grad_accum",), "gradient_accumulation_steps",
+     lambda c, w: c.grad_accum / w, lambda v, w: {"grad_accum": int(v) * w}),
+    (("grad_clip",), "gradient_clipping",
+     lambda c, w: c.grad_clip, lambda v, w: {"grad_clip": float(v)}),
+    (("lr",), "optimizer.params.lr",
+     lambda c, w: c.lr, lambda v, w: {"lr": float(v)}),
+    (("weight_decay",), "optimizer.params.weight_decay",
+     lambda c, w: c.weight_decay, lambda v, w: {"weight_decay": float(v)}),
+    (("beta1", "beta2"), "optimizer.params.betas",
+     lambda c, w: [c.beta1, c.beta2], lambda v, w: {"beta1": float(v[0]), "beta2": float(v[1])}),
+]
+
+
+def get_key(ds: dict, key: str):
+    for part in key.split("."):
+        ds = ds.get(part) if isinstance(ds, dict) else None
+    return ds
+
+
+def set_key(ds: dict, key: str, value) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        ds = ds.setdefault(part, {})
+    ds[last] = value
+
+
+def config_precision(ds: dict) -> str | None:
+    """float32 / bfloat16 / float16 as the config's bf16 and fp16 sections set it; None when it has neither."""
+    bf16 = ds.get("bf16", ds.get("bfloat16"))
+    fp16 = ds.get("fp16")
+    if bf16 is None and fp16 is None:
+        return None
+    if (bf16 or {}).get("enabled") and (fp16 or {}).get("enabled"):
+        raise CLIError("the DeepSpeed config enables both bf16 and fp16; enable at most one")
+    return "bfloat16" if (bf16 or {}).get("enabled") else "float16" if (fp16 or {}).get("enabled") else "float32"
+
+
+def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size: int, device: torch.device,
+              resumed: set[str] = frozenset()) -> tuple[TrainConfig, dict]:
+    """Settle every value that both the flags and the DeepSpeed config can set.
+
+    `given` names the flags set on purpose (command line, --config file, or a resumed checkpoint). A value set
+    in only one place is used and copied to the other; set in both and different it is a CLIError. Returns the
+    updated TrainConfig and the complete DeepSpeed config to pass to deepspeed.initialize."""
+    cfg, ds = copy.deepcopy(cfg), copy.deepcopy(ds)
+    name = os.path.basename(path)
+    if ds.get("scheduler"):
+        raise CLIError(f"{name} has a scheduler section; the learning-rate schedule comes from the flags "
+                       f"(--lr, --min-lr, --warmup-iters, --lr-decay-iters): remove it")
+    ds.setdefault("optimizer", {"type": "AdamW"})
+    for flags, key, to_config, from_config in SHARED_SETTINGS:
+        value = get_key(ds, key)
+        if value is None:
+            continue
+        mine = [f for f in flags if f in given]
+        if mine and to_config(cfg, world_size) != value:
+            shown = " ".join(f"--{f.replace('_', '-')} {getattr(cfg, f)}" for f in mine)
+            if "grad_accum" in mine:
+                shown += f" (micro-batches over all {world_size} processes)"
+            if set(mine) <= resumed:
+                raise CLIError(f"{name} sets {key} {value} but the checkpoint was trained with {shown}; give the "
+                               f"flag to change it, or change the config")
+            raise CLIError(f"{name} sets {key} {value} but {shown} was given; they must agree: change one of them "
+                           f"or drop the flag")
+        for flag, flag_value in from_config(value, world_size).items():
+            setattr(cfg, flag, flag_value)
+    if cfg.grad_accum % world_size:
+        raise CLIError(f"--grad-accum {cfg.grad_accum} cannot be split across {world_size} processes; "
+                       f"use a multiple of {world_size}")
+    if ds.get("train_batch_size") is not None and ds["train_batch_size"] != cfg.batch_size * cfg.grad_accum:
+        raise CLIError(f"{name} sets train_batch_size {ds['train_batch_size']} but the global batch is "
+                       f"{cfg.batch_size} x {cfg.grad_accum} = {cfg.batch_size * cfg.grad_accum}; "
+                       f"remove train_batch_size (it is derived)")
+    for _, key, to_config, _ in SHARED_SETTINGS:  # the flags' values, written into the config DeepSpeed gets
+        value = to_config(cfg, world_size)
+        set_key(ds, key, int(value) if key == "gradient_accumulation_steps" else value)
+
+    ds_dtype = config_precision(ds)
+    if ds_dtype is not None and "dtype" in given and cfg.dtype not in ("auto", ds_dtype):
+        raise CLIError(f"{name} sets precision {ds_dtype} (its bf16/fp16 sections) but --dtype {cfg.dtype} "
+                       f"was given; they must agree: change one of them or drop the flag")
+    cfg.dtype = ds_dtype or str(resolve_dtype(cfg.dtype, device)).removeprefix("torch.")
+    resolve_dtype(cfg.dtype, device)  # a clear error where the CPU has no float16
+    ds["bf16"] = {**(ds.pop("bfloat16", None) or ds.get("bf16") or {}), "enabled": cfg.dtype == "bfloat16"}
+    ds["fp16"] = {**ds.get("fp16", {}), "enabled": cfg.dtype == "float16"}
+    ds.setdefault("steps_per_print", 10 ** 9)  # the trainer logs; keep DeepSpeed quiet
+    return cfg, ds
+
+
+def zero_stage(ds: dict) -> int:
+    return int((ds.get("zero_optimization") or {}).get("stage", 0))
+
+
+class DeepSpeedEngine:
+    """Pretraining's backend and, once started, the loop's engine on a DeepSpeed engine: forward, backward, the ZeRO
+    optimizer step and the checkpoints in OUT_DIR/ds go through DeepSpeed."""
+
+    def __init__(self, ds: dict, ds_path: str, out_dir: str, keep_checkpoints: int, pipeline_stages: int = 1,
+                 tp_size: int = 1):
+        self.ds_input, self.ds_path, self.keep_checkpoints = ds, ds_path, keep_checkpoints
+        self.path = os.path.join(out_dir, "ds")
+        self.world_size = dist.get_world_size()
+        self.master = dist.get_rank() == 0
+        self.universal = False  # resuming a checkpoint of another number of processes
+        try:
+            self.layout = Layout(self.world_size, pipeline_stages, tp_size)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+
+    def data_parallel(self) -> tuple[int, int]:
+        return self.layout.data_parallel_rank(dist.get_rank()), self.layout.data_parallel
+
+    def read_resume(self) -> dict:
+        """The newest tag's training state. Another number of data-parallel processes resumes through DeepSpeed's
+        universal checkpoint (self.universal); another pipeline or tensor-parallel layout starts anew from the
+        exported weights."""
+        state = read_train_state(self.path)
+        saved = (state.get("pipeline_stages", 1), state.get("tp_size", 1))
+        if saved != (self.layout.pipeline_stages, self.layout.tp_size):
+            raise CLIError(f"{self.path} was trained with --pipeline-stages {saved[0]} --tp-size {saved[1]}; resume "
+                           f"with the same layout, or start a new run from its weights: python test_ds.py --ckpt "
+                           f"{self.path} --export-hf DIR, then --init-from DIR")
+        self.universal = state["world_size"] != self.world_size
+        if self.universal and (zero_stage(self.ds_input) == 0 or self.layout.model_parallel > 1):
+            raise CLIError(f"{self.path} was written by {state['world_size']} processes but this run has "
+                           f"{self.world_size}; DeepSpeed's universal checkpoint resumes ZeRO stage 1-3 data "
+                           f"parallel only: launch {state['world_size']} processes, or start a new run from its "
+                           f"weights: python test_ds.py --ckpt {self.path} --export-hf DIR, then --init-from DIR")
+        if state.get("zero_stage") != zero_stage(self.ds_input):
+            raise CLIError(f"{self.path} was written with ZeRO stage {state.get('zero_stage')} but "
+                           f"{os.path.basename(self.ds_path)} has stage {zero_stage(self.ds_input)}; "
+                           f"resume with the same stage")
+        check_deepspeed_files(self.path, state["tag"])  # before DeepSpeed unpickles them
+        return state
+
+    def settle_config(self, cfg: TrainConfig, given: set[str], resumed: set[str]) -> TrainConfig:
+        cfg.optimizer = "adamw"  # the DeepSpeed config's (train_ds.py offers no other)
+        if "dtype" in resumed:  # the checkpoint's precision stands unless the config says otherwise
+            given = given - {"dtype"}
+        device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
+        cfg, self.ds_config = reconcile(cfg, given, self.ds_input, self.ds_path, self.layout.data_parallel, device,
+                                        resumed)
+        if self.universal:
+            self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}), "load_universal": True}
+        try:
+            check_layout(self.layout, GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd),
+                         zero_stage(self.ds_config))
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+        if self.layout.tp_size > 1:
+            given_tp = self.ds_config.get("tensor_parallel", {}).get("autotp_size")
+            if given_tp not in (None, self.layout.tp_size):
+                raise CLIError(f"{os.path.basename(self.ds_path)} sets tensor_parallel.autotp_size {given_tp} but "
+                               f"--tp-size {self.layout.tp_size} was given; they must agree")
+            self.ds_config["tensor_parallel"] = autotp_config(self.layout.tp_size)
+        return cfg
+
+    def start(self, model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, resume: dict | None,
+              loss=None) -> "DeepSpeedEngine":
+        """deepspeed.initialize with the settled config (and the checkpoint's state on resume); the loss is always
+        the model's own (its chunked cross-entropy), as DeepSpeed calls the module itself."""
+        self.device, self.dtype = device, dtype
+        module = pipeline_module(model, self.layout.pipeline_stages) if self.pipelined else model
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=module, model_parameters=decay_groups((module,), cfg.weight_decay), config=self.ds_config)
+        if cfg.compile:
+            self.engine.compile()
+        if self.master:
+            zero = self.ds_config.get("zero_optimization") or {}
+            offload = ", ".join(f"{what} offload to {(zero.get(key) or {}).get('device')}"
+                                for what, key in (("optimizer", "offload_optimizer"), ("param", "offload_param"))
+                                if (zero.get(key) or {}).get("device") not in (None, "none"))
+            print(f"deepspeed {deepspeed.__version__}: {self.layout.describe()}, ZeRO stage {zero_stage(self.ds_config)}"
+                  f"{', ' + offload if offload else ''}, optimizer "
+                  f"{type(getattr(self.engine, 'basic_optimizer', None) or self.optimizer).__name__}, "
+                  f"config {self.ds_path}", flush=True)
+        if resume is not None:
+            self.load(resume["tag"])
+        return self
+
+    def load(self, tag: str) -> None:
+        from deepspeed.runtime.zero.utils import ZeRORuntimeException
+        folder = self.path
+        if self.universal:  # rank 0 converts (to OUT_DIR/ds/universal, removed once loaded)
+            folder = os.path.join(self.path, "universal")
+            if self.master:
+                print(f"resuming on {self.world_size} processes through DeepSpeed's universal checkpoint", flush=True)
+                to_universal(self.path, tag, folder)
+            dist.barrier()
+        try:
+            path, client_state = self.engine.load_checkpoint(folder, tag=tag)
+        except ZeRORuntimeException as e:
+            raise CLIError(f"cannot resume from {self.path}: {str(e).strip().splitlines()[0]}") from None
+        if path is None:
+            raise CLIError(f"cannot resume: no DeepSpeed checkpoint {tag} in {self.path}")
+        restore_rng((client_state or {}).get("rng") or {}, self.device)
+        if folder != self.path:
+            dist.barrier()
+            if self.master:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.layout.pipeline_stages > 1
+
+    def train_step(self, batches: list[tuple[tuple[torch.Tensor, torch.Tensor], float]], lr: float) -> float:
+        """One optimizer step over this process's micro-batches (their weights are equal: DeepSpeed divides by
+        gradient_accumulation_steps itself and averages over the data-parallel ranks); returns this process's share
+        of the step's loss."""
+        for group in self.engine.optimizer.param_groups:  # the loop's schedule
+            group["lr"] = lr
+        share = sum(weight for _, weight in batches)
+        if self.pipelined:  # forward, backward and step over all micro-batches, stage by stage
+            return self.engine.train_batch(iter([batch for batch, _ in batches])).item() * share
+        total = torch.zeros((), device=self.device)
+        for i, ((x, y), weight) in enumerate(batches):
+            _, loss = self.engine(x, y, chunked_loss=True)
+            self.engine.backward(loss)
+            if self.engine.is_gradient_accumulation_boundary() != (i == len(batches) - 1):
+                raise RuntimeError("DeepSpeed's accumulation boundary is out of step with the micro-batches")
+            self.engine.step()  # the optimizer steps (and zeroes the gradients) only at the boundary
+            total += loss.detach().float() * weight
+        return total.item()
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.pipelined:  # every stage takes part; the last one's loss is broadcast to all
+            return self.engine.eval_batch(iter([(x, y)]), num_micro_batches=1)
+        return self.engine(x, y, chunked_loss=True)[1]  # no autocast: DeepSpeed's config owns the precision
+
+    def weights_finite(self) -> bool:
+        """This process's share of the weights (its ZeRO-3 partition) holds no NaN or inf, in every process."""
+        local = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in self.engine.module.parameters())
+        flag = torch.tensor([float(local)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def save(self, state: dict) -> None:
+        tag = f"global_step{state['iter_num']}"
+        state = {**state, "world_size": self.world_size, "zero_stage": zero_stage(self.ds_config),
+                 "pipeline_stages": self.layout.pipeline_stages, "tp_size": self.layout.tp_size,
+                 "deepspeed_version": deepspeed.__version__}
+        if state["best_val_loss"] == float("inf"):
+            state["best_val_loss"] = None  # JSON has no infinity
+        if self.master:  # before DeepSpeed writes `latest`, so `latest` never names a folder without it
+            write_train_state(self.path, tag, state)
+        dist.barrier()
+        self.engine.save_checkpoint(self.path, tag=tag, client_state={**state, "rng": capture_rng(self.device)})
+        dist.barrier()
+        if self.master:
+            prune_deepspeed_tags(self.path, self.keep_checkpoints)
+
+
+# what mpirun (OpenMPI, MPICH/Hydra, MVAPICH) sets in each process it starts
+MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+MPI_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE")
+
+
+def discover_mpi() -> None:
+    """Under mpirun: RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR from DeepSpeed's MPI discovery (mpi4py), at
+    MASTER_PORT or 29500; LOCAL_WORLD_SIZE from MPI, for the CPU threads of each process."""
+    try:
+        from deepspeed.comm.comm import mpi_discovery
+        mpi_discovery(distributed_port=int(os.environ.get("MASTER_PORT", 29500)), verbose=False)
+    except ImportError:
+        raise CLIError("started by mpirun, but mpi4py is not installed (DeepSpeed finds the ranks through it): "
+                       "pip install mpi4py") from None
+    local = next((os.environ[v] for v in MPI_LOCAL_SIZE_VARS if v in os.environ), None)
+    if local is not None:
+        os.environ.setdefault("LOCAL_WORLD_SIZE", local)
+
+
+def init_distributed(cfg: TrainConfig, args) -> None:
+    """Join the process group the launcher describes: the deepspeed launcher or torchrun (RANK, WORLD_SIZE),
+    mpirun (found through MPI), or else a single process (plain python)."""
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        if any(v in os.environ for v in MPI_VARS):
+            discover_mpi()
+        else:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(free_port()))
+    if "LOCAL_RANK" not in os.environ and args.local_rank is not None:
+        os.environ["LOCAL_RANK"] = str(args.local_rank)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    accelerator = get_accelerator().device_name()  # "cpu" or "cuda": DeepSpeed chose it at import
+    device = resolve_device(accelerator if cfg.device == "auto" else cfg.device, local_rank)
+    if device.type != accelerator:
+        raise CLIError(f"--device {cfg.device} but DeepSpeed runs on its {accelerator} accelerator; "
+                       f"set DS_ACCELERATOR={device.type} in the environment or drop --device")
+    cfg.device = device.type
+    if device.type == "cuda":
+        get_accelerator().set_device(local_rank)
+    else:
+        set_job_threads()
+    if args.timeout <= 0:
+        raise CLIError("--timeout must be positive")
+    deepspeed.init_distributed(timeout=datetime.timedelta(seconds=args.timeout))  # nccl on CUDA, gloo on CPU
+    release_shm_buffer()
+
+
+def release_shm_buffer() -> None:
+    """On CPU, DeepSpeed's shared-memory all-reduce creates /dev/shm/deepspeed_allreduce_buffer_* (~66 MB per rank)
+    and never removes it: every run would leak that much RAM until reboot. Once every rank has mapped every
+    buffer (done inside init_distributed), the names can go; the memory is freed when the processes exit."""
+    dist.barrier()
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+            f"{os.environ.get('MASTER_PORT')}_{dist.get_rank()}")
+    try:
+        os.unlink(name)
+    except FileNotFoundError:  # not on CPU, or ranks on several machines: no shared-memory buffer
+        pass

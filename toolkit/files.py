@@ -1,0 +1,202 @@
+"""Files that are never half-written, outputs that never replace inputs, and JSON that fails in one line.
+
+Every output of the toolkit (checkpoints, token files, HF folders, JSON state) is written under a
+temporary name in the same folder and renamed at the end, so a crash or a full disk never leaves a
+half-written file under the final name, and an old file is only replaced by a complete new one.
+A failed write is one line naming the file and the cause.
+"""
+import errno
+import json
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from typing import IO, Any, Callable, Iterator
+
+from toolkit import cli
+from toolkit.cli import CLIError
+
+try:
+    import fcntl
+    import resource
+except ImportError:  # Windows: no advisory locks, no file size limit
+    fcntl = resource = None
+
+CODE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the scripts; toolkit/ holds the rest
+TEMPORARY = re.compile(r"\..+\.tmp\d+")
+
+
+def temporary_name(path: str) -> str:
+    """A hidden name next to path, unique per process: where path is written before the rename."""
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}")
+
+
+def atomic_write(path: str, write: Callable[[str], Any]) -> None:
+    """Call write(tmp) to fill a temporary file, flush it to disk, then rename it to path."""
+    make_folder(os.path.dirname(path) or ".")
+    tmp = temporary_name(path)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # some writers (safetensors) create private files
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch's zip writer hides ENOSPC behind a RuntimeError
+        raise write_error(path, e, tmp) from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+@contextmanager
+def atomic_open(path: str, mode: str = "w") -> Iterator[IO]:
+    """An open file to write path through, e.g. line by line: it lies under a temporary name until the block ends,
+    then is renamed to path; if the block fails or is interrupted, the temporary file goes and path is untouched."""
+    make_folder(os.path.dirname(path) or ".")
+    tmp = temporary_name(path)
+    try:
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise write_error(path, e, tmp) from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_error(path: str, error: Exception, tmp: str | None = None) -> CLIError:
+    """The one wording of a failed write: `cannot write PATH: WHY; nothing was replaced`."""
+    return CLIError(f"cannot write {path}: {_why_write_failed(error, tmp or path)}; nothing was replaced")
+
+
+def _why_write_failed(error: Exception, tmp: str) -> str:
+    written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if resource else None
+    if limit not in (None, getattr(resource, "RLIM_INFINITY", None)) and written >= limit:
+        return f"the file size limit of {limit:,} bytes was reached (ulimit -f)"
+    folder = os.path.dirname(os.path.abspath(tmp))
+    while not os.path.isdir(folder):  # the nearest folder that exists holds the space
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC or free < max(written, 1 << 20):
+        return f"no space left on device ({free:,} bytes free)"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror.lower()
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def make_folder(path: str, flag: str | None = None) -> None:
+    """os.makedirs(path, exist_ok=True), failing in one line that names the flag (a file in the way, no
+    permission)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        raise CLIError(f"{flag + ' ' if flag else ''}{path}: a file is in the way of this folder; choose another "
+                       f"path") from None
+    except OSError as e:
+        raise CLIError(f"cannot create the folder {path}: {(e.strerror or str(e)).lower()}") from None
+
+
+_locks: dict[str, int] = {}  # folder -> the open lock file this process holds
+
+
+def lock_folder(folder: str, flag: str = "--out-dir") -> None:
+    """Hold an advisory lock on folder/.lock until release_locks() or the end of this process (which also proves
+    the folder writable); another process that asks gets a CLIError naming the first one's PID."""
+    make_folder(folder, flag)
+    key = os.path.realpath(folder)
+    if key in _locks:
+        return
+    fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise CLIError(f"{folder} is in use by another run (PID {other}); wait for it to finish or use "
+                           f"another {flag}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _locks[key] = fd
+    cli.at_end(release_locks)
+
+
+def release_locks() -> None:
+    """Let go of every folder lock this process holds (cli.run does when a script's main() ends)."""
+    while _locks:
+        os.close(_locks.popitem()[1])
+
+
+def remove_temporaries(folder: str) -> None:
+    """Delete temporary files a killed writer left in folder (call it while holding the folder's lock)."""
+    for name in os.listdir(folder):
+        if TEMPORARY.fullmatch(name) and os.path.isfile(os.path.join(folder, name)):
+            os.remove(os.path.join(folder, name))
+
+
+def check_output(path: str, inputs: list[str], flag: str) -> None:
+    """Refuse (CLIError) an output path that is one of the inputs, lies inside an input folder, or is a file
+    of this toolkit's code."""
+    target = os.path.realpath(path)
+    for source in filter(None, inputs):
+        source = os.path.realpath(source)
+        if target == source or os.path.isdir(source) and target.startswith(source + os.sep):
+            raise CLIError(f"{flag} {path} would overwrite the input {source}; choose another path")
+    if os.path.dirname(target) in (CODE_DIR, os.path.join(CODE_DIR, "toolkit")) and target.endswith(".py"):
+        raise CLIError(f"{flag} {path} would overwrite this toolkit's {os.path.basename(target)}")
+
+
+def refuse_existing(paths: list[str], overwrite: bool) -> None:
+    """Refuse (CLIError) to replace an existing output unless overwrite."""
+    existing = [p for p in paths if os.path.exists(p)]
+    if existing and not overwrite:
+        raise CLIError(f"{existing[0]} already exists; use --overwrite to replace it")
+
+
+def read_text(path: str, what: str = "file") -> str:
+    """A UTF-8 text file's contents, or a one-line CLIError naming it (missing, a folder, unreadable, not UTF-8)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise CLIError(f"{what} not found: {path}") from None
+    except UnicodeDecodeError as e:
+        raise CLIError(f"{path} is not UTF-8 text (byte offset {e.start})") from None
+    except OSError as e:
+        raise CLIError(f"cannot read {path}: {(e.strerror or str(e)).lower()}") from None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write obj as indented JSON, atomically."""
+    text = json.dumps(obj, indent=1) + "\n"
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    atomic_write(path, write)
+
+
+def read_json(path: str, what: str = "JSON file") -> dict:
+    """A JSON object from a file, or a one-line CLIError saying what is wrong with it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        raise CLIError(f"{what} not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CLIError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise CLIError(f"{path} must hold a JSON object")
+    return value

@@ -1,0 +1,368 @@
+"""Fine-tuning a pretrained GPT for a task as GPT-1 did, the way finetune.py runs it: the options, the starting
+body, the objective the loop runs (the task's loss plus the LM loss, one global batch split over the processes),
+the validation metrics, and predictions with a fine-tuned checkpoint.
+
+    trainer, report = setup(cfg), ...      # see finetune.py
+    trainer.fit()
+
+The tasks' token layouts and the head are toolkit/tasks.py's; the loop is toolkit/training.py.
+"""
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from model import GPT
+from toolkit import distributed, flags
+from toolkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, model_from_checkpoint
+from toolkit.cli import CLIError
+from toolkit.device import autocast, describe, keep_freed_memory_in_heap, resolve_device, resolve_dtype
+from toolkit.files import atomic_open
+from toolkit.flags import option
+from toolkit.load import load_model
+from toolkit.optim import make_optimizer
+from toolkit.tasks import TASKS, Example, TaskModel, add_special_tokens, encode_records, label_names, pad_batch, \
+    read_records
+from toolkit.tokenizers import Tokenizer, load_tokenizer
+from toolkit.training import LoopConfig, Schedule, TorchEngine, Trainer, claim_out_dir
+
+
+@dataclass
+class FinetuneConfig:
+    # task and files
+    task: str | None = option(None, f"{', '.join(TASKS)} (--predict alone: the checkpoint's own)")
+    train: str | None = option(None, "training examples, JSON lines (schemas: docs/finetune.md)")
+    val: str | None = option(None, "validation examples, JSON lines, scored after every epoch")
+    labels: str = option("class", "class: labels are classes; float: similarity scores, learnt by regression",
+                         choices=["class", "float"])
+    init_from: str = option("ckpt/ckpt.pt", "pretrained model: a ckpt.pt, a DeepSpeed folder or its zero_to_fp32 "
+                                            "output, an HF GPT-2 folder; with --predict alone, a fine-tuned ckpt.pt")
+    out_dir: str = option("ckpt/finetune", "where the best epoch's ckpt.pt and the TensorBoard logs go")
+    overwrite: bool = option(False, "replace an existing OUT_DIR/ckpt.pt or --out")
+    predict: str | None = option(None, "examples to label with the fine-tuned model (JSON lines, labels not needed)")
+    out: str | None = option(None, "where --predict writes one JSON line per example")
+    # optimisation: GPT-1's settings
+    epochs: int = option(3, "passes over the training examples", check="positive")
+    batch_size: int = option(32, "examples per micro-batch, in each process", check="positive")
+    grad_accum: int | None = option(None, "micro-batches per optimizer step over ALL processes (default: one per "
+                                          "process)", check="positive")
+    lr: float = option(6.25e-5, "peak learning rate", check="positive-number")
+    warmup: float = option(0.002, "share of the steps with linear warmup, followed by linear decay to 0",
+                           check="share")
+    lm_weight: float = option(0.5, "weight of the language-model loss on the same inputs (0 = off)",
+                              check="non-negative-number")
+    weight_decay: float = option(0.01, "AdamW weight decay (2-D weights only)", check="non-negative-number")
+    beta1: float = option(0.9, "AdamW beta1", check="probability")
+    beta2: float = option(0.999, "AdamW beta2", check="probability")
+    grad_clip: float = option(1.0, "clip gradients at this global norm (0 = off)", check="non-negative-number")
+    dropout: float = option(0.1, "dropout in the network", check="probability")
+    head_dropout: float = option(0.1, "dropout before the head", check="probability")
+    block_size: int | None = option(None, "longest sequence in tokens (default: the model's); longer ones lose "
+                                          "tokens from the left of the context")
+    # logging and system
+    log_interval: int = option(10, "print the training loss every N steps", check="positive")
+    tensorboard_dir: str | None = option(None, "TensorBoard log dir (default OUT_DIR/tensorboard); one subfolder per "
+                                               "run")
+    run_name: str | None = option(None, "TensorBoard run name (default: the start time)", check="folder-name")
+    device: str = option("auto", "auto, cpu, cuda, cuda:N or mps")
+    dtype: str = option("auto", "autocast dtype; auto = bfloat16 where the hardware computes it natively, else "
+                                "float32", choices=["auto", "float32", "bfloat16", "float16"])
+    seed: int = option(1337, "seed of the new weights, of dropout and of the order of the examples")
+
+
+def check_config(cfg: FinetuneConfig) -> None:
+    """Every value in range and the flags consistent, before anything is read or written (CLIError)."""
+    flags.check_values(cfg)
+    if cfg.task is not None and cfg.task not in TASKS:
+        raise CLIError(f"unknown task {cfg.task!r}; choose from {', '.join(TASKS)}")
+    if cfg.train is None and cfg.predict is None:
+        raise CLIError("nothing to do: give --task, --train and --val to fine-tune, or --predict and --out")
+    for a, b in (("train", "val"), ("predict", "out")):
+        if (getattr(cfg, a) is None) != (getattr(cfg, b) is None):
+            raise CLIError(f"--{a} and --{b} go together")
+    if cfg.train and cfg.task is None:
+        raise CLIError(f"--task is required to fine-tune; choose from {', '.join(TASKS)}")
+    if cfg.labels == "float" and cfg.task not in (None, "similarity"):
+        raise CLIError("--labels float is for --task similarity (regression on a score)")
+    if cfg.block_size is not None and cfg.block_size < 4:
+        raise CLIError(f"--block-size must be at least 4 (three special tokens and one more), got {cfg.block_size}")
+
+
+# ----- models -----
+
+def base_tokenizer(body: GPT, facts: dict, source: str) -> Tokenizer:
+    """The tokenizer the body was pretrained with; one that does not fit the body is an error."""
+    if facts.get("special_tokens"):
+        raise CLIError(f"{source} is already fine-tuned; use it with --predict, or fine-tune the model it came from")
+    tokenizer = load_tokenizer(facts)
+    if tokenizer.vocab_size > body.config.vocab_size:
+        raise CLIError(f"{source} has a model of {body.config.vocab_size} tokens but its {tokenizer.name} tokenizer "
+                       f"has {tokenizer.vocab_size}: the checkpoint does not fit its tokenizer")
+    return tokenizer
+
+
+def load_finetuned(path: str, device: torch.device) -> tuple[TaskModel, Tokenizer, dict]:
+    """(model with its head, tokenizer with the special tokens, the task facts) of a fine-tuned ckpt.pt."""
+    checkpoint = load_checkpoint(path)
+    task = checkpoint.get("finetune")
+    if not isinstance(task, dict) or "head" not in checkpoint:
+        raise CLIError(f"{path} is not a fine-tuned checkpoint (it has no task head); fine-tune it with --task, "
+                       f"--train and --val first")
+    body = model_from_checkpoint(checkpoint, path, dropout=0.0)
+    model = TaskModel(body, task["task"], task["outputs"], dropout=0.0)
+    model.head.load_state_dict(checkpoint["head"])
+    return model.to(device).eval(), load_tokenizer(checkpoint["tokenizer"]), task
+
+
+# ----- batches, scores and metrics -----
+
+def epoch_batches(n: int, global_batch: int, micro_batches: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """One epoch's global batches, in an order drawn from (seed, epoch) alone, so every rank and every run sees the
+    same; a last batch with fewer examples than micro-batches is left out (each needs an example)."""
+    order = np.random.Generator(np.random.PCG64([seed, epoch])).permutation(n)
+    batches = [order[i : i + global_batch] for i in range(0, n, global_batch)]
+    return batches if len(batches[-1]) >= micro_batches else batches[:-1]
+
+
+def rank_share(n: int, rank: int, world_size: int) -> np.ndarray:
+    """Indices of this rank's contiguous share of n items."""
+    return np.array_split(np.arange(n), world_size)[rank]
+
+
+@torch.no_grad()
+def score(model: TaskModel, examples: list[Example], batch_size: int, device: torch.device,
+          dtype: torch.dtype) -> torch.Tensor:
+    """The head's logits for every example (N, outputs or answers), in eval mode. In a process group each rank
+    scores its share and the shares are summed into the whole (a rank's rows are zeros elsewhere)."""
+    was_training = model.training
+    model.eval()
+    columns = len(examples[0].sequences) if model.task == "choice" else model.head.out_features
+    scores = torch.zeros(len(examples), columns, device=device)
+    mine = rank_share(len(examples), distributed.rank(), distributed.world_size())
+    for start in range(0, len(mine), batch_size):
+        rows = mine[start : start + batch_size]
+        batch = [examples[i] for i in rows]
+        idx, extract, _ = pad_batch(batch, device)
+        with autocast(device, dtype):
+            scores[torch.from_numpy(rows).to(device)] = model(idx, extract, len(batch[0].sequences))[0]
+    if distributed.world_size() > 1:
+        torch.distributed.all_reduce(scores)
+    model.train(was_training)
+    return scores.cpu()
+
+
+def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, binary: bool) -> dict[str, float]:
+    """Validation loss and accuracy; with two classes also the F1 score of class 1 (the second label in sorted
+    order: 1, true, "yes" ...)."""
+    predicted = logits.argmax(dim=1)
+    metrics = {"val_loss": F.cross_entropy(logits, labels).item(),
+               "val_accuracy": (predicted == labels).float().mean().item()}
+    if binary:
+        true_positives = ((predicted == 1) & (labels == 1)).sum().item()
+        errors = (predicted != labels).sum().item()  # false positives + false negatives
+        metrics["val_f1"] = 2 * true_positives / (2 * true_positives + errors) if true_positives else 0.0
+    return metrics
+
+
+def regression_metrics(predicted: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    return {"val_loss": F.mse_loss(predicted, targets).item(), "val_pearson": pearson(predicted, targets),
+            "val_spearman": pearson(ranks(predicted), ranks(targets))}
+
+
+def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Pearson's correlation; 0 when either side is constant."""
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    norm = (x.norm() * y.norm()).item()
+    return (x @ y).item() / norm if norm else 0.0
+
+
+def ranks(x: torch.Tensor) -> torch.Tensor:
+    """Ranks of x (0 = smallest), ties sharing their mean rank, for Spearman's correlation."""
+    _, inverse, counts = torch.unique(x, return_inverse=True, return_counts=True)
+    first = counts.cumsum(0) - counts
+    return (first + (counts - 1) / 2)[inverse].double()
+
+
+def prediction(logits: torch.Tensor, task: dict) -> dict:
+    """One output line: the predicted label and the probabilities of all (a regression: the score alone)."""
+    if task["labels"] == "float":
+        return {"label": round(logits.item(), 6)}
+    probabilities = [round(p, 6) for p in logits.softmax(dim=0).tolist()]
+    best = int(logits.argmax())
+    if task["task"] == "choice":
+        return {"label": best, "probabilities": probabilities}
+    names = task["label_names"]
+    keys = [name if isinstance(name, str) else json.dumps(name) for name in names]  # JSON keys are strings
+    return {"label": names[best], "probabilities": dict(zip(keys, probabilities))}
+
+
+def write_predictions(cfg: FinetuneConfig, checkpoint_path: str, device: torch.device, dtype: torch.dtype) -> dict:
+    """Label cfg.predict with a fine-tuned checkpoint into cfg.out (atomically); returns what was done."""
+    model, tokenizer, task = load_finetuned(checkpoint_path, device)
+    if cfg.task not in (None, task["task"]):
+        raise CLIError(f"{checkpoint_path} was fine-tuned for --task {task['task']}, not {cfg.task}")
+    records = read_records(cfg.predict, task["task"], labelled=False)
+    examples = encode_records(records, cfg.predict, task["task"], tokenizer, tokenizer.special_tokens,
+                              model.body.config.block_size, None, labelled=False)
+    rows = score(model, examples, cfg.batch_size, device, dtype)
+    with atomic_open(cfg.out) as f:
+        f.writelines(json.dumps(prediction(row, task), ensure_ascii=False) + "\n" for row in rows)
+    return {"predictions": len(rows), "out": cfg.out, "truncated": sum(e.truncated for e in examples)}
+
+
+# ----- the objective -----
+
+class TaskObjective:
+    """What the loop learns when fine-tuning: the task's loss (cross-entropy, or squared error for a regression)
+    plus lm_weight times the LM loss on the same inputs, over one epoch order per epoch; evaluated on the val set
+    after each epoch."""
+
+    def __init__(self, cfg: FinetuneConfig, model: TaskModel, facts: dict, names: list | None,
+                 train_set: list[Example], val_set: list[Example], device: torch.device, dtype: torch.dtype):
+        self.cfg, self.model, self.facts, self.names = cfg, model, facts, names
+        self.train_set, self.val_set, self.device, self.dtype = train_set, val_set, device, dtype
+        self.regression = cfg.labels == "float"
+        self.val_labels = torch.tensor([e.label for e in val_set])
+        self.micro_steps = cfg.grad_accum // distributed.world_size()
+        self.global_batch = cfg.batch_size * cfg.grad_accum
+        self.steps_per_epoch = len(epoch_batches(len(train_set), self.global_batch, cfg.grad_accum, cfg.seed, 0))
+
+    def micro_batches(self, step: int) -> list[tuple[list[Example], float]]:
+        """This rank's micro-batches of the step's global batch, each weighted by its share of the examples."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        batch = epoch_batches(len(self.train_set), self.global_batch, self.cfg.grad_accum, self.cfg.seed,
+                              epoch)[index]
+        micro = np.array_split(batch, self.cfg.grad_accum)
+        mine = micro[distributed.rank() * self.micro_steps:][: self.micro_steps]
+        return [([self.train_set[i] for i in rows], len(rows) / len(batch)) for rows in mine]
+
+    def loss(self, model: torch.nn.Module, examples: list[Example]) -> torch.Tensor:
+        idx, extract, targets = pad_batch(examples, self.device)
+        labels = torch.tensor([e.label for e in examples], device=self.device)
+        logits, lm_loss = model(idx, extract, len(examples[0].sequences), targets if self.cfg.lm_weight else None)
+        if self.regression:
+            loss = F.mse_loss(logits.squeeze(-1), labels.float())
+        else:
+            loss = F.cross_entropy(logits, labels)
+        return loss if lm_loss is None else loss + self.cfg.lm_weight * lm_loss
+
+    def throughput(self) -> tuple[int, str, None]:
+        return self.global_batch, "examples", None
+
+    def evaluate(self, engine) -> dict[str, float]:
+        logits = score(self.model, self.val_set, self.cfg.batch_size, self.device, self.dtype)
+        if self.regression:
+            metrics = regression_metrics(logits.squeeze(-1), self.val_labels.float())
+        else:
+            metrics = classification_metrics(logits, self.val_labels, binary=self.names is not None and
+                                             len(self.names) == 2)
+        return {name: round(value, 4) for name, value in metrics.items()}
+
+    def good_weights(self, engine) -> bool:
+        return engine.weights_finite()
+
+    def checkpoint_state(self, best: dict | None) -> dict:
+        """train.py's format plus the head's weights and the task (fine-tuning is not resumed: no optimizer)."""
+        cfg = self.cfg
+        return {"model_config": asdict(self.model.body.config), "train_config": asdict(cfg), "tokenizer": self.facts,
+                "head": self.model.head.state_dict(),
+                "finetune": {"task": cfg.task, "labels": cfg.labels, "label_names": self.names,
+                             "outputs": self.model.head.out_features, "metrics": best, "init_from": cfg.init_from}}
+
+    def chance(self) -> float:
+        """The metric a model that learnt nothing reaches: the commonest val label's share (a choice: one over the
+        answers), or no correlation."""
+        if self.regression:
+            return 0.0
+        if self.cfg.task == "choice":
+            return 1 / len(self.val_set[0].sequences)
+        return torch.bincount(self.val_labels).max().item() / len(self.val_labels)
+
+
+def setup(cfg: FinetuneConfig) -> Trainer:
+    """Read the body and the examples, add the special tokens and the head, and hand the loop an engine; nothing is
+    written before every input has been read and checked."""
+    device = resolve_device(cfg.device, distributed.local_rank())
+    dtype = resolve_dtype(cfg.dtype, device)
+    if device.type == "cpu":
+        keep_freed_memory_in_heap()
+    world = distributed.world_size()
+    cfg.grad_accum = cfg.grad_accum or world
+    if cfg.grad_accum % world:
+        raise CLIError(f"--grad-accum {cfg.grad_accum} cannot be split across {world} processes; use a multiple of "
+                       f"{world}")
+    cfg.run_name = cfg.run_name or time.strftime("%Y%m%d-%H%M%S")
+
+    body, facts = load_model(cfg.init_from, dropout=cfg.dropout)
+    tokenizer = base_tokenizer(body, facts, cfg.init_from)
+    if cfg.block_size is not None and cfg.block_size > body.config.block_size:
+        raise CLIError(f"--block-size {cfg.block_size} is longer than the {body.config.block_size} positions of "
+                       f"{cfg.init_from}")
+    if cfg.block_size is not None:
+        body.crop_block_size(cfg.block_size)
+    torch.manual_seed(cfg.seed)  # the new embedding rows and the head, the same in every rank
+    special = add_special_tokens(body, tokenizer)
+    facts = {**facts, "vocab_size": tokenizer.vocab_size, "special_tokens": special}
+
+    train = read_records(cfg.train, cfg.task, labelled=True)
+    val = read_records(cfg.val, cfg.task, labelled=True)
+    regression = cfg.labels == "float"
+    names = None if regression or cfg.task == "choice" else label_names(train, cfg.train)
+    block_size = body.config.block_size
+    train_set = encode_records(train, cfg.train, cfg.task, tokenizer, special, block_size, names)
+    val_set = encode_records(val, cfg.val, cfg.task, tokenizer, special, block_size, names)
+    model = TaskModel(body, cfg.task, len(names) if names else 1, cfg.head_dropout).to(device)
+    objective = TaskObjective(cfg, model, facts, names, train_set, val_set, device, dtype)
+    if objective.steps_per_epoch == 0:
+        raise CLIError(f"{cfg.train} has {len(train_set)} examples, fewer than the {cfg.grad_accum} micro-batches of "
+                       f"a step")
+    optimizer = make_optimizer(model, "adamw", cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2),
+                               device_type=device.type)
+    path = os.path.join(cfg.out_dir, CHECKPOINT_FILE)
+    engine = TorchEngine(path, model, body, optimizer, device, dtype, objective.loss, cfg.grad_clip,
+                         save_optimizer=False)
+    if distributed.rank() == 0:  # every input is good: only now is anything written
+        claim_out_dir(cfg.out_dir, path, resuming=False, overwrite=True)  # finetune.py refused it before
+        describe_run(cfg, objective, device, dtype)
+    total = cfg.epochs * objective.steps_per_epoch
+    schedule = Schedule(cfg.lr, math.ceil(cfg.warmup * total), total, 0.0, shape="linear")
+    loop = LoopConfig(max_iters=total, log_interval=cfg.log_interval, eval_interval=objective.steps_per_epoch,
+                      eval_at_start=False, metric="val_pearson" if regression else "val_accuracy", maximize=True,
+                      keep_best=True)
+    return Trainer(engine, objective, schedule, loop, cfg.out_dir, cfg.run_name, cfg.tensorboard_dir,
+                   desc="finetune")
+
+
+def describe_run(cfg: FinetuneConfig, objective: TaskObjective, device: torch.device, dtype: torch.dtype) -> None:
+    body = objective.model.body
+    labels = "scores (regression)" if objective.regression else "answers" if cfg.task == "choice" else \
+        f"labels {', '.join(map(repr, objective.names))}"
+    print(f"fine-tuning {cfg.task} from {cfg.init_from}: {len(objective.train_set)} train, "
+          f"{len(objective.val_set)} val examples, {labels}")
+    print(f"model: {body.num_params() / 1e6:.2f}M parameters, block {body.config.block_size}; {cfg.epochs} epochs x "
+          f"{objective.steps_per_epoch} steps of {objective.global_batch} examples over {distributed.world_size()} "
+          f"process(es); device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}", flush=True)
+    for path, examples in ((cfg.train, objective.train_set), (cfg.val, objective.val_set)):
+        cut = sum(e.truncated for e in examples)
+        if cut:
+            print(f"{path}: {cut} of {len(examples)} examples cut to the block size of {body.config.block_size} "
+                  f"tokens, from the left of the context")
+
+
+def learning_warning(trainer: Trainer) -> str | None:
+    """One line when the run learnt nothing: its best is no better than chance, or than its first evaluation."""
+    objective, loop = trainer.objective, trainer.loop
+    metrics = trainer.history["metrics"]
+    if not metrics:
+        return None
+    best, first, chance = trainer.best[loop.metric], metrics[0][loop.metric], objective.chance()
+    if best > chance + 0.02 and (len(metrics) < 2 or best > first):
+        return None
+    why = f"no better than chance ({chance:.3f})" if best <= chance + 0.02 else "no better than after the first epoch"
+    return (f"warning: the best {loop.metric.replace('_', ' ')} {best:.4f} is {why}; try a higher --lr (now "
+            f"{objective.cfg.lr:g}), more --epochs or more examples")

@@ -1,0 +1,142 @@
+"""Options as dataclass fields: one kebab-case flag per field, with its help, its range check and its choices;
+Megatron-LM's names in a help group of their own; --config JSON files typed like the flags.
+
+    @dataclass
+    class Config:
+        lr: float = option(1e-3, "peak learning rate", check="positive")
+        split: str = option("969,30,1", "train,val,test split", megatron=True)
+
+    parser = cli.argument_parser(__doc__)
+    add_flags(parser, Config, aliases={"lr": ["--learning-rate"]})
+    cfg = Config(**values(parser.parse_args(argv), Config))
+    check_values(cfg)                 # every range, one wording per kind of check
+"""
+import argparse
+import math
+import os
+from dataclasses import MISSING, field, fields
+
+from toolkit.cli import CLIError
+from toolkit.files import read_json
+
+# check name -> (test, what the value must be)
+CHECKS = {
+    "positive": (lambda v: v >= 1, "at least 1"),
+    "non-negative": (lambda v: v >= 0, "at least 0"),
+    "positive-number": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    "non-negative-number": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    "probability": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "share": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "folder-name": (lambda v: bool(v) and os.sep not in v and v not in (".", ".."), "a plain folder name"),
+}
+MEGATRON_GROUP = ("Megatron-LM's names", "Megatron-LM's options and its spellings of the options above; each sets "
+                                          "the same value as the option it names.")
+
+
+def option(default, help: str, *, check: str | None = None, choices: list | None = None, megatron: bool = False,
+           required: bool = False):
+    """A config field with its --help text, the CHECKS rule its value must pass, its choices, whether it is one of
+    Megatron-LM's own options (listed in their group), and whether the command line must give it."""
+    assert check is None or check in CHECKS, check
+    return field(default=default, metadata={"help": help, "check": check, "choices": choices, "megatron": megatron,
+                                            "required": required})
+
+
+def flag(name: str) -> str:
+    """The flag of a field: lr_decay_iters -> --lr-decay-iters."""
+    return "--" + name.replace("_", "-")
+
+
+def base_type(annotation) -> type:
+    """int | None -> int."""
+    args = getattr(annotation, "__args__", None)
+    return args[0] if args else annotation
+
+
+def add_flags(parser: argparse.ArgumentParser, config_class: type, aliases: dict[str, list[str]] | None = None,
+              argument_default=None, overrides: dict[str, dict | None] | None = None) -> None:
+    """One flag per field of config_class; Megatron's options and the aliases (other spellings of a field, e.g.
+    Megatron's) in the Megatron group. argument_default=argparse.SUPPRESS leaves out every flag not given.
+    overrides: a script's own help or choices for a field, or None to leave its flag out."""
+    overrides = overrides or {}
+    for f in fields(config_class):
+        if f.name in overrides and overrides[f.name] is None:
+            continue
+        kwargs = {"dest": f.name, "help": f.metadata["help"]}
+        if f.metadata["choices"]:
+            kwargs["choices"] = f.metadata["choices"]
+        if f.metadata["required"] and argument_default is None:
+            kwargs["required"] = True
+        kwargs.update(overrides.get(f.name) or {})
+        if f.type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = base_type(f.type)
+        default = f.default if f.default is not MISSING else None
+        if argument_default is not None:
+            kwargs["default"] = argument_default
+        else:
+            kwargs["default"] = default
+            if default is not None and f.type is not bool:
+                kwargs["help"] += f" (default: {default})"
+        (megatron_group(parser) if f.metadata["megatron"] else parser).add_argument(flag(f.name), **kwargs)
+        for alias in (aliases or {}).get(f.name, []):
+            alias_kwargs = {**kwargs, "default": argparse.SUPPRESS, "help": f"= {flag(f.name)}"}
+            megatron_group(parser).add_argument(alias, **alias_kwargs)
+
+
+def megatron_group(parser: argparse.ArgumentParser):
+    """The parser's help group of Megatron-LM's names (made on first use)."""
+    for group in parser._action_groups:
+        if group.title == MEGATRON_GROUP[0]:
+            return group
+    return parser.add_argument_group(*MEGATRON_GROUP)
+
+
+def given(config_class: type, argv: list[str] | None, aliases: dict[str, list[str]] | None = None,
+          overrides: dict[str, dict | None] | None = None) -> set[str]:
+    """The fields whose flags (or aliases) appear in argv: the values the user chose, which a resumed checkpoint
+    does not override."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_flags(parser, config_class, aliases, argument_default=argparse.SUPPRESS, overrides=overrides)
+    return set(vars(parser.parse_known_args(argv)[0]))
+
+
+def values(args: argparse.Namespace, config_class: type) -> dict:
+    """The parsed values of config_class's fields."""
+    return {f.name: getattr(args, f.name, f.default) for f in fields(config_class)}
+
+
+def check_values(cfg) -> None:
+    """Every field with a check holds a value that passes it (CLIError naming the flag); None means unset."""
+    for f in fields(cfg):
+        value, rule = getattr(cfg, f.name), f.metadata.get("check")
+        if rule is None or value is None:
+            continue
+        test, wanted = CHECKS[rule]
+        if not test(value):
+            raise CLIError(f"{flag(f.name)} must be {wanted}, got {value!r}")
+
+
+def read_config_file(path: str, config_class: type) -> dict:
+    """Option values from a JSON object; keys are field names (snake_case or kebab-case), values typed as the
+    flags are, choices as theirs."""
+    known = {f.name: f for f in fields(config_class)}
+    values = {k.replace("-", "_"): v for k, v in read_json(path, "config file").items()}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise CLIError(f"{path}: unknown option(s) {', '.join(unknown)}")
+    for name, value in values.items():
+        f = known[name]
+        kind = base_type(f.type)
+        nullable = f.type is not kind
+        ok = (value is None and nullable) or (type(value) is bool if kind is bool else
+                                              type(value) is int if kind is int else
+                                              type(value) in (int, float) if kind is float else
+                                              isinstance(value, str))
+        if not ok:
+            raise CLIError(f"{path}: {name} must be {'null or ' if nullable else ''}{kind.__name__}, got {value!r}")
+        choices = f.metadata["choices"]
+        if choices and value is not None and value not in choices:
+            raise CLIError(f"{path}: {name} must be one of {', '.join(choices)}, got {value!r}")
+    return values

@@ -1,0 +1,39 @@
+"""Every model a script can start from, read by one function: a ckpt.pt (pretrained or fine-tuned), a DeepSpeed
+checkpoint folder (OUT_DIR, OUT_DIR/ds, a global_stepN folder, or the zero_to_fp32 output inside it), an HF GPT-2
+folder, or a GPT-2 hub name found in the local Hugging Face cache.
+
+    model, facts = load_model("ckpt/ckpt.pt")     # the GPT and its tokenizer facts (load_tokenizer(facts))
+"""
+import os
+
+from model import GPT
+from toolkit import hf
+from toolkit.checkpoint import load_checkpoint, model_from_checkpoint
+from toolkit.ds_checkpoint import is_deepspeed_folder, load_deepspeed_model
+from toolkit.gpt2_vocab import GPT2_FACTS
+
+
+def is_deepspeed_source(path: str) -> bool:
+    """A DeepSpeed checkpoint folder, the run folder above one, or a file or tag folder inside one."""
+    parent = os.path.dirname(os.path.abspath(path.rstrip("/\\")))
+    return any(map(is_deepspeed_folder, (path, os.path.join(path, "ds"), parent)))
+
+
+def is_hf_source(path: str) -> bool:
+    """An HF folder, or a name that is no file here (looked up in the local Hugging Face cache)."""
+    return os.path.isdir(path) or not os.path.exists(path) and not path.endswith(".pt")
+
+
+def load_model(path: str, **overrides) -> tuple[GPT, dict]:
+    """(model, tokenizer facts) from any source above; overrides set e.g. attn_kernel or dropout, which is off
+    (this is for inference) unless they set it. An HF folder is read with GPT-2's tokenizer unless it holds this
+    toolkit's tokenizer facts."""
+    overrides = {"dropout": 0.0, **overrides}
+    if is_deepspeed_source(path):
+        model, state, _ = load_deepspeed_model(path, **overrides)
+        return model, state["tokenizer"]
+    if is_hf_source(path):
+        model = hf.load_gpt2(path, **overrides)
+        return model, hf.read_tokenizer(hf.find_model_dir(path), model.config.vocab_size)
+    checkpoint = load_checkpoint(path)
+    return model_from_checkpoint(checkpoint, path, **overrides), checkpoint.get("tokenizer", GPT2_FACTS)

@@ -1,0 +1,175 @@
+"""Sampling from a GPT on the command line, as test.py and test_ds.py do: the options, prompts, printing samples as
+they stream, and Megatron-style JSONL files (--genfile), written atomically.
+
+    add_sampling_arguments(parser); args = parser.parse_args()
+    check_sampling_args(args, inputs=[args.ckpt])
+    run_sampling(model, tokenizer, args)
+"""
+import argparse
+import json
+import os
+import sys
+from typing import IO
+
+import torch
+
+from model import ATTN_KERNELS, GPT, check_sampling
+from toolkit.cli import CLIError
+from toolkit.device import autocast, resolve_device, resolve_dtype
+from toolkit.files import atomic_open, check_output, read_text
+from toolkit.tokenizers import Tokenizer
+
+PROMPT_FILE = "FILE:"
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", default="", help=f"start text, or {PROMPT_FILE}path to read it from a file "
+                        "(default: unconditional, starting from the end-of-text token)")
+    parser.add_argument("--num-samples", type=int, default=3, help="samples to draw (default: 3)")
+    parser.add_argument("--max-new-tokens", type=int, default=500, help="tokens to generate per sample (default: 500)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
+    parser.add_argument("--top-k", type=int, default=200, help="sample from the k likeliest tokens (default: 200)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold, e.g. 0.9")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="samples generated together in each process, when not streaming (default: 1)")
+    parser.add_argument("--seed", type=int, default=1337, help="seed of the draws (default: 1337)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="autocast dtype; auto = bfloat16 where the hardware computes it natively, else float32 "
+                             "(default: auto)")
+    parser.add_argument("--attn-kernel", default="auto", choices=ATTN_KERNELS, help="attention implementation")
+    parser.add_argument("--genfile", help="write samples as JSONL lines {text, length, finished} (Megatron)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --genfile")
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                        help="print tokens as they come (default: when stdout is a terminal)")
+    parser.add_argument("--interactive", action="store_true", help="read prompts from stdin in a loop")
+    megatron = parser.add_argument_group("Megatron-LM's names", "its spellings of the options above")
+    megatron.add_argument("--out-seq-length", dest="max_new_tokens", type=int, default=argparse.SUPPRESS,
+                          help="= --max-new-tokens")
+    megatron.add_argument("--micro-batch-size", dest="batch_size", type=int, default=argparse.SUPPRESS,
+                          help="= --batch-size")
+
+
+def read_prompt(prompt: str) -> str:
+    """The prompt text: the flag's value, or the contents of the file a FILE:path names."""
+    if prompt.startswith(PROMPT_FILE):
+        return read_text(prompt[len(PROMPT_FILE):], f"--prompt {PROMPT_FILE}")
+    return prompt
+
+
+def prompt_ids(text: str, tok: Tokenizer) -> list[int]:
+    """Unconditional generation starts from the end-of-text token (GPT-2's convention), or a newline."""
+    if text:
+        ids = tok.encode(text)
+        if ids:
+            return ids
+    if tok.eot_id is not None:
+        return [tok.eot_id]
+    return tok.encode("\n") or [0]
+
+
+class Sampler:
+    """Draws samples from one model with fixed settings; streams, batches and records them."""
+
+    def __init__(self, model: GPT, tok: Tokenizer, args: argparse.Namespace, genfile: IO | None):
+        self.model, self.tok, self.args, self.genfile = model, tok, args, genfile
+        self.device = resolve_device(args.device)
+        self.model.to(self.device).eval()
+        self.ctx = autocast(self.device, resolve_dtype(args.dtype, self.device))
+        self.stream = sys.stdout.isatty() if args.stream is None else args.stream
+
+    def generation_kwargs(self) -> dict:
+        a = self.args
+        return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                    eos_token=self.tok.eot_id)
+
+    def sample(self, text: str) -> None:
+        """num_samples completions of text, printed (streamed or whole) and written to the genfile."""
+        ids = prompt_ids(text, self.tok)
+        done = 0
+        while done < self.args.num_samples:
+            n = 1 if self.stream else min(self.args.batch_size, self.args.num_samples - done)
+            idx = torch.tensor([ids] * n, dtype=torch.long, device=self.device)
+            with torch.no_grad(), self.ctx:
+                new = self.stream_one(idx, text) if self.stream else self.batch(idx, text)
+            for tokens in new:
+                self.record(text, tokens)
+            done += n
+
+    def stream_one(self, idx: torch.Tensor, text: str) -> list[list[int]]:
+        """Typewriter output: print each piece of text as soon as it decodes to whole characters."""
+        tokens, printed = [], ""
+        print(text, end="", flush=True)
+        for step in self.model.generate_stream(idx, **self.generation_kwargs()):
+            token = step[0].item()
+            if token == self.tok.eot_id:
+                return [self.finish_line(tokens, printed) + [token]]
+            tokens.append(token)
+            decoded = self.tok.decode(tokens)
+            if not decoded.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the next token
+                print(decoded[len(printed):], end="", flush=True)
+                printed = decoded
+        return [self.finish_line(tokens, printed)]
+
+    def finish_line(self, tokens: list[int], printed: str) -> list[int]:
+        print(self.tok.decode(tokens)[len(printed):] + "\n" + "-" * 40, flush=True)
+        return tokens
+
+    def batch(self, idx: torch.Tensor, text: str) -> list[list[int]]:
+        out = self.model.generate(idx, **self.generation_kwargs())[:, idx.size(1):].tolist()
+        for tokens in out:
+            print(text + self.tok.decode(self.strip_eot(tokens)[0]) + "\n" + "-" * 40, flush=True)
+        return out
+
+    def strip_eot(self, tokens: list[int]) -> tuple[list[int], bool]:
+        """Tokens up to the first end-of-text token, and whether there was one."""
+        if self.tok.eot_id is not None and self.tok.eot_id in tokens:
+            return tokens[: tokens.index(self.tok.eot_id)], True
+        return tokens, False
+
+    def record(self, prompt: str, tokens: list[int]) -> None:
+        if self.genfile:
+            body, finished = self.strip_eot(tokens)
+            line = {"text": prompt + self.tok.decode(body), "length": len(body), "finished": finished}
+            self.genfile.write(json.dumps(line, ensure_ascii=False) + "\n")
+
+
+def check_sampling_args(args: argparse.Namespace, inputs: list[str]) -> None:
+    """Every sampling option in range, and a --genfile that replaces neither an input nor, without --overwrite,
+    an existing file: checked before anything is loaded or written."""
+    for name in ("num_samples", "max_new_tokens", "batch_size"):
+        if getattr(args, name) < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be at least 1")
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    if args.genfile:
+        prompt_file = [args.prompt[len(PROMPT_FILE):]] if args.prompt.startswith(PROMPT_FILE) else []
+        check_output(args.genfile, inputs + prompt_file, "--genfile")
+        if os.path.exists(args.genfile) and not args.overwrite:
+            raise CLIError(f"--genfile {args.genfile} already exists; pass --overwrite to replace it")
+
+
+def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace) -> None:
+    """Sample once from --prompt, or in a loop over prompts typed on stdin with --interactive. The genfile
+    appears, complete, when sampling ends; a failure or an interrupt leaves none."""
+    torch.manual_seed(args.seed)
+    prompt = read_prompt(args.prompt) if not args.interactive else None
+    if args.genfile:
+        with atomic_open(args.genfile) as genfile:
+            sample_prompts(Sampler(model, tok, args, genfile), prompt)
+    else:
+        sample_prompts(Sampler(model, tok, args, None), prompt)
+
+
+def sample_prompts(sampler: Sampler, prompt: str | None) -> None:
+    if prompt is not None:
+        sampler.sample(prompt)
+        return
+    print("Type a prompt and press Enter (empty line or Ctrl-D to quit).", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        sampler.sample(line)
