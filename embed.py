@@ -28,7 +28,7 @@ from toolkit import cli, flags
 from toolkit.checkpoint import CHECKPOINT_FILE
 from toolkit.cli import CLIError
 from toolkit.device import describe, resolve_device, resolve_dtype
-from toolkit.documents import input_files, is_json_lines, open_binary
+from toolkit.documents import input_files, is_json_lines, json_lines, open_binary, read_lines
 from toolkit.embedding import POOLINGS, embed, encode, info_nce, top_k
 from toolkit.files import atomic_write, check_output, lock_folder, read_json, refuse_existing, write_json
 from toolkit.flags import option
@@ -57,30 +57,16 @@ class Document:
         return self.source if self.line is None else f"{self.source} line {self.line}"
 
 
-def read_lines(path: str) -> Iterator[tuple[int, str]]:
-    """(line number, line without its newline) of a text or JSON-lines file, .gz/.bz2/.xz decompressed."""
-    if not os.path.isfile(path):
-        raise CLIError(f"file not found: {path}")
-    with open_binary(path) as f:
-        for number, line in enumerate(f, start=1):
-            try:
-                yield number, line.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError:
-                raise CLIError(f"{path} line {number}: invalid UTF-8") from None
-
-
-def json_record(path: str, number: int, line: str, keys: tuple[str, ...]) -> dict:
-    """The JSON object on a line with a string under each key, or a one-line error naming file and line."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise CLIError(f"{path} line {number}: invalid JSON ({e.msg})") from None
-    if not isinstance(record, dict):
-        raise CLIError(f"{path} line {number}: expected a JSON object")
-    for key in keys:
-        if not isinstance(record.get(key), str):
-            raise CLIError(f"{path} line {number}: no string {key!r} key")
-    return record
+def json_records(path: str, keys: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) of every non-blank line, each with a string under each key, or a one-line error
+    naming file and line."""
+    for number, record in json_lines(path):
+        if not isinstance(record, dict):
+            raise CLIError(f"{path} line {number}: expected a JSON object")
+        for key in keys:
+            if not isinstance(record.get(key), str):
+                raise CLIError(f"{path} line {number}: no string {key!r} key")
+        yield number, record
 
 
 def record_id(path: str, number: int, value) -> str:
@@ -98,11 +84,9 @@ def read_corpus(path: str, json_key: str, id_key: str, glob: str) -> list[Docume
                      for file in input_files([path], glob)]
     elif is_json_lines(path):
         documents = []
-        for number, line in read_lines(path):
-            if line.strip():
-                record = json_record(path, number, line, (json_key,))
-                doc_id = record_id(path, number, record[id_key]) if id_key in record else str(number)
-                documents.append(Document(doc_id, record[json_key], path, number))
+        for number, record in json_records(path, (json_key,)):
+            doc_id = record_id(path, number, record[id_key]) if id_key in record else str(number)
+            documents.append(Document(doc_id, record[json_key], path, number))
     else:
         documents = [Document(str(number), line, path, number) for number, line in read_lines(path)]
     documents = [d for d in documents if d.text.strip()]
@@ -402,10 +386,7 @@ def print_table(query: str, results: list[dict]) -> None:
 def read_eval_pairs(path: str, ids: dict[str, int], index_folder: str) -> tuple[list[str], list[str], list[int]]:
     """(queries, their places, the number of each one's relevant document) from {"query", "id"} lines."""
     queries, places, relevant = [], [], []
-    for number, line in read_lines(path):
-        if not line.strip():
-            continue
-        record = json_record(path, number, line, ("query",))
+    for number, record in json_records(path, ("query",)):
         if not record["query"].strip():
             raise CLIError(f"{path} line {number}: 'query' is empty")
         if "id" not in record:
@@ -450,10 +431,7 @@ def eval_command(args: argparse.Namespace) -> None:
 def read_tune_pairs(path: str, tokenizer: Tokenizer, max_tokens: int) -> list[tuple[list[int], ...]]:
     """(query, positive[, negative]) token lists from JSON lines, each cut to max_tokens (the block size)."""
     pairs = []
-    for number, line in read_lines(path):
-        if not line.strip():
-            continue
-        record = json_record(path, number, line, ("query", "positive"))
+    for number, record in json_records(path, ("query", "positive")):
         fields = ["query", "positive"]
         if "negative" in record:
             if not isinstance(record["negative"], str):

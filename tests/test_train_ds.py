@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main
+from conftest import ROOT, TINY_MODEL, assert_one_line_error, fake_deepspeed_folder, run_main
 from toolkit.distributed import free_port
 
 pytest.importorskip("deepspeed")
@@ -112,32 +112,60 @@ def test_zero3_offload_trains_converts_and_samples(zero3_run, tmp_path):
     assert_same_weights(hf.state_dict(), engine_weights)
 
 
-def test_zero3_offload_matches_train_py(zero3_run, char_data, tmp_path):
-    """2 ranks x 2 micro-steps under ZeRO-3 offload = 1 process x 4 micro-steps of train.py (fp32 AdamW)."""
-    out, _, _ = zero3_run
-    single = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, *COMMON)
+@pytest.fixture(scope="module")
+def reference(char_data, tmp_path_factory) -> dict:
+    """train.py on one process, 4 micro-steps of 4 (fp32 AdamW): what every DeepSpeed run here must reproduce."""
+    out = tmp_path_factory.mktemp("reference")
+    single = run_main("train.py", "--data-dir", char_data, "--out-dir", out, *TINY_MODEL, *COMMON)
     assert single.returncode == 0, single.stderr
-    reference = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    return torch.load(out / "ckpt.pt", weights_only=True)
+
+
+def assert_losses_close(losses: list[float], expected: list[float], tolerance: float = 1e-4) -> None:
+    differences = [round(abs(a - b), 7) for a, b in zip(losses, expected)]
+    assert max(differences) < tolerance, str(differences)
+
+
+def test_zero3_offload_matches_train_py(zero3_run, reference):
+    """2 ranks x 2 micro-steps under ZeRO-3 offload = 1 process x 4 micro-steps of train.py (fp32 AdamW)."""
+    out, _, gathered = zero3_run
     losses = train_state(out)["history"]["loss"]
     assert len(losses) == len(reference["history"]["loss"]) == 12
-    assert max(abs(a - b) for a, b in zip(losses, reference["history"]["loss"])) < 1e-4, losses
-    gathered = zero3_run[2]  # what zero_to_fp32 gathers is what train.py computed
-    assert set(gathered) == set(reference["model"])
+    assert_losses_close(losses, reference["history"]["loss"])
+    assert set(gathered) == set(reference["model"])  # what zero_to_fp32 gathers is what train.py computed
     assert all(torch.allclose(gathered[k], reference["model"][k], atol=1e-4) for k in gathered)
 
 
-def test_zero2_config_matches_train_py(zero3_run, char_data, hostfile, tmp_path):
-    """The shipped ZeRO-2 (optimizer offload) config trains the same model: first 6 steps within 1e-4."""
-    result = launch(hostfile, char_data, tmp_path, *COMMON[:1], "6", *COMMON[2:], config="ds_config_zero2.json")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "ZeRO stage 2, optimizer offload to cpu, optimizer DeepSpeedCPUAdam" in result.stdout
-    losses, zero3 = train_state(tmp_path)["history"]["loss"], train_state(zero3_run[0])["history"]["loss"]
-    assert len(losses) == 6 and max(abs(a - b) for a, b in zip(losses, zero3)) < 1e-4, (losses, zero3)
+def test_ctrl_c_under_the_zero2_config_saves_a_checkpoint_of_the_same_training(ds_ops, char_data, hostfile,
+                                                                               reference, tmp_path):
+    """The shipped ZeRO-2 (optimizer offload) config, stopped by Ctrl-C: the terminal signals every process of the
+    job (the launcher then also sends SIGTERM to each rank); the ranks finish the step together and save a
+    complete checkpoint, whose losses are train.py's."""
+    cmd = launcher_cmd(hostfile, "--no_ssh_check") + train_ds_args(char_data, tmp_path, *COMMON[2:], "--max-iters",
+                                                                   "100000", config="ds_config_zero2.json")
+    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, **ENV}, start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("iter 6:"):
+            break
+    os.killpg(proc.pid, signal.SIGINT)  # the whole job, as a terminal's Ctrl-C
+    out = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert "ZeRO stage 2, optimizer offload to cpu, optimizer DeepSpeedCPUAdam" in out, out[-3000:]
+    assert "stopped by signal" in out, out[-3000:]
+    state = train_state(tmp_path)
+    assert 6 <= state["iter_num"] < 100000 and state["world_size"] == 2
+    assert state["train_config"]["grad_accum"] == 4
+    losses = state["history"]["loss"][:12]  # the same schedule for the first 12 steps: --lr-decay-iters 12
+    assert_losses_close(losses, reference["history"]["loss"][:len(losses)])
 
 
-def test_two_node_no_ssh_then_exact_resume(zero3_run, char_data, hostfile, tmp_path):
-    """Steps 1-6 on two "nodes" (two launchers, no ssh), resumed by one launcher to step 12: the weights
-    equal those of the uninterrupted run."""
+def test_two_node_no_ssh_then_exact_resume_here_and_on_one_process(zero3_run, char_data, hostfile, reference,
+                                                                    tmp_path):
+    """Steps 1-6 on two "nodes" (two launchers, no ssh), then steps 7-12 by one launcher: the weights equal the
+    uninterrupted run's bitwise. The same step-6 checkpoint continued on 1 process goes through DeepSpeed's
+    universal checkpoint, with train.py's losses."""
     _, _, engine_weights = zero3_run
     nodes = tmp_path / "nodes"
     nodes.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
@@ -154,6 +182,7 @@ def test_two_node_no_ssh_then_exact_resume(zero3_run, char_data, hostfile, tmp_p
     conv = subprocess.run([sys.executable, "zero_to_fp32.py", ".", "ckpt_ds.pt"], cwd=tmp_path / "ds", text=True,
                           capture_output=True, timeout=120, env={**os.environ, **ENV})  # the seed's flow, at step 6
     assert conv.returncode == 0, conv.stderr[-2000:]
+    shutil.copytree(tmp_path / "ds", tmp_path / "one" / "ds")
 
     resumed = launch(hostfile, char_data, tmp_path, "--init-from", "resume", "--max-iters", "12")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -174,19 +203,28 @@ def test_two_node_no_ssh_then_exact_resume(zero3_run, char_data, hostfile, tmp_p
                      "--device", "cpu", cwd=user, env=ENV)
     assert stale.returncode == 0 and "zero_to_fp32 output older than global_step12" in stale.stderr, stale.stderr
 
-
-def test_resume_with_another_world_size_goes_through_the_universal_checkpoint(zero3_run, char_data, tmp_path):
-    """The ZeRO-3 offload run of 2 processes continues on 1 (DeepSpeed's ds_to_universal + load_universal)."""
-    one = tmp_path / "one"
+    one = tmp_path / "one.hosts"
     one.write_text("localhost slots=1\n")
-    out = tmp_path / "copy"
-    shutil.copytree(zero3_run[0] / "ds", out / "ds")
-    result = launch(one, char_data, out, "--init-from", "resume", "--max-iters", "14")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "through DeepSpeed's universal checkpoint" in result.stdout
-    state, before = train_state(out), train_state(zero3_run[0])
-    assert state["iter_num"] == 14 and state["world_size"] == 1
-    assert state["history"]["loss"][:12] == before["history"]["loss"] and len(state["history"]["loss"]) == 14
+    single = launch(one, char_data, tmp_path / "one", "--init-from", "resume", "--max-iters", "12")
+    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
+    assert "through DeepSpeed's universal checkpoint" in single.stdout and "x 1 processes" in single.stdout
+    state = train_state(tmp_path / "one")
+    assert state["iter_num"] == 12 and state["world_size"] == 1
+    assert_losses_close(state["history"]["loss"], reference["history"]["loss"])
+    assert sorted(p.name for p in (tmp_path / "one" / "ds").glob("global_step*")) == ["global_step12"]
+    assert not (tmp_path / "one" / "ds" / "universal").exists()  # the conversion is removed once loaded
+
+
+def test_a_resume_in_another_layout_names_the_export(tmp_path):
+    """A pipeline or tensor-parallel layout other than the checkpoint's cannot resume it: one line, naming the
+    export that starts a new run from its weights."""
+    from toolkit.cli import CLIError
+    from toolkit.deepspeed_engine import DeepSpeedEngine
+    fake_deepspeed_folder(tmp_path / "ds")  # 1 process, no pipeline, no tensor parallel
+    ds = json.loads((ROOT / "ds_config.json").read_text())
+    engine = DeepSpeedEngine(ds, "ds_config.json", str(tmp_path), 1, pipeline_stages=1, tp_size=2, world_size=2)
+    with pytest.raises(CLIError, match="--pipeline-stages 1 --tp-size 1; resume with the same layout.*--export-hf"):
+        engine.read_resume()
 
 
 @pytest.mark.parametrize("change, flags, fragments", [
@@ -216,21 +254,3 @@ def test_test_ds_bad_input_is_one_line(tmp_path):
     (tmp_path / "junk").mkdir()
     assert_one_line_error(run_main("test_ds.py", "--ckpt", tmp_path / "junk", env=ENV),
                           "not a DeepSpeed checkpoint")
-
-
-def test_ctrl_c_saves_a_resumable_checkpoint(ds_ops, char_data, hostfile, tmp_path):
-    """Ctrl-C signals every process of the job (the launcher then also sends SIGTERM to each rank): the ranks
-    finish the step together and save a complete checkpoint."""
-    cmd = launcher_cmd(hostfile, "--no_ssh_check") + train_ds_args(char_data, tmp_path, "--max-iters", "100000",
-                                                                   "--eval-interval", "100000")
-    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, **ENV}, start_new_session=True)
-    for line in proc.stdout:
-        if line.startswith("iter 3:"):
-            break
-    os.killpg(proc.pid, signal.SIGINT)  # the whole job, as a terminal's Ctrl-C
-    out = proc.communicate(timeout=120)[0]
-    assert "stopped by signal" in out, out[-3000:]
-    state = train_state(tmp_path)
-    assert 3 <= state["iter_num"] < 100000 and state["world_size"] == 2
-    assert state["train_config"]["grad_accum"] == 2  # the default: one micro-batch per process

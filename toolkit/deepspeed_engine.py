@@ -21,6 +21,7 @@ from deepspeed.accelerator import get_accelerator
 from model import GPT, GPTConfig
 from toolkit.checkpoint import capture_rng, restore_rng
 from toolkit.cli import CLIError
+from toolkit import distributed
 from toolkit.device import resolve_device, resolve_dtype, set_job_threads
 from toolkit.distributed import free_port
 from toolkit.ds_checkpoint import check_deepspeed_files, prune_deepspeed_tags, read_train_state, to_universal, \
@@ -133,11 +134,11 @@ class DeepSpeedEngine:
     optimizer step and the checkpoints in OUT_DIR/ds go through DeepSpeed."""
 
     def __init__(self, ds: dict, ds_path: str, out_dir: str, keep_checkpoints: int, pipeline_stages: int = 1,
-                 tp_size: int = 1):
+                 tp_size: int = 1, world_size: int | None = None):
         self.ds_input, self.ds_path, self.keep_checkpoints = ds, ds_path, keep_checkpoints
         self.path = os.path.join(out_dir, "ds")
-        self.world_size = dist.get_world_size()
-        self.master = dist.get_rank() == 0
+        self.world_size = world_size or distributed.world_size()  # that of the process group, unless told
+        self.master = distributed.rank() == 0
         self.universal = False  # resuming a checkpoint of another number of processes
         try:
             self.layout = Layout(self.world_size, pipeline_stages, tp_size)
@@ -145,7 +146,7 @@ class DeepSpeedEngine:
             raise CLIError(str(e)) from None
 
     def data_parallel(self) -> tuple[int, int]:
-        return self.layout.data_parallel_rank(dist.get_rank()), self.layout.data_parallel
+        return self.layout.data_parallel_rank(distributed.rank()), self.layout.data_parallel
 
     def read_resume(self) -> dict:
         """The newest tag's training state. Another number of data-parallel processes resumes through DeepSpeed's
@@ -224,6 +225,7 @@ class DeepSpeedEngine:
                 print(f"resuming on {self.world_size} processes through DeepSpeed's universal checkpoint", flush=True)
                 to_universal(self.path, tag, folder)
             dist.barrier()
+        decays = [group.get("weight_decay") for group in self.engine.optimizer.param_groups]
         try:
             path, client_state = self.engine.load_checkpoint(folder, tag=tag)
         except ZeRORuntimeException as e:
@@ -231,6 +233,10 @@ class DeepSpeedEngine:
         if path is None:
             raise CLIError(f"cannot resume: no DeepSpeed checkpoint {tag} in {self.path}")
         restore_rng((client_state or {}).get("rng") or {}, self.device)
+        # DeepSpeed's universal loader (ZeRO-3) gives every param group the first one's settings, which would decay
+        # the biases and LayerNorm gains too: each group keeps its own weight decay
+        for group, decay in zip(self.engine.optimizer.param_groups, decays):
+            group["weight_decay"] = decay
         if folder != self.path:
             dist.barrier()
             if self.master:
@@ -335,7 +341,7 @@ def init_distributed(cfg: TrainConfig, args) -> None:
 
 
 def release_shm_buffer() -> None:
-    """On CPU, DeepSpeed's shared-memory all-reduce creates /dev/shm/deepspeed_allreduce_buffer_* (~66 MB per rank)
+    """On CPU, DeepSpeed's shared-memory all-reduce creates /dev/shm/deepspeed_allreduce_buffer_* (tens of MB per rank)
     and never removes it: every run would leak that much RAM until reboot. Once every rank has mapped every
     buffer (done inside init_distributed), the names can go; the memory is freed when the processes exit."""
     dist.barrier()

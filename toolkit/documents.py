@@ -100,3 +100,26 @@ def read_documents(files: list[str], key: str = "text", errors: str = "strict", 
                 yield decode_utf8(data, path, 0, errors), len(data)
         except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:  # e.g. a corrupt or truncated .gz/.bz2/.xz
             raise CLIError(f"cannot read {path}: {e}")
+
+
+def read_lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, line without its newline) of a text or JSON-lines file, .gz/.bz2/.xz decompressed."""
+    if not os.path.isfile(path):
+        raise CLIError(f"file not found: {path}")
+    with open_binary(path) as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                yield number, line.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError:
+                raise CLIError(f"{path} line {number}: invalid UTF-8") from None
+
+
+def json_lines(path: str) -> Iterator[tuple[int, object]]:
+    """(line number, value) of every non-blank line of a JSON-lines file; a line that is not JSON is a one-line
+    error naming the file and the line."""
+    for number, line in read_lines(path):
+        if line.strip():
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CLIError(f"{path} line {number}: invalid JSON ({e.msg})") from None

@@ -32,6 +32,10 @@ from toolkit.tokenizers import Tokenizer, load_tokenizer
 from toolkit.training import LoopConfig, Schedule, TorchEngine, Trainer, claim_out_dir
 
 
+EPOCHS, MIN_STEPS = 3, 200  # GPT-1's epochs; a set too small for them gets more (docs/finetune.md)
+LR_WIDTH = 0.128  # lr = LR_WIDTH / n_embd: a larger model takes smaller steps (measured: docs/finetune.md)
+
+
 @dataclass
 class FinetuneConfig:
     # task and files
@@ -46,13 +50,15 @@ class FinetuneConfig:
     overwrite: bool = option(False, "replace an existing OUT_DIR/ckpt.pt or --out")
     predict: str | None = option(None, "examples to label with the fine-tuned model (JSON lines, labels not needed)")
     out: str | None = option(None, "where --predict writes one JSON line per example")
-    # optimisation: GPT-1's settings
-    epochs: int = option(3, "passes over the training examples", check="positive")
+    # optimisation: GPT-1's recipe, with a rate that follows the width and enough steps for small sets
+    epochs: int | None = option(None, f"passes over the training examples (default: {EPOCHS}, or more when that "
+                                      f"is fewer than {MIN_STEPS} steps)", check="positive")
     batch_size: int = option(32, "examples per micro-batch, in each process", check="positive")
     grad_accum: int | None = option(None, "micro-batches per optimizer step over ALL processes (default: one per "
                                           "process)", check="positive")
-    lr: float = option(6.25e-5, "peak learning rate", check="positive-number")
-    warmup: float = option(0.002, "share of the steps with linear warmup, followed by linear decay to 0",
+    lr: float | None = option(None, f"peak learning rate (default: {LR_WIDTH:g} / the model's width: 1e-3 at the "
+                                    f"quick start's 128, 1.7e-4 at GPT-2's 768)", check="positive-number")
+    warmup: float = option(0.1, "share of the steps with linear warmup, followed by linear decay to 0",
                            check="share")
     lm_weight: float = option(0.5, "weight of the language-model loss on the same inputs (0 = off)",
                               check="non-negative-number")
@@ -321,6 +327,8 @@ def setup(cfg: FinetuneConfig) -> Trainer:
     if objective.steps_per_epoch == 0:
         raise CLIError(f"{cfg.train} has {len(train_set)} examples, fewer than the {cfg.grad_accum} micro-batches of "
                        f"a step")
+    cfg.epochs = cfg.epochs or max(EPOCHS, math.ceil(MIN_STEPS / objective.steps_per_epoch))
+    cfg.lr = cfg.lr or LR_WIDTH / body.config.n_embd
     optimizer = make_optimizer(model, "adamw", cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                device_type=device.type)
     path = os.path.join(cfg.out_dir, CHECKPOINT_FILE)
@@ -346,7 +354,8 @@ def describe_run(cfg: FinetuneConfig, objective: TaskObjective, device: torch.de
           f"{len(objective.val_set)} val examples, {labels}")
     print(f"model: {body.num_params() / 1e6:.2f}M parameters, block {body.config.block_size}; {cfg.epochs} epochs x "
           f"{objective.steps_per_epoch} steps of {objective.global_batch} examples over {distributed.world_size()} "
-          f"process(es); device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}", flush=True)
+          f"process(es), lr {cfg.lr:.3g}; device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}",
+          flush=True)
     for path, examples in ((cfg.train, objective.train_set), (cfg.val, objective.val_set)):
         cut = sum(e.truncated for e in examples)
         if cut:

@@ -13,7 +13,6 @@ longer than the block size loses tokens from the left of its context (text, prem
 similarity, the longer text), never from the hypothesis or an answer. toolkit/finetuning.py trains and applies
 it; docs/finetune.md gives the file schemas.
 """
-import json
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,7 @@ import torch.nn as nn
 
 from model import GPT, chunked_cross_entropy
 from toolkit.cli import CLIError
+from toolkit.documents import json_lines
 from toolkit.tokenizers import Tokenizer
 
 FIELDS = {"classify": ("text",), "entail": ("premise", "hypothesis"), "similarity": ("text_a", "text_b"),
@@ -50,21 +50,11 @@ def add_special_tokens(model: GPT, tokenizer: Tokenizer) -> dict[str, int]:
 def read_records(path: str, task: str, labelled: bool) -> list[tuple[int, dict]]:
     """(line number, object) for each non-blank JSON line of path, checked against the task's schema."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        try:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise CLIError(f"{path} line {number}: not JSON ({e.msg})") from None
-                problem = schema_problem(task, record, labelled)
-                if problem:
-                    raise CLIError(f"{path} line {number}: {problem}")
-                records.append((number, record))
-        except UnicodeDecodeError:
-            raise CLIError(f"{path} line {len(records) + 1}: not UTF-8 text") from None
+    for number, record in json_lines(path):
+        problem = schema_problem(task, record, labelled)
+        if problem:
+            raise CLIError(f"{path} line {number}: {problem}")
+        records.append((number, record))
     if not records:
         raise CLIError(f"{path} has no examples")
     return records
@@ -207,7 +197,9 @@ class TaskModel(nn.Module):
         self.body, self.task = body, task
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(body.config.n_embd, outputs)
-        nn.init.normal_(self.head.weight, mean=0.0, std=0.02)
+        # scores of unit scale from the unit-variance final states: a head as small as the body's init (0.02)
+        # scores every answer alike and passes the body almost no gradient, and a run can sit at chance
+        nn.init.normal_(self.head.weight, mean=0.0, std=body.config.n_embd ** -0.5)
         nn.init.zeros_(self.head.bias)
 
     def forward(self, idx: torch.Tensor, extract: torch.Tensor, per_example: int,

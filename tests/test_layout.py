@@ -1,0 +1,89 @@
+"""The project's shape: the scripts a user runs at the top, everything else in one package, model.py a leaf, and
+imports (those inside functions too) that go one way."""
+import ast
+import sys
+
+from conftest import ROOT
+
+PACKAGE = "toolkit"
+
+
+def modules() -> dict[str, ast.Module]:
+    """{module name: its syntax tree} of the scripts and the package (not the tests or benchmarks)."""
+    files = {path.stem: path for path in ROOT.glob("*.py")}
+    files |= {f"{PACKAGE}.{path.stem}": path for path in (ROOT / PACKAGE).glob("*.py") if path.stem != "__init__"}
+    return {name: ast.parse(path.read_text(), str(path)) for name, path in files.items()}
+
+
+def imports(tree: ast.Module, known: set[str]) -> set[str]:
+    """The project's modules a module imports anywhere in its code, functions included."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}  # from toolkit import cli
+    return found & known
+
+
+def third_party(tree: ast.Module) -> set[str]:
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            roots.add(node.module.split(".")[0])
+    return roots - set(sys.stdlib_module_names)
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of the graph, or None."""
+    state, path = {}, []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for other in sorted(graph[node]):
+            if state.get(other) == "open":
+                return path[path.index(other):] + [other]
+            if other not in state and (found := visit(other)):
+                return found
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_imports_go_one_way():
+    trees = modules()
+    graph = {name: imports(tree, set(trees)) - {name} for name, tree in trees.items()}
+    assert cycle(graph) is None, " -> ".join(cycle(graph))
+
+
+def test_model_is_a_leaf_of_torch_and_the_standard_library():
+    tree = modules()["model"]
+    assert third_party(tree) == {"torch"}
+    assert not imports(tree, set(modules()))
+
+
+def test_no_script_imports_another_script_and_the_package_imports_none():
+    trees = modules()
+    scripts = {name for name in trees if "." not in name} - {"model"}
+    for name, tree in trees.items():
+        assert not imports(tree, scripts), (name, imports(tree, scripts))
+
+
+def test_the_top_level_holds_the_scripts_and_every_module_says_what_it_owns():
+    assert len(list(ROOT.glob("*.py"))) <= 12
+    for name, tree in modules().items():
+        assert ast.get_docstring(tree), f"{name} has no docstring"
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
