@@ -99,20 +99,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="text files, folders (recursive, see --glob) or JSON-lines files (.jsonl/.json); "
                         ".gz/.bz2/.xz are decompressed on the fly. Without --input: the default pydoc corpus")
     p.add_argument("--glob", default="*.txt", help="file name pattern inside --input folders (default: %(default)s)")
-    p.add_argument("--json-key", "--json-keys", default="text",
-                   help="field holding the text in JSON lines (default: %(default)s)")
+    p.add_argument("--json-key", default="text", help="field holding the text in JSON lines (default: %(default)s)")
     p.add_argument("--tokenizer", choices=["gpt2", "char", "byte"],
                    help="gpt2 = tiktoken r50k_base (default); char = the characters of the data; byte = 256 bytes + EOT")
-    p.add_argument("--tokenizer-type", choices=["GPT2BPETokenizer"],
-                   help="Megatron's name for --tokenizer gpt2 (its preprocess_data.py command runs as written)")
-    p.add_argument("--vocab-file", "--vocab",
-                   help="GPT-2 vocabulary: gpt2-vocab.json (with --merge-file) or a .tiktoken file")
+    p.add_argument("--vocab-file", help="GPT-2 vocabulary: gpt2-vocab.json (with --merge-file) or a .tiktoken file")
     p.add_argument("--merge-file", help="gpt2-merges.txt, with a gpt2-vocab.json --vocab-file")
     p.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
     p.add_argument("--format", choices=["nanogpt", "megatron"],
                    help="nanogpt: DIR/train.bin, val.bin, meta.json; megatron: PREFIX_text_document.bin/.idx/.json "
                         "(default: megatron with --output-prefix or --dataset-impl, else nanogpt)")
-    p.add_argument("--dataset-impl", choices=["mmap"], help="Megatron's name for --format megatron (its mmap .bin/.idx)")
     p.add_argument("--output-dir", help=f"output folder (--format nanogpt; default corpus: {DEFAULT_CORPUS_DIR})")
     p.add_argument("--output-prefix", help="output path prefix (--format megatron)")
     p.add_argument("--val-fraction", type=float, default=0.1, help="share of documents for val.bin (default: %(default)s)")
@@ -129,6 +124,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--install-gpt2-vocab", action="store_true",
                    help=f"download GPT-2's vocabulary (from the {gpt2_vocab.WHISPER_SDIST} sdist on PyPI) "
                         f"into tiktoken's cache")
+    megatron = p.add_argument_group("Megatron-LM's names", "its preprocess_data.py command runs as written")
+    megatron.add_argument("--json-keys", dest="json_key", default=argparse.SUPPRESS, help="= --json-key")
+    megatron.add_argument("--vocab", dest="vocab_file", default=argparse.SUPPRESS, help="= --vocab-file")
+    megatron.add_argument("--tokenizer-type", choices=["GPT2BPETokenizer"], help="= --tokenizer gpt2")
+    megatron.add_argument("--dataset-impl", choices=["mmap"], help="= --format megatron (its mmap .bin/.idx)")
     return p.parse_args(argv)
 
 

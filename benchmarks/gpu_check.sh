@@ -29,7 +29,7 @@ export PYTHONUNBUFFERED=1
 
 if [ $DRY = 1 ]; then
   DEVICE=cpu; DTYPE=float32; GPUS=0
-  SDPA="--device cpu --dtypes float32 --shapes 1x2x64x16 --kernels math,flash,manual --warmup 1 --repeats 2"
+  SDPA="--device cpu --dtypes float32 --shapes 1x2x64x16 --warmup 1 --repeats 2"  # every kernel
   SHAPE="--n-layer 1 --n-head 2 --n-embd 32 --block-size 32 --batch-size 2"; ITERS=6; SKIP=2
   SAMPLE="--device cpu --dtype float32 --new-tokens 8 --block-size 32"
   # the script's steps, not Inductor's C++ build: --compile runs eagerly (tests/test_model.py traces compile)

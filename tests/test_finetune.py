@@ -25,7 +25,7 @@ FINETUNE = ["--device", "cpu"]  # and the defaults: learning is what these tests
 FAST = ["--device", "cpu", "--dtype", "float32", "--dropout", "0", "--epochs", "3", "--lr", "3e-3",
         "--batch-size", "16"]  # where a test is not about learning
 SPECIAL = {"start": 20, "delimiter": 21, "extract": 22}
-TRAIN_EXAMPLES = 1000
+TRAIN_EXAMPLES = 640
 CHANCE = {"classify": 0.5, "entail": 0.5, "similarity": 0.5, "choice": 0.25}
 
 
@@ -113,7 +113,7 @@ def write_jsonl(path, rows: list[dict]) -> str:
 
 @pytest.fixture(scope="module")
 def datasets(tmp_path_factory) -> dict[str, tuple[str, str]]:
-    """{task: (train.jsonl, val.jsonl)}: 1000 and 200 balanced examples, fixed seeds."""
+    """{task: (train.jsonl, val.jsonl)}: 640 and 200 balanced examples, fixed seeds."""
     folder = tmp_path_factory.mktemp("tasks")
     files = {}
     for name, make in EXAMPLES.items():
@@ -240,8 +240,8 @@ def test_pretrained_body_learns_each_task_and_a_random_one_does_not(finetuned, t
     _, scratch = finetuned(task, "random")
     assert pretrained["val_accuracy"] >= CHANCE[task] + 0.15, (pretrained, scratch)
     assert pretrained["val_accuracy"] >= scratch["val_accuracy"] + 0.1, (pretrained, scratch)
-    # the defaults: 1000 examples in batches of 32 are 32 steps an epoch, so 7 epochs reach the 200 steps
-    assert pretrained["epochs"] == 7 and pretrained["steps"] == 7 * math.ceil(TRAIN_EXAMPLES / 32)
+    # the defaults: 640 examples in batches of 32 are 20 steps an epoch, so 10 epochs reach the 200 steps
+    assert pretrained["epochs"] == 10 and pretrained["steps"] == 10 * math.ceil(TRAIN_EXAMPLES / 32)
     assert ("val_f1" in pretrained) == (task != "choice")
 
 
@@ -252,7 +252,7 @@ def test_similarity_regression_correlates_and_long_pairs_are_cut(datasets, pretr
     metrics = ok(result)
     assert metrics["val_pearson"] > 0.15 and metrics["val_spearman"] > 0.15, metrics
     # 13 + 13 characters and 3 special tokens do not fit in 28: every pair loses one character
-    assert f"{train}: 1000 of 1000 examples cut to the block size of 28 tokens" in result.stdout
+    assert f"{train}: 640 of 640 examples cut to the block size of 28 tokens" in result.stdout
     assert load_checkpoint(str(tmp_path / "ckpt.pt"))["model_config"]["block_size"] == 28
 
 
@@ -261,7 +261,7 @@ def test_predictions_round_trip(finetuned, datasets, tmp_path):
     _, val = datasets["classify"]
     predictions = tmp_path / "predictions.jsonl"
     summary = ok(finetune("--init-from", out / "ckpt.pt", "--predict", val, "--out", predictions,
-                          "--device", "cpu", "--dtype", "float32"))
+                          "--device", "cpu"))  # the dtype it was trained and scored with: auto
     assert summary == {"predictions": 200, "out": str(predictions), "truncated": 0}
     lines = [json.loads(line) for line in predictions.read_text().splitlines()]
     labels = [row["label"] for row in read_jsonl(val)]

@@ -1,8 +1,8 @@
 """Every command the README shows runs, in order, in a fresh folder, as a user would type it, at a tiny size.
 
 The only changes to a command: flags that make training and sampling tiny are appended (the last value of
-a flag wins), and the two-machine placeholders R and A become the two node ranks and 127.0.0.1. The pip
-and pytest commands are what `.ci/run` runs.
+a flag wins), the two-machine placeholders R and A become the two node ranks and 127.0.0.1, and those two
+"machines" start one process each, not four. The pip and pytest commands are what `.ci/run` runs.
 """
 import json
 import lzma
@@ -86,7 +86,8 @@ def test_every_readme_command_runs(user_folder):
             continue  # .ci/run
         if "--node_rank R" in command:  # the two-machine form: both "machines" here
             procs = [subprocess.Popen(["bash", "-c", tiny(command).replace("--node_rank R", f"--node_rank {rank}")
-                                       .replace("--master_addr A", "--master_addr 127.0.0.1")],
+                                       .replace("--master_addr A", "--master_addr 127.0.0.1")
+                                       .replace("--nproc_per_node 4", "--nproc_per_node 1")],
                                       cwd=user_folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True) for rank in (0, 1)]
             outputs = [p.communicate(timeout=600)[0] for p in procs]

@@ -98,26 +98,15 @@ def test_megatron_data_command_runs_as_written(gpt2_vocabulary, tmp_path):
     assert [list(d) for d in documents] == [r50k.encode_ordinary(t) + [50256] for t in texts]
 
 
-def test_one_node_example_trains_with_megatron_names(ds_ops, char_data, tmp_path):
-    """examples/run-one-node.sh at a tiny size: 2 processes, Megatron's flags through train_ds.py."""
-    env = {"N_GPUS": "2", "MASTER_PORT": str(free_port()), "DS_CONFIG": str(ROOT / "ds_config_zero1.json"),
-           "DATA_PATH": str(char_data), "CHECKPOINT_PATH": str(tmp_path / "ckpt"), "NLAYERS": "1", "NHIDDEN": "32",
-           "NHEADS": "2", "SEQ_LEN": "32", "MICRO_BATCH_SIZE": "4", "GLOBAL_BATCH_SIZE": "16", "TRAIN_SAMPLES": "32",
-           "EVAL_ITERS": "2"}
-    result = run_example("run-one-node.sh", env, "--device", "cpu", "--dtype", "float32", "--log-interval", "1")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "global batch: 4 micro x 2 accumulation x 2 processes = 16 sequences" in result.stdout
-    state = json.loads((tmp_path / "ckpt" / "ds" / "global_step2" / "train_state.json").read_text())
-    assert state["iter_num"] == 2 and state["train_config"]["n_embd"] == 32
-    assert state["train_config"]["load"] == str(tmp_path / "ckpt")  # run again, it resumes (as train.py's test shows)
-
-
 # ----- pipeline and tensor parallel: same losses as train.py, one-command conversion -----
 
-MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
-         "--device", "cpu", "--dtype", "float32", "--eval-iters", "2", "--log-interval", "1"]
-STEPS = ["--max-iters", "10", "--lr-decay-iters", "10", "--warmup-iters", "2", "--lr", "3e-3", "--grad-accum", "2",
-         "--eval-interval", "5", "--optimizer", "adamw"]  # train.py's reference: DeepSpeed's configs use AdamW
+# every layout below trains the same model with Megatron's names: 2 blocks, 32 wide, 10 steps of 8 sequences
+MEGATRON_MODEL = {"NLAYERS": "2", "NHIDDEN": "32", "NHEADS": "2", "SEQ_LEN": "32", "MICRO_BATCH_SIZE": "4",
+                  "GLOBAL_BATCH_SIZE": "8", "TRAIN_SAMPLES": "80"}
+RUN = ["--device", "cpu", "--dtype", "float32", "--eval-iters", "2", "--log-interval", "1", "--lr", "3e-3",
+       "--min-lr", "1e-5", "--lr-warmup-samples", "0", "--optimizer", "adamw"]  # AdamW: DeepSpeed's configs use it
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+         "--micro-batch-size", "4", "--global-batch-size", "8", "--train-samples", "80", *RUN]
 
 
 def launch_ds(data, out_dir, *extra, config="ds_config_zero1.json", slots=2, timeout=300):
@@ -125,7 +114,7 @@ def launch_ds(data, out_dir, *extra, config="ds_config_zero1.json", slots=2, tim
     hostfile.write_text(f"localhost slots={slots}\n")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh_check",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(ROOT / "train_ds.py"), "--deepspeed",
-           "--deepspeed_config", str(ROOT / config), "--data-dir", str(data), "--out-dir", str(out_dir),
+           "--deepspeed_config", str(ROOT / config), "--data-path", str(data), "--save", str(out_dir),
            *MODEL, *map(str, extra)]
     return subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=timeout, env={**os.environ, **ENV})
 
@@ -139,7 +128,7 @@ def ds_state(out_dir) -> dict:
 def reference(char_data, tmp_path_factory):
     """train.py on one process: the losses and weights every layout must reproduce."""
     out = tmp_path_factory.mktemp("reference")
-    result = run_main("train.py", "--data-dir", char_data, "--out-dir", out, *MODEL, *STEPS)
+    result = run_main("train.py", "--data-path", char_data, "--save", out, *MODEL)
     assert result.returncode == 0, result.stderr
     return torch.load(out / "ckpt.pt", weights_only=True)
 
@@ -171,23 +160,41 @@ def check_layout_run(out, result, reference, tmp_path, raw_weights: dict | None)
     assert sampled.returncode == 0, sampled.stderr
 
 
-def test_two_stage_pipeline_matches_train_py_and_converts(ds_ops, char_data, reference, tmp_path):
+def test_multi_node_example_runs_a_pipeline_over_two_nodes_as_train_py(ds_ops, char_data, reference, tmp_path):
+    """examples/run-multi-node.sh without ssh: two "machines" on this host (NODE_RANK 0 and 1), one pipeline stage
+    each (deepspeed.pipe, ZeRO-1): train.py's losses, and the layers convert."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     out = tmp_path / "pp"
-    result = launch_ds(char_data, out, *STEPS, "--pipeline-stages", "2")
-    assert "2 pipeline stages x 1 data-parallel, ZeRO stage 1" in result.stdout, result.stdout[-3000:]
+    env = {**MEGATRON_MODEL, "MODEL": "--num-layers 2 --hidden-size 32 --num-attention-heads 2",
+           "HOSTFILE": str(hostfile), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "DS_CONFIG": str(ROOT / "ds_config_zero1.json"), "DATA_PATH": str(char_data), "CHECKPOINT_PATH": str(out),
+           "PP_SIZE": "2"}
+    nodes = [subprocess.Popen(["bash", str(ROOT / "examples" / "run-multi-node.sh"), *RUN], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, **ENV, **env, "NODE_RANK": str(rank)}) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs[0][-3000:] + outputs[1][-3000:]
+    assert "2 pipeline stages x 1 data-parallel, ZeRO stage 1" in outputs[0], outputs[0][-3000:]
     # each stage's layer files: layer_00 token embedding (the tied head), 01 positions, 02-03 blocks, 04 ln_f
     tag = out / "ds" / ds_state(out)["tag"]
     layer = {i: torch.load(tag / f"layer_{i:02d}-model_states.pt", weights_only=True) for i in range(5)}
     raw = {"transformer.wte.weight": layer[0]["wte.weight"], "transformer.wpe.weight": layer[1]["wpe.weight"],
            **{f"transformer.h.{i}.{k.removeprefix('block.')}": v for i in (0, 1) for k, v in layer[2 + i].items()},
            **{f"transformer.{k}": v for k, v in layer[4].items()}}
-    check_layout_run(out, result, reference, tmp_path, raw)
+    check_layout_run(out, subprocess.CompletedProcess([], 0, outputs[0], ""), reference, tmp_path, raw)
 
 
-def test_two_way_autotp_matches_train_py_and_converts(ds_ops, char_data, reference, tmp_path):
+def test_one_node_example_trains_tensor_parallel_as_train_py(ds_ops, char_data, reference, tmp_path):
+    """examples/run-one-node.sh at a tiny size: 2 processes started by the deepspeed launcher, Megatron's flags,
+    2-way AutoTP (ZeRO-1): train.py's losses, and each rank's shards join into its weights."""
     out = tmp_path / "tp"
-    result = launch_ds(char_data, out, *STEPS, "--tp-size", "2")
+    env = {**MEGATRON_MODEL, "N_GPUS": "2", "MASTER_PORT": str(free_port()), "TP_SIZE": "2",
+           "DS_CONFIG": str(ROOT / "ds_config_zero1.json"), "DATA_PATH": str(char_data), "CHECKPOINT_PATH": str(out)}
+    result = run_example("run-one-node.sh", env, *RUN)
     assert "2 tensor-parallel x 1 data-parallel, ZeRO stage 1" in result.stdout, result.stdout[-3000:]
+    assert "global batch: 4 micro x 2 accumulation x 1 replica of 2 processes = 8 sequences" in result.stdout
+    assert ds_state(out)["train_config"]["load"] == str(out)  # run again, it resumes (as train.py's test shows)
     # each rank's shard, joined here: c_attn's q, k and v by heads and c_fc by rows; both c_proj by columns
     tag = out / "ds" / ds_state(out)["tag"]
     shards = [torch.load(tag / f"mp_rank_0{r}_model_states.pt", weights_only=True)["module"] for r in (0, 1)]
@@ -205,7 +212,7 @@ def test_two_way_autotp_matches_train_py_and_converts(ds_ops, char_data, referen
 def test_autotp_composes_with_zero3_offload(ds_ops, char_data, reference, tmp_path):
     """The shipped ZeRO-3 + CPU offload config with 2-way AutoTP: same losses, and the partitioned shards convert."""
     out = tmp_path / "tp3"
-    result = launch_ds(char_data, out, *STEPS, "--tp-size", "2", config="ds_config.json")
+    result = launch_ds(char_data, out, "--tp-size", "2", config="ds_config.json")
     assert "2 tensor-parallel x 1 data-parallel, ZeRO stage 3, optimizer offload to cpu" in result.stdout
     check_layout_run(out, result, reference, tmp_path, None)
 
@@ -228,8 +235,7 @@ def test_layouts_that_cannot_run_are_refused(world, stages, tp, heads, zero, mes
 
 
 def test_a_bad_layout_is_one_line_from_the_launched_job(ds_ops, char_data, tmp_path):
-    result = launch_ds(char_data, tmp_path / "o", "--max-iters", "2", "--pipeline-stages", "2",
-                       config="ds_config.json")
+    result = launch_ds(char_data, tmp_path / "o", "--pipeline-stages", "2", config="ds_config.json")
     assert_one_line_error(result, "pipeline engine supports ZeRO stage 0 or 1, not 3")
     assert not (tmp_path / "o" / "ds").exists()
 
@@ -313,22 +319,3 @@ def test_mpirun_example_trains_tensor_parallel_and_saves(ds_ops, char_data, tmp_
     assert state["iter_num"] == 3 and state["world_size"] == 2 and state["tp_size"] == 2
     if "CODECARBON_PATH" in env:
         assert len((tmp_path / "cc" / "emissions.csv").read_text().splitlines()) == 2  # header + rank 0's row
-
-
-def test_multi_node_example_runs_a_pipeline_over_two_nodes(ds_ops, char_data, tmp_path):
-    """examples/run-multi-node.sh without ssh: two "machines" on this host (NODE_RANK 0 and 1), one pipeline stage
-    each."""
-    hostfile = tmp_path / "hosts"
-    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
-    env = {"HOSTFILE": str(hostfile), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "DS_CONFIG": str(ROOT / "ds_config_zero1.json"), "DATA_PATH": str(char_data),
-           "CHECKPOINT_PATH": str(tmp_path / "ckpt"), "MODEL": "--num-layers 2 --hidden-size 32 --num-attention-heads 2",
-           "SEQ_LEN": "32", "PP_SIZE": "2", "MICRO_BATCH_SIZE": "4", "GLOBAL_BATCH_SIZE": "8", "TRAIN_SAMPLES": "24"}
-    nodes = [subprocess.Popen(["bash", str(ROOT / "examples" / "run-multi-node.sh"), "--device", "cpu", "--dtype",
-                               "float32", "--eval-iters", "2"], text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, env={**os.environ, **ENV, **env, "NODE_RANK": str(rank)})
-             for rank in (0, 1)]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert all(node.returncode == 0 for node in nodes), outputs[0][-3000:] + outputs[1][-3000:]
-    assert "2 pipeline stages x 1 data-parallel" in outputs[0]
-    assert ds_state(tmp_path / "ckpt")["iter_num"] == 3

@@ -66,7 +66,7 @@ class FinetuneConfig:
     beta1: float = option(0.9, "AdamW beta1", check="probability")
     beta2: float = option(0.999, "AdamW beta2", check="probability")
     grad_clip: float = option(1.0, "clip gradients at this global norm (0 = off)", check="non-negative-number")
-    dropout: float = option(0.1, "dropout in the network", check="probability")
+    dropout: float = option(0.0, "dropout in the network, as in train.py", check="probability")
     head_dropout: float = option(0.1, "dropout before the head", check="probability")
     block_size: int | None = option(None, "longest sequence in tokens (default: the model's); longer ones lose "
                                           "tokens from the left of the context")
