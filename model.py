@@ -397,10 +397,6 @@ class GPT(nn.Module):
         c = self.config
         return 6 * self.num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size
 
-    def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float) -> float:
-        """Model FLOPs utilisation: achieved training FLOP/s over peak_flops (e.g. 312e12 for A100 bf16)."""
-        return self.flops_per_token() * tokens_per_iter / dt / peak_flops
-
     # ------------------------------------------------------------------ sampling
 
     @torch.no_grad()

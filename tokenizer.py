@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--glob", default="*.txt", help="file name pattern inside --input folders (default: %(default)s)")
     p.add_argument("--json-key", default="text", help="field holding the text in JSON lines (default: %(default)s)")
     p.add_argument("--tokenizer", choices=["gpt2", "char", "byte"],
-                   help="gpt2 = tiktoken r50k_base (default); char = the characters of the data; byte = 256 bytes + EOT")
+                   help="gpt2 = tiktoken r50k_base (default); char = the characters of the data; "
+                        "byte = 256 bytes + EOT")
     p.add_argument("--vocab-file", help="GPT-2 vocabulary: gpt2-vocab.json (with --merge-file) or a .tiktoken file")
     p.add_argument("--merge-file", help="gpt2-merges.txt, with a gpt2-vocab.json --vocab-file")
     p.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
@@ -110,7 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: megatron with --output-prefix or --dataset-impl, else nanogpt)")
     p.add_argument("--output-dir", help=f"output folder (--format nanogpt; default corpus: {DEFAULT_CORPUS_DIR})")
     p.add_argument("--output-prefix", help="output path prefix (--format megatron)")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="share of documents for val.bin (default: %(default)s)")
+    p.add_argument("--val-fraction", type=float, default=0.1,
+                   help="share of documents for val.bin (default: %(default)s)")
     p.add_argument("--seed", type=int, default=1337, help="seed of the train/val document split (default: %(default)s)")
     p.add_argument("--dtype", choices=["auto", "uint16", "uint32", "int32"], default="auto",
                    help="token id type on disk; auto = uint16 when the vocabulary fits (default: %(default)s)")
@@ -118,7 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-mb", type=float, default=4.0, help="input MB per unit of work (default: %(default)s)")
     p.add_argument("--errors", choices=["strict", "replace"], default="strict",
                    help="invalid UTF-8: stop (strict) or use U+FFFD (replace) (default: %(default)s)")
-    p.add_argument("--skip-bad-lines", action="store_true", help="skip (and count) invalid JSON lines instead of stopping")
+    p.add_argument("--skip-bad-lines", action="store_true",
+                   help="skip (and count) invalid JSON lines instead of stopping")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--install-gpt2-vocab", action="store_true",

@@ -17,7 +17,6 @@ is one run: task, body, accuracy, epochs, steps, wall seconds. The CPU kind is i
     python benchmarks/bench_finetune.py --bodies gpt2 --tasks classify,choice
     python benchmarks/bench_finetune.py --tasks choice -- --lr 1e-4         # another setting to compare
 """
-import argparse
 import json
 import os
 import random

@@ -250,7 +250,6 @@ def test_param_count_and_flops():
     assert gpt2.num_params(non_embedding=False) == 124_439_808
     assert gpt2.num_params() == 124_439_808 - 1024 * 768
     assert gpt2.flops_per_token() == 6 * gpt2.num_params() + 12 * 12 * 12 * 64 * 1024
-    assert gpt2.estimate_mfu(tokens_per_iter=500, dt=2.0, peak_flops=gpt2.flops_per_token() * 250) == 1.0
     for bias in (True, False):  # counted from the config (ZeRO-3 partitions the tensors), equal to the tensors
         m = tiny_gpt(bias=bias)
         assert m.num_params(non_embedding=False) == sum(p.numel() for p in m.parameters())

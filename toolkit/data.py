@@ -54,7 +54,8 @@ def megatron_document_prefix(output_prefix: str, json_key: str = "text") -> str:
 
 
 def load_corpus(path: str, split: str = "969,30,1") -> Corpus:
-    """Memory-map a prepared corpus: a nanoGPT folder, or a Megatron prefix (P, P.bin, P.idx, or a folder holding one pair).
+    """Memory-map a prepared corpus: a nanoGPT folder, or a Megatron prefix (P, P.bin, P.idx, or a folder holding one
+    pair).
 
     nanoGPT data comes split already (train.bin / val.bin). Megatron data is one stream of documents, split like
     Megatron's --split "969,30,1": the first 96.9% of the documents train, the next 3% are val (the last 0.1%, test,
@@ -68,7 +69,8 @@ def load_corpus(path: str, split: str = "969,30,1") -> Corpus:
                           if name.endswith(".idx") and os.path.exists(os.path.join(path, name[:-4] + ".bin")))
         if len(prefixes) != 1:
             found = f"{len(prefixes)} Megatron .bin/.idx pairs ({', '.join(prefixes)})" if prefixes else "neither"
-            raise CLIError(f"{path} should hold train.bin/val.bin/meta.json or one Megatron .bin/.idx pair; found {found}")
+            raise CLIError(f"{path} should hold train.bin/val.bin/meta.json or one Megatron .bin/.idx pair; "
+                           f"found {found}")
         return load_megatron(os.path.join(path, prefixes[0]), split)
     prefix = path[:-4] if path.endswith((".bin", ".idx")) else path
     if os.path.exists(prefix + ".idx") or os.path.exists(prefix + ".bin"):
@@ -139,9 +141,15 @@ def read_megatron_index(idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray
     expected = MEGATRON_HEADER.size + n * 4 + n * 8 + doc_count * 8
     if file_size != expected:
         raise CLIError(f"{idx_path} has {file_size} bytes, its header implies {expected} (truncated or corrupt)")
-    sizes = np.memmap(idx_path, dtype="<i4", mode="r", offset=MEGATRON_HEADER.size, shape=(n,)) if n else np.zeros(0, "<i4")
-    pointers = np.memmap(idx_path, dtype="<i8", mode="r", offset=MEGATRON_HEADER.size + n * 4, shape=(n,)) if n else np.zeros(0, "<i8")
-    doc_idx = np.memmap(idx_path, dtype="<i8", mode="r", offset=MEGATRON_HEADER.size + n * 12, shape=(doc_count,))
+
+    def array(dtype: str, offset: int, count: int) -> np.ndarray:
+        if not count:
+            return np.zeros(0, dtype)
+        return np.memmap(idx_path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+
+    sizes = array("<i4", MEGATRON_HEADER.size, n)
+    pointers = array("<i8", MEGATRON_HEADER.size + n * 4, n)
+    doc_idx = array("<i8", MEGATRON_HEADER.size + n * 12, doc_count)
     if doc_count < 1 or doc_idx[0] != 0 or doc_idx[-1] != n or np.any(np.diff(doc_idx) < 0):
         raise CLIError(f"{idx_path}: corrupt doc_idx (must run from 0 to {n} without going back)")
     return np.dtype(MEGATRON_DTYPES[code]), sizes, pointers, doc_idx
@@ -178,7 +186,8 @@ def load_megatron(prefix: str, split: str) -> Corpus:
     dtype, sizes, pointers, doc_idx = read_megatron_index(prefix + ".idx")
     n_tokens = int(sizes.sum(dtype=np.int64))
     bin_size = os.path.getsize(prefix + ".bin")
-    if bin_size != n_tokens * dtype.itemsize or (len(pointers) and pointers[-1] + sizes[-1] * dtype.itemsize != bin_size):
+    end = pointers[-1] + sizes[-1] * dtype.itemsize if len(pointers) else 0
+    if bin_size != n_tokens * dtype.itemsize or (len(pointers) and end != bin_size):
         raise CLIError(f"{prefix}.bin has {bin_size} bytes but {prefix}.idx describes {n_tokens} {dtype.name} tokens")
     tokens = memmap_tokens(prefix + ".bin", dtype)
     train_end, val_end = megatron_split(len(doc_idx) - 1, split)
@@ -192,12 +201,14 @@ def load_megatron(prefix: str, split: str) -> Corpus:
     else:
         if dtype != np.uint16:
             raise CLIError(f"{prefix}.json (tokenizer facts) is missing and {dtype.name} tokens are not GPT-2's")
-        print(f"warning: {prefix}.json is missing; assuming the GPT-2 tokenizer (Megatron's preprocess_data.py)", file=sys.stderr)
+        print(f"warning: {prefix}.json is missing; assuming the GPT-2 tokenizer (Megatron's preprocess_data.py)",
+              file=sys.stderr)
         meta = dict(GPT2_FACTS)
     check_token_ids(tokens, meta["vocab_size"], prefix + ".bin")
     train, val = tokens[: token_offset(train_end)], tokens[token_offset(train_end): token_offset(val_end)]
     if len(train) == 0 or len(val) == 0:
-        raise CLIError(f"{prefix}: the {'train' if len(train) == 0 else 'val'} documents of split {split!r} hold no tokens")
+        empty = "train" if len(train) == 0 else "val"
+        raise CLIError(f"{prefix}: the {empty} documents of split {split!r} hold no tokens")
     return Corpus(train=train, val=val, meta=meta)
 
 
@@ -206,17 +217,19 @@ def load_megatron(prefix: str, split: str) -> Corpus:
 
 
 def window_offsets(n_tokens: int, block_size: int, count: int, seed: int, step: int, stream: int = 0) -> np.ndarray:
-    """Start offsets of count random windows of block_size+1 tokens; the same for a given (seed, step, stream) everywhere."""
+    """Start offsets of count random windows of block_size+1 tokens; the same for a given (seed, step, stream)
+    everywhere."""
     if n_tokens < block_size + 1:
-        raise CLIError(f"data has {n_tokens} tokens, shorter than one window of block_size+1 = {block_size + 1} tokens; "
-                       f"use a smaller --block-size")
+        raise CLIError(f"data has {n_tokens} tokens, shorter than one window of block_size+1 = {block_size + 1} "
+                       f"tokens; use a smaller --block-size")
     rng = np.random.Generator(np.random.PCG64([seed, step, stream]))
     return rng.integers(0, n_tokens - block_size, size=count, dtype=np.int64)
 
 
 def get_batch(tokens: np.ndarray, offsets: np.ndarray, block_size: int,
               device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs x = tokens[o:o+T] and targets y = tokens[o+1:o+T+1] per offset, int64 tensors of shape (B, T) on device."""
+    """Inputs x = tokens[o:o+T] and targets y = tokens[o+1:o+T+1] per offset, int64 tensors of shape (B, T) on
+    device."""
     # one gather of every window (B, T+1) from the memmap, far cheaper than nanoGPT's per-row torch.stack;
     # x and y are two views of it
     windows = torch.from_numpy(tokens[np.asarray(offsets)[:, None] + np.arange(block_size + 1)].astype(np.int64))

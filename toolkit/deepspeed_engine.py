@@ -208,7 +208,8 @@ class DeepSpeedEngine:
             offload = ", ".join(f"{what} offload to {(zero.get(key) or {}).get('device')}"
                                 for what, key in (("optimizer", "offload_optimizer"), ("param", "offload_param"))
                                 if (zero.get(key) or {}).get("device") not in (None, "none"))
-            print(f"deepspeed {deepspeed.__version__}: {self.layout.describe()}, ZeRO stage {zero_stage(self.ds_config)}"
+            print(f"deepspeed {deepspeed.__version__}: {self.layout.describe()}, "
+                  f"ZeRO stage {zero_stage(self.ds_config)}"
                   f"{', ' + offload if offload else ''}, optimizer "
                   f"{type(getattr(self.engine, 'basic_optimizer', None) or self.optimizer).__name__}, "
                   f"config {self.ds_path}", flush=True)

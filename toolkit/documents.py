@@ -65,7 +65,8 @@ def decode_utf8(data: bytes, path: str, offset: int, errors: str, where: str = "
                        f"use --errors replace to go on")
 
 
-def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool, stats: ReadStats) -> Iterator[tuple[str, int]]:
+def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
+                   stats: ReadStats) -> Iterator[tuple[str, int]]:
     offset = 0
     with open_binary(path) as f:
         for number, line in enumerate(f, start=1):
@@ -75,7 +76,8 @@ def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool, stats
                 continue
             try:
                 value = json.loads(text)
-                problem = None if isinstance(value, dict) and isinstance(value.get(key), str) else f"no string {key!r} key"
+                good = isinstance(value, dict) and isinstance(value.get(key), str)
+                problem = None if good else f"no string {key!r} key"
             except json.JSONDecodeError as e:
                 problem = f"invalid JSON ({e.msg})"
             if problem is None:

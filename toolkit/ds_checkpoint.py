@@ -116,7 +116,8 @@ def read_universal_weights(universal_dir: str) -> dict[str, torch.Tensor]:
     return weights
 
 
-def gather_deepspeed_weights(ds_dir: str, tag: str, pipeline_stages: int = 1, tp_size: int = 1) -> dict[str, torch.Tensor]:
+def gather_deepspeed_weights(ds_dir: str, tag: str, pipeline_stages: int = 1,
+                             tp_size: int = 1) -> dict[str, torch.Tensor]:
     """The full float32 weights of a DeepSpeed checkpoint, consolidated in memory: by DeepSpeed's zero_to_fp32 for
     ZeRO data parallel, through its universal checkpoint (to a temporary folder) for pipeline or tensor parallel,
     which zero_to_fp32 cannot read; pipeline layer names become GPT's."""

@@ -52,7 +52,8 @@ def install() -> str:
     """Put GPT-2's vocabulary (from the openai-whisper sdist on PyPI) into tiktoken's cache; returns its path."""
     cache_dir = tiktoken_cache_dir()
     if not cache_dir:
-        raise CLIError("TIKTOKEN_CACHE_DIR is set but empty, which disables tiktoken's cache; unset it or name a folder")
+        raise CLIError("TIKTOKEN_CACHE_DIR is set but empty, which disables tiktoken's cache; unset it or name a "
+                       "folder")
     path = os.path.join(cache_dir, R50K_CACHE_NAME)
     if installed():
         return path

@@ -165,7 +165,8 @@ def read_tokenizer(directory: str, vocab_size: int) -> dict:
     path = os.path.join(directory, TOKENIZER_FILE)
     facts = read_json(path, "tokenizer facts") if os.path.isfile(path) else dict(GPT2_FACTS)
     if facts.get("vocab_size") != vocab_size:
-        raise ValueError(f"{directory} holds a model of {vocab_size} tokens but its tokenizer ({facts.get('tokenizer')}) "
+        raise ValueError(f"{directory} holds a model of {vocab_size} tokens but its tokenizer "
+                         f"({facts.get('tokenizer')}) "
                          f"has {facts.get('vocab_size')}; without {TOKENIZER_FILE} an HF folder is read with "
                          f"GPT-2's tokenizer")
     return facts

@@ -16,8 +16,6 @@ both along one schedule.
 import torch
 import torch.nn as nn
 
-OPTIMIZERS = ("adamw", "muon")
-
 # quintic Newton-Schulz coefficients from the Muon write-up: fast convergence of the singular values near 1
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 

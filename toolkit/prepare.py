@@ -18,7 +18,8 @@ from toolkit.tokenizers import Tokenizer, load_tokenizer
 DEFAULT_CORPUS_DIR = "data/pydoc_char"
 
 
-def encode_chunk(tokenizer: Tokenizer, texts: list[str], append_eod: bool, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def encode_chunk(tokenizer: Tokenizer, texts: list[str], append_eod: bool,
+                 dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """All documents' tokens back to back (EOT after each non-empty one if asked), and each document's length."""
     # one thread per process: processes outrun tiktoken's own threads (docs/performance.md)
     arrays = [tokenizer.encode_array(text) for text in texts]

@@ -182,11 +182,6 @@ def pad_batch(examples: list[Example], device: torch.device) -> tuple[torch.Tens
     return idx.to(device), extract.to(device), targets.to(device)
 
 
-def lm_target_count(examples: list[Example]) -> int:
-    """Next-token targets of the LM loss over these examples' sequences."""
-    return sum(len(s) - 1 for example in examples for s in example.sequences)
-
-
 # ----- the head -----
 
 class TaskModel(nn.Module):

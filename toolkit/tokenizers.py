@@ -148,5 +148,6 @@ def load_tokenizer(facts: dict) -> Tokenizer:
         raise CLIError(f"special_tokens in the tokenizer facts must map names to ids, got {special_tokens!r}")
     tokenizer.add_special_tokens(special_tokens)
     if "vocab_size" in facts and facts["vocab_size"] != tokenizer.vocab_size:
-        raise CLIError(f"rebuilt {name} tokenizer has vocab_size {tokenizer.vocab_size}, the facts say {facts['vocab_size']}")
+        raise CLIError(f"rebuilt {name} tokenizer has vocab_size {tokenizer.vocab_size}, the facts say "
+                       f"{facts['vocab_size']}")
     return tokenizer
