@@ -58,10 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {args.export_ckpt} (iteration {state['iter_num']}); sample it with `python test.py --ckpt "
               f"{args.export_ckpt}`", flush=True)
     if args.export_hf:
-        save_gpt2(model, args.export_hf, facts)
-        note = "" if facts.get("tokenizer") == "gpt2" else \
-            f" (its {facts.get('tokenizer')} tokenizer, not GPT-2's, is described in tokenizer_facts.json for test.py)"
-        print(f"wrote an HF GPT-2 folder to {args.export_hf}{note}", flush=True)
+        print(save_gpt2(model, args.export_hf, facts), flush=True)
     if args.export_ckpt or args.export_hf:
         return
     run_sampling(model, load_tokenizer(facts), args)

@@ -62,6 +62,9 @@ def user_folder(tmp_path, ds_ops):
         examples = [{"text": f"def f{i}(x): return x", "label": "code"} if i % 2 else
                     {"text": f"The value {i} is", "label": "prose"} for i in range(count)]
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(example) + "\n" for example in examples))
+    choices = [{"ctx": f"def f{i}(x):", "endings": [" return x", " x = = (", "The end", "!!"], "label": i % 4}
+               for i in range(6)]  # multiple choice for eval.py, in the char vocabulary
+    (tmp_path / "my_choices.jsonl").write_text("".join(json.dumps(item) + "\n" for item in choices))
     with lzma.open(tmp_path / "oscar-1GB.jsonl.xz", "wt") as f:
         for i in range(300):
             f.write(json.dumps({"id": i, "text": f"Document {i}. " + "Words of the web. " * 50}) + "\n")
@@ -100,5 +103,6 @@ def test_every_readme_command_runs(user_folder):
     # what the commands were meant to produce
     for path in ("ckpt/ckpt.pt", "data/mine/meta.json", "data/my-gpt2_text_document.idx", "ckpt/mine/ckpt.pt",
                  "ckpt/gpt2-mine/ckpt.pt", "samples.jsonl", "ckpt/ddp/ckpt.pt", "ckpt/ddp2/ckpt.pt",
-                 "ckpt/ds/latest", "ckpt/ds/ckpt_ds.pt/pytorch_model.bin", "ckpt/cls/ckpt.pt", "predictions.jsonl"):
+                 "ckpt/ds/latest", "ckpt/ds/ckpt_ds.pt/pytorch_model.bin", "ckpt/cls/ckpt.pt", "predictions.jsonl",
+                 "my_hf_model/model.safetensors"):
         assert (user_folder / path).exists(), path

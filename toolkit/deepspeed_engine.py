@@ -173,6 +173,9 @@ class DeepSpeedEngine:
 
     def settle_config(self, cfg: TrainConfig, given: set[str], resumed: set[str]) -> TrainConfig:
         cfg.optimizer = "adamw"  # the DeepSpeed config's (train_ds.py offers no other)
+        if cfg.eval_tasks and self.pipelined:
+            raise CLIError("--eval-tasks needs the model's logits, which a pipeline keeps on its last stage; score "
+                           "an exported checkpoint with eval.py instead (python test_ds.py --export-ckpt PATH)")
         if "dtype" in resumed:  # the checkpoint's precision stands unless the config says otherwise
             given = given - {"dtype"}
         device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
@@ -270,6 +273,11 @@ class DeepSpeedEngine:
         if self.pipelined:  # every stage takes part; the last one's loss is broadcast to all
             return self.engine.eval_batch(iter([(x, y)]), num_micro_batches=1)
         return self.engine(x, y, chunked_loss=True)[1]  # no autocast: DeepSpeed's config owns the precision
+
+    def logits_at(self, idx: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """The logits at some positions of a batch: every rank of a replica takes part (ZeRO-3 gathers, AutoTP
+        all-reduces)."""
+        return self.engine(idx)[0][rows, cols].float()
 
     def weights_finite(self) -> bool:
         """This process's share of the weights (its ZeRO-3 partition) holds no NaN or inf, in every process."""

@@ -177,15 +177,18 @@ def _umask() -> int:
     return mask
 
 
-def write_json(path: str, obj: Any) -> None:
-    """Write obj as indented JSON, atomically."""
-    text = json.dumps(obj, indent=1) + "\n"
-
+def write_text(path: str, text: str) -> None:
+    """Write a text file (UTF-8), atomically."""
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
 
     atomic_write(path, write)
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write obj as indented JSON, atomically."""
+    write_text(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
 
 
 def read_json(path: str, what: str = "JSON file") -> dict:

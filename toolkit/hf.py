@@ -16,7 +16,7 @@ from torch import nn
 from model import GPT, GPTConfig, check_config
 from toolkit.checkpoint import read_weights
 from toolkit.device import check_memory
-from toolkit.files import atomic_write, read_json, write_json
+from toolkit.files import atomic_write, read_json, write_json, write_text
 from toolkit.gpt2_vocab import GPT2_FACTS
 
 TOKENIZER_FILE = "tokenizer_facts.json"  # this toolkit's tokenizer facts, for folders of other vocabularies
@@ -110,12 +110,16 @@ def load_gpt2(path: str, **overrides) -> GPT:
     return model
 
 
-def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> None:
-    """config.json + model.safetensors that transformers' GPT2LMHeadModel loads as the same model.
+def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> str:
+    """An HF GPT-2 folder that transformers loads alone, offline: config.json, model.safetensors and
+    generation_config.json (AutoModelForCausalLM: GPT2LMHeadModel, the same model), and for GPT-2's vocabulary the
+    tokenizer files (vocab.json, merges.txt, tokenizer.json, for AutoTokenizer).
 
     bias=False is written as zero biases (the same function). `tokenizer` (facts, as in checkpoints; default
-    GPT-2's) gives bos/eos_token_id, none for a vocabulary without an end-of-text token; facts of another
-    tokenizer are also written to TOKENIZER_FILE, so test.py samples the folder with the right one."""
+    GPT-2's) gives bos/eos_token_id, none for a vocabulary without an end-of-text token. Facts other than GPT-2's
+    own are also written to TOKENIZER_FILE, so test.py reads the folder with the right tokenizer; a vocabulary
+    an HF tokenizer cannot represent (char, byte) says so in the folder's README.md. Returns a line saying what
+    was written."""
     from safetensors.torch import save_file
 
     c = model.config
@@ -156,8 +160,80 @@ def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> None:
     atomic_write(os.path.join(out_dir, "model.safetensors"),
                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     write_json(os.path.join(out_dir, "config.json"), hf)
-    if tokenizer.get("tokenizer") != "gpt2":
+    write_json(os.path.join(out_dir, "generation_config.json"),
+               {"bos_token_id": eot_id, "eos_token_id": eot_id, "max_length": c.block_size})
+    if tokenizer != GPT2_FACTS:
         write_json(os.path.join(out_dir, TOKENIZER_FILE), tokenizer)
+    if tokenizer.get("tokenizer") == "gpt2":
+        write_tokenizer_files(out_dir, tokenizer, c.block_size)
+        return f"wrote an HF GPT-2 folder to {out_dir}"
+    write_text(os.path.join(out_dir, "README.md"), NO_HF_TOKENIZER.format(**tokenizer))
+    return (f"wrote an HF GPT-2 folder to {out_dir} (its {tokenizer['tokenizer']} tokenizer has no HF tokenizer: "
+            "see its README.md)")
+
+
+NO_HF_TOKENIZER = """# A model with this toolkit's {tokenizer} tokenizer
+
+transformers loads its weights (`AutoModelForCausalLM.from_pretrained` of this folder is the same network), but no
+Hugging Face tokenizer represents a {tokenizer} vocabulary of {vocab_size} ids, so there is no tokenizer file here
+and `AutoTokenizer` cannot load the folder. The vocabulary is described in tokenizer_facts.json; `python test.py
+--ckpt THIS_FOLDER` and every script of the toolkit read it.
+"""
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for every byte, as its vocab.json spells tokens (encoder.py of openai/gpt-2)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    """The two parts BPE joins to make token: the merges of lower rank applied to its bytes leave exactly two."""
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        pairs = [(ranks.get(a + b, len(ranks)), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+        rank, i = min(pairs)
+        if rank >= ranks[token]:
+            break
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return parts[0], b"".join(parts[1:])
+
+
+def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
+    """vocab.json and merges.txt rebuilt from the BPE ranks tiktoken uses (the same vocabulary), the special
+    tokens, and tokenizer.json through the `tokenizers` package when it is installed."""
+    from toolkit.tokenizers import EOT_TEXT, gpt2_ranks
+    ranks = gpt2_ranks(facts.get("vocab_file"), facts.get("merge_file"))
+    spell = bytes_to_unicode()
+
+    def text(token: bytes) -> str:
+        return "".join(spell[b] for b in token)
+
+    vocab = {text(token): rank for token, rank in ranks.items()}
+    vocab[EOT_TEXT] = facts["eot_id"]
+    merges = [" ".join(map(text, merge_of(token, ranks))) for token, _ in
+              sorted(((t, r) for t, r in ranks.items() if len(t) > 1), key=lambda item: item[1])]
+    added = {EOT_TEXT: facts["eot_id"], **{f"<|{name}|>": i for name, i in (facts.get("special_tokens") or {}).items()}}
+    write_json(os.path.join(out_dir, "vocab.json"), vocab)
+    write_text(os.path.join(out_dir, "merges.txt"), "#version: 0.2\n" + "\n".join(merges) + "\n")
+    write_json(os.path.join(out_dir, "special_tokens_map.json"),
+               {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT})
+    write_json(os.path.join(out_dir, "tokenizer_config.json"), {
+        "tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, "add_prefix_space": False,
+        "bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT,
+        "added_tokens_decoder": {str(i): {"content": name, "special": True, "lstrip": False, "rstrip": False,
+                                          "normalized": False, "single_word": False} for name, i in added.items()}})
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    except ImportError:  # the slow GPT2Tokenizer reads vocab.json and merges.txt alone
+        return
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+    bpe.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in added])
+    atomic_write(os.path.join(out_dir, "tokenizer.json"), bpe.save)
 
 
 def read_tokenizer(directory: str, vocab_size: int) -> dict:

@@ -29,11 +29,13 @@ from toolkit import cli, distributed, flags
 from toolkit.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from toolkit.cli import CLIError
 from toolkit.data import get_batch, load_corpus, window_offsets
+from toolkit.evaluation import ChoiceTask
 from toolkit.device import check_memory, describe, keep_freed_memory_in_heap, resolve_device, resolve_dtype
 from toolkit.flags import flag, option
 from toolkit.hf import load_gpt2
 from toolkit.optim import make_optimizer
 from toolkit.prepare import DEFAULT_CORPUS_DIR, ensure_default_corpus
+from toolkit.tokenizers import load_tokenizer
 from toolkit.training import LoopConfig, Schedule, TorchEngine, Trainer, claim_out_dir
 
 TRAIN_STREAM, EVAL_TRAIN_STREAM, EVAL_VAL_STREAM = 0, 1, 2  # independent random streams of windows
@@ -79,6 +81,8 @@ class TrainConfig:
     # evaluation, logging, checkpoints
     eval_interval: int = option(100, "evaluate every N steps", check="positive")
     eval_iters: int = option(20, "batches per evaluation and split", check="positive")
+    eval_tasks: str | None = option(None, "multiple-choice files in HellaSwag's format (comma-separated .jsonl) "
+                                          "scored at each evaluation: acc and acc_norm, as eval.py scores them")
     log_interval: int = option(10, "print the training loss every N steps", check="positive")
     save_interval: int = option(0, "also save a checkpoint every N steps (0 = only at the end)", check="non-negative")
     tensorboard_dir: str | None = option(None, "TensorBoard log dir (default OUT_DIR/tensorboard); each run logs to a "
@@ -265,8 +269,9 @@ class LanguageModeling:
     Each step's windows come from (seed, step) alone and the data-parallel ranks take slices of them; evaluation
     scores fixed windows of both splits, shared out over the ranks."""
 
-    def __init__(self, cfg: TrainConfig, corpus, model: GPT, device: torch.device, dp_rank: int, dp_size: int):
-        self.cfg, self.corpus, self.model, self.device = cfg, corpus, model, device
+    def __init__(self, cfg: TrainConfig, corpus, model: GPT, device: torch.device, dp_rank: int, dp_size: int,
+                 tasks: list[ChoiceTask] = ()):
+        self.cfg, self.corpus, self.model, self.device, self.tasks = cfg, corpus, model, device, tasks
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.micro_steps = cfg.grad_accum // dp_size
         self.global_batch = cfg.batch_size * cfg.grad_accum
@@ -313,9 +318,14 @@ class LanguageModeling:
                     total, count = total + loss.item() * len(rows), count + len(rows)
             total, count = distributed.all_reduce_sum([total, count], self.device)
             losses[split] = total / count
+        metrics = {"train_loss": losses["train"], "val_loss": losses["val"],
+                   "val_ppl": math.exp(min(losses["val"], 50))}
+        for task in self.tasks:
+            scores = task.score(engine.logits_at, cfg.block_size, cfg.batch_size, self.device,
+                                (self.dp_rank, self.dp_size))
+            metrics.update({f"{task.name}_{name}": value for name, value in scores.items()})
         self.model.train()
-        return {"train_loss": losses["train"], "val_loss": losses["val"],
-                "val_ppl": math.exp(min(losses["val"], 50))}
+        return metrics
 
     @torch.no_grad()
     def good_weights(self, engine) -> bool:
@@ -453,7 +463,8 @@ def setup(cfg: TrainConfig, given: set[str], backend) -> Trainer:
     if step >= cfg.max_iters:
         raise CLIError(f"{backend.path} is at iteration {step} and --max-iters {cfg.max_iters} is the total, so "
                        f"nothing is left to train; continue with --max-iters N for some N > {step}")
-    objective = LanguageModeling(cfg, corpus, model, device, dp_rank, dp_size)
+    tasks = [ChoiceTask(path, load_tokenizer(corpus.meta)) for path in (cfg.eval_tasks or "").split(",") if path]
+    objective = LanguageModeling(cfg, corpus, model, device, dp_rank, dp_size, tasks)
     engine = backend.start(model, cfg, device, dtype, resume, objective.loss)
     if master:
         if resume is not None:

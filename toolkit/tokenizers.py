@@ -40,6 +40,16 @@ def load_local_ranks(vocab_file: str, merge_file: str | None) -> dict[bytes, int
             os.environ["TIKTOKEN_CACHE_DIR"] = saved
 
 
+def gpt2_ranks(vocab_file: str | None = None, merge_file: str | None = None) -> dict[bytes, int]:
+    """The BPE ranks of GPT-2's vocabulary: r50k_base from tiktoken's cache, or from vocabulary files."""
+    if vocab_file is not None:
+        return load_local_ranks(vocab_file, merge_file)
+    if not gpt2_vocab.installed():
+        raise CLIError(f"the GPT-2 vocabulary is not in tiktoken's cache ({gpt2_vocab.tiktoken_cache_dir()}); "
+                       f"run: {gpt2_vocab.INSTALL_HINT}")
+    return tiktoken.load.load_tiktoken_bpe(os.path.join(gpt2_vocab.tiktoken_cache_dir(), gpt2_vocab.R50K_CACHE_NAME))
+
+
 def gpt2_encoding(vocab_file: str | None = None, merge_file: str | None = None) -> tiktoken.Encoding:
     """GPT-2's BPE: tiktoken's r50k_base, or the same split pattern and <|endoftext|> over ranks from files."""
     if vocab_file is None:

@@ -6,7 +6,8 @@
 A trainer composes three parts and the loop runs them; each script supplies only what differs:
   engine     how a step runs and a checkpoint is written: TorchEngine (one process or DDP) here,
              DeepSpeedEngine in toolkit/deepspeed_engine.py. It has `path`, train_step(batches, lr) -> float,
-             weights_finite() -> bool, save(state), and `dtype`.
+             weights_finite() -> bool, save(state), `dtype`, and for evaluations eval_loss(x, y) and
+             logits_at(idx, rows, cols).
   objective  what is learnt: micro_batches(step) -> [(batch, weight)], loss(model, batch) -> Tensor,
              evaluate(engine) -> {metric: value}, good_weights(engine) -> bool, checkpoint_state(best) -> dict,
              and throughput(): (count, unit) per step, with the FLOPs of a step (or None) for MFU.
@@ -187,6 +188,11 @@ class TorchEngine:
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast(self.device, self.dtype):
             return self.forward_model(x, y, chunked_loss=True)[1]
+
+    def logits_at(self, idx: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """The logits at some positions of a batch (toolkit/evaluation.py's scoring), in eval mode."""
+        with autocast(self.device, self.dtype):
+            return self.gpt.lm_head(self.gpt.hidden_states(idx)[rows, cols]).float()
 
     def weights_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())

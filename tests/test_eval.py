@@ -1,0 +1,217 @@
+"""eval.py, toolkit/evaluation.py and toolkit/harness.py: HellaSwag-format files scored as lm-evaluation-harness
+scores them (checked against its own `hf` model on the exported folder), task YAMLs, --eval-tasks in training
+(one process and two), the HF export read by transformers alone, and bad input."""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main, tensorboard_scalars
+from model import GPT, GPTConfig
+from toolkit.checkpoint import load_checkpoint, save_checkpoint
+from toolkit.distributed import free_port
+from toolkit.gpt2_vocab import GPT2_FACTS
+from toolkit.prepare import default_corpus_documents
+
+WORDS = "the a cat dog sat on mat ran fast slowly house tree big small red blue".split()
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """As on a machine without internet: the Hugging Face libraries fetch nothing (a test that needed a download
+    fails instead of waiting on the network)."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def write_jsonl(path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def hellaswag_rows(n: int, seed: int = 0) -> list[dict]:
+    """Items in HellaSwag's own layout, with the WikiHow artifacts its preprocessing removes."""
+    rng = random.Random(seed)
+    return [{"activity_label": "Making " + rng.choice(WORDS), "ctx_a": " ".join(rng.choices(WORDS, k=8)),
+             "ctx_b": " ".join(rng.choices(WORDS, k=3)), "label": str(rng.randrange(4)),
+             "endings": [" ".join(rng.choices(WORDS, k=rng.randint(2, 7))) + " [title] [step] x" for _ in range(4)]}
+            for _ in range(n)]
+
+
+def task_yaml(folder, data: str, name: str = "local_hellaswag") -> str:
+    """An lm-eval task over a local file, preprocessed by the harness's own hellaswag code."""
+    import lm_eval
+    utils = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "hellaswag", "utils.py")
+    (folder / "utils.py").write_text(open(utils).read())
+    path = folder / f"{name}.yaml"
+    path.write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    validation: {data}\n"
+                    "validation_split: validation\noutput_type: multiple_choice\n"
+                    "process_docs: !function utils.process_docs\ndoc_to_text: '{{query}}'\n"
+                    "doc_to_target: '{{label}}'\ndoc_to_choice: choices\nmetric_list:\n"
+                    "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+                    "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gpt2_model(tmp_path_factory, gpt2_vocabulary):
+    """A tiny GPT-2-vocabulary model (weights perturbed off their init), its ckpt.pt, and its HF export."""
+    folder = tmp_path_factory.mktemp("gpt2")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=2, n_head=2, n_embd=32))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config),
+                     "tokenizer": dict(GPT2_FACTS)}, str(folder / "ckpt.pt"))
+    exported = run_main("test.py", "--ckpt", folder / "ckpt.pt", "--export-hf", folder / "hf")
+    assert exported.returncode == 0, exported.stderr
+    return folder
+
+
+def metrics(result) -> dict:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_the_export_loads_alone_in_transformers_and_encodes_as_the_toolkit(gpt2_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from toolkit.tokenizers import load_tokenizer
+    folder = gpt2_model / "hf"
+    assert {"config.json", "model.safetensors", "generation_config.json", "vocab.json", "merges.txt",
+            "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(folder))
+    ours = load_tokenizer(GPT2_FACTS)
+    theirs = AutoTokenizer.from_pretrained(folder)
+    text = "\n\n".join(default_corpus_documents())[:50_000] + " café naïve 𝔘𝔫𝔦𝔠𝔬𝔡𝔢  spaces\t\n"
+    assert theirs(text)["input_ids"] == ours.encode(text)
+    assert theirs.eos_token_id == 50256 and theirs.decode(ours.encode(text)) == text
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    model = GPT(GPTConfig(**load_checkpoint(str(gpt2_model / "ckpt.pt"))["model_config"]))
+    model.load_state_dict(load_checkpoint(str(gpt2_model / "ckpt.pt"))["model"])
+    idx = torch.tensor([ours.encode("The cat sat on the mat and then it ran fast.")])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, model.eval()(idx)[0], atol=1e-5, rtol=0)
+
+
+def test_a_char_model_exports_weights_and_says_what_no_hf_tokenizer_holds(char_data, tmp_path):
+    facts = json.loads((char_data / "meta.json").read_text())
+    model = GPT(GPTConfig(block_size=16, vocab_size=facts["vocab_size"], n_layer=1, n_head=1, n_embd=8))
+    save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config), "tokenizer": facts},
+                    str(tmp_path / "ckpt.pt"))
+    result = run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", "--export-hf", tmp_path / "hf")
+    assert result.returncode == 0 and "no HF tokenizer: see its README.md" in result.stdout
+    assert "vocab.json" not in os.listdir(tmp_path / "hf")
+    assert "AutoTokenizer` cannot load" in (tmp_path / "hf" / "README.md").read_text()
+    sampled = run_main("test.py", "--ckpt", tmp_path / "hf", "--num-samples", "1", "--max-new-tokens", "5")
+    assert sampled.returncode == 0, sampled.stderr  # the toolkit reads the folder with its own tokenizer
+
+
+def test_a_local_file_and_a_task_yaml_score_as_lm_evals_own_hf_model(gpt2_model, tmp_path):
+    """The same items through eval.py (a .jsonl, and a task YAML through the harness) and through lm-eval's own `hf`
+    model on the exported folder: the same acc and acc_norm, every request's log-likelihood within 1e-4."""
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from toolkit.harness import GPTHarness, task_manager
+    from toolkit.load import load_model
+    from toolkit.tokenizers import load_tokenizer
+    data = write_jsonl(tmp_path / "items.jsonl", hellaswag_rows(24))
+    yaml = task_yaml(tmp_path, data)
+    result = metrics(run_main("eval.py", "--ckpt", gpt2_model / "ckpt.pt", "--tasks", f"{data},{yaml}", "--dtype",
+                              "float32", "--batch-size", "5", "--output", tmp_path / "out.json"))
+    assert set(result) == {"items", "local_hellaswag"} and result["items"] == result["local_hellaswag"]
+    assert json.loads((tmp_path / "out.json").read_text())["results"] == result
+
+    manager = task_manager((str(tmp_path),), False)
+    theirs = simple_evaluate(model=HFLM(pretrained=str(gpt2_model / "hf"), device="cpu", dtype="float32",
+                                        batch_size=8), tasks=["local_hellaswag"], task_manager=manager,
+                             log_samples=True, bootstrap_iters=0)
+    model, facts = load_model(str(gpt2_model / "ckpt.pt"))
+    ours = simple_evaluate(model=GPTHarness(model, load_tokenizer(facts), 3, torch.device("cpu"), torch.float32),
+                           tasks=["local_hellaswag"], task_manager=manager, log_samples=True, bootstrap_iters=0)
+    assert theirs["results"]["local_hellaswag"]["acc,none"] == result["items"]["acc"]
+    assert theirs["results"]["local_hellaswag"]["acc_norm,none"] == result["items"]["acc_norm"]
+    their_lls = [r[0][0] for s in theirs["samples"]["local_hellaswag"] for r in s["resps"]]
+    our_lls = [r[0][0] for s in ours["samples"]["local_hellaswag"] for r in s["resps"]]
+    assert len(their_lls) == len(our_lls) == 96
+    assert max(abs(a - b) for a, b in zip(their_lls, our_lls)) < 1e-4
+
+
+def char_choices(n: int, seed: int = 0) -> list[dict]:
+    """The true 20-character continuation of a 40-character span of the corpus among three from elsewhere."""
+    documents = [d for d in default_corpus_documents() if len(d) > 200]
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        doc = rng.choice(documents)
+        start = rng.randrange(len(doc) - 60)
+        others = [(o := rng.choice(documents))[(s := rng.randrange(len(o) - 20)):s + 20] for _ in range(3)]
+        label = rng.randrange(4)
+        rows.append({"ctx": doc[start:start + 40], "endings": others[:label] + [doc[start + 40:start + 60]] +
+                     others[label:], "label": label})
+    return rows
+
+
+def test_eval_tasks_in_training_log_acc_and_acc_norm_as_eval_py_and_two_processes_score_them(char_data, tmp_path):
+    choices = write_jsonl(tmp_path / "pydoc_choice.jsonl", char_choices(30))
+    common = [*TINY_MODEL, "--max-iters", "20", "--eval-interval", "10", "--eval-tasks", choices]
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path / "one", *common, "--grad-accum", "2")
+    assert result.returncode == 0, result.stderr
+    assert "pydoc choice acc " in result.stdout and "pydoc choice acc norm " in result.stdout
+    checkpoint = load_checkpoint(str(tmp_path / "one" / "ckpt.pt"))
+    last = checkpoint["history"]["metrics"][-1]
+    assert len(checkpoint["history"]["metrics"]) == 3 and 0 <= last["pydoc_choice_acc"] <= 1
+    scalars = tensorboard_scalars(tmp_path / "one" / "tensorboard")
+    assert [step for step, _ in scalars["eval/pydoc_choice_acc_norm"]] == [0, 10, 20]
+    scored = metrics(run_main("eval.py", "--ckpt", tmp_path / "one" / "ckpt.pt", "--tasks", choices,
+                              "--dtype", "float32"))
+    assert scored["pydoc_choice"] == {"acc": last["pydoc_choice_acc"], "acc_norm": last["pydoc_choice_acc_norm"]}
+
+    # two processes (one micro-batch each: the same global batch) share the items out and score them alike
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()), "--nproc_per_node",
+           "2", str(ROOT / "train_ddp.py"), "--data-dir", str(char_data), "--out-dir", str(tmp_path / "two"), *common]
+    ddp = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    two = load_checkpoint(str(tmp_path / "two" / "ckpt.pt"))["history"]["metrics"]
+    for a, b in zip(checkpoint["history"]["metrics"], two, strict=True):
+        assert (a["pydoc_choice_acc"], a["pydoc_choice_acc_norm"]) == (b["pydoc_choice_acc"],
+                                                                       b["pydoc_choice_acc_norm"])
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"ctx": "a", "endings": ["b", "c"], "label": 2}', "line 2: label must be the index of the right ending"),
+    ('{"ctx": "a", "label": 0}', "line 2: 'endings' must be a list of at least two strings"),
+    ('{"ctx": "a", "endings": ["b"', "line 2: invalid JSON"),
+    ('{"endings": ["b", "c"], "label": 0}', "line 2: no string 'ctx'"),
+])
+def test_a_bad_line_is_named(gpt2_model, tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"ctx": "a", "endings": ["b", "c"], "label": 1}\n' + line + "\n")
+    assert_one_line_error(run_main("eval.py", "--ckpt", gpt2_model / "ckpt.pt", "--tasks", path), message)
+
+
+def test_bad_input_is_one_line(gpt2_model, tmp_path):
+    ckpt = gpt2_model / "ckpt.pt"
+    assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", tmp_path / "missing.jsonl"),
+                          "task file not found")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    items = write_jsonl(tmp_path / "ok.jsonl", hellaswag_rows(2))
+    assert_one_line_error(run_main("eval.py", "--ckpt", tmp_path / "junk.pt", "--tasks", items), "junk.pt")
+    pytest.importorskip("lm_eval")
+    offline = run_main("eval.py", "--ckpt", ckpt, "--tasks", "hellaswag", "--limit", "2")
+    assert_one_line_error(offline, "cannot load the data of hellaswag", "local file")
+    assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", "hellaswagg"),
+                          "unknown task 'hellaswagg'")
+
+
+def test_without_lm_eval_a_harness_task_names_the_install(gpt2_model):
+    code = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", code, str(ROOT / "eval.py"), "--ckpt", str(gpt2_model / "ckpt.pt"),
+                             "--tasks", "arc_easy"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert_one_line_error(result, "pip install lm_eval")

@@ -1,0 +1,188 @@
+"""Scoring a GPT on multiple-choice tasks: log-likelihoods of continuations in length-sorted batches, and files in
+HellaSwag's format scored as lm-evaluation-harness's `hellaswag` task scores its data (eval.py, and the trainers'
+--eval-tasks). The harness itself, for its own tasks, is toolkit/harness.py.
+
+The rules are the harness's (lm_eval/api/model.py, TemplateLM, and its `hf` model), so both give the same numbers:
+a context's trailing spaces move to the front of the continuation; context and continuation are tokenized together
+and split where the context's own tokens end; an empty context is conditioned on the end-of-text token; a pair
+longer than the block size loses tokens from the left of the context. A choice's query is
+preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize()), each ending is preprocess(ending), and the
+continuation scored is " " + ending; acc takes the ending of the highest summed log-likelihood, acc_norm the
+highest log-likelihood per character of the ending (lm_eval/tasks/hellaswag).
+"""
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from model import GPT
+from toolkit import distributed
+from toolkit.cli import CLIError
+from toolkit.device import autocast
+from toolkit.documents import json_lines
+from toolkit.tokenizers import Tokenizer
+
+# logits_at(idx (B, T), rows, cols) -> the (n, V) logits at positions (rows[i], cols[i]) of the batch
+LogitsAt = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Choice:
+    query: str
+    choices: list[str]
+    label: int
+
+
+def preprocess(text: str) -> str:
+    """lm-eval's hellaswag preprocessing: brackets are artifacts of the WikiHow part of HellaSwag."""
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub("\\[.*?\\]", "", text)
+    return text.replace("  ", " ")
+
+
+def choice_item(record, where: str) -> Choice:
+    """One line of a HellaSwag-format file: `ctx` (or HellaSwag's `activity_label`, `ctx_a`, `ctx_b`), `endings`
+    and `label` (an index into endings, as an int or a string of one)."""
+    if not isinstance(record, dict):
+        raise CLIError(f"{where}: not a JSON object with ctx, endings and label")
+    endings = record.get("endings")
+    if not isinstance(endings, list) or len(endings) < 2 or not all(isinstance(e, str) for e in endings):
+        raise CLIError(f"{where}: 'endings' must be a list of at least two strings")
+    if isinstance(record.get("ctx_a"), str):
+        parts = (record.get("activity_label", ""), record["ctx_a"], record.get("ctx_b", ""))
+        if not all(isinstance(p, str) for p in parts):
+            raise CLIError(f"{where}: activity_label, ctx_a and ctx_b must be strings")
+        query = preprocess(parts[0] + ": " + parts[1] + " " + parts[2].capitalize())
+    elif isinstance(record.get("ctx"), str):
+        query = preprocess(record["ctx"])
+    else:
+        raise CLIError(f"{where}: no string 'ctx' (or HellaSwag's 'ctx_a')")
+    label = record.get("label")
+    if isinstance(label, str) and label.strip().isdigit():
+        label = int(label)
+    if type(label) is not int or not 0 <= label < len(endings):
+        raise CLIError(f"{where}: label must be the index of the right ending (0 to {len(endings) - 1}), got "
+                       f"{record.get('label')!r}")
+    return Choice(query, [preprocess(e) for e in endings], label)
+
+
+def read_choices(path: str, limit: int | None = None) -> list[Choice]:
+    """The items of a HellaSwag-format JSON-lines file (the first `limit` of them)."""
+    items = []
+    for number, record in json_lines(path):
+        items.append(choice_item(record, f"{path} line {number}"))
+        if limit is not None and len(items) == limit:
+            break
+    if not items:
+        raise CLIError(f"{path} has no items")
+    return items
+
+
+def encode_pair(tok: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context tokens, continuation tokens) as the harness makes them (see the module's docstring)."""
+    if not context:
+        ids = tok.encode(continuation)
+        eot = tok.eot_id if tok.eot_id is not None else tok.encode("\n")[0]
+        return ([eot], ids) if ids[:1] != [eot] else (ids[:1], ids[1:])
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole, head = tok.encode(context + continuation), tok.encode(context)
+    return head, whole[len(head):]
+
+
+def choice_requests(items: list[Choice], tok: Tokenizer) -> list[tuple[list[int], list[int]]]:
+    return [encode_pair(tok, item.query, " " + choice) for item in items for choice in item.choices]
+
+
+def gpt_logits_at(model: GPT, device: torch.device, dtype: torch.dtype) -> LogitsAt:
+    """LogitsAt of a plain GPT: the LM head on the chosen positions only, not on the whole batch."""
+    def logits_at(idx: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        with autocast(device, dtype):
+            return model.lm_head(model.hidden_states(idx)[rows, cols]).float()
+    return logits_at
+
+
+@torch.no_grad()
+def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int]]], block_size: int,
+                   batch_size: int, device: torch.device,
+                   shard: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(log-likelihood, greedy) of each continuation given its context: the summed log-probabilities of its
+    tokens, and whether each was the likeliest. In a process group every data-parallel rank (shard: its index and
+    the count; default every process) scores an equal share, so engines whose forward is collective stay in step,
+    and the shares are summed into the whole."""
+    rank, world = shard or (distributed.rank(), distributed.world_size())
+    for context, continuation in requests:
+        if len(continuation) > block_size:
+            raise CLIError(f"a continuation of {len(continuation)} tokens is longer than the block size {block_size}")
+    share = math.ceil(len(requests) / world)
+    mine = [i % len(requests) for i in range(rank * share, (rank + 1) * share)]  # the last shares repeat a few
+    counted = set(range(rank * share, min((rank + 1) * share, len(requests))))
+    inputs = []
+    for i in mine:
+        context, continuation = requests[i]
+        whole = (context + continuation)[-(block_size + 1):][:-1]  # the last token is only a target
+        inputs.append((i, whole, continuation))
+    inputs.sort(key=lambda item: -len(item[1]))  # long first: similar lengths share a batch
+    scores = torch.zeros(2, len(requests), dtype=torch.float64)
+    for start in range(0, len(inputs), batch_size):
+        batch = inputs[start:start + batch_size]
+        idx = torch.zeros(len(batch), len(batch[0][1]), dtype=torch.long)
+        rows, cols, targets = [], [], []
+        for row, (_, whole, continuation) in enumerate(batch):
+            idx[row, :len(whole)] = torch.tensor(whole)
+            n = len(continuation)
+            rows += [row] * n
+            cols += range(len(whole) - n, len(whole))
+            targets += continuation
+        logits = logits_at(idx.to(device), torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        targets = torch.tensor(targets, device=device)
+        token_scores = logprobs.gather(1, targets[:, None])[:, 0].double().cpu()
+        token_greedy = (logprobs.argmax(dim=-1) == targets).cpu()
+        offset = 0
+        for i, _, continuation in batch:
+            n = len(continuation)
+            if i in counted:
+                scores[0, i] = token_scores[offset:offset + n].sum()
+                scores[1, i] = float(token_greedy[offset:offset + n].all())
+            offset += n
+    if distributed.world_size() > 1:  # model-parallel ranks of one replica hold the same share: count it once
+        replicas = distributed.world_size() // world
+        scores = torch.tensor(distributed.all_reduce_sum(scores.flatten().tolist(), device),
+                              dtype=torch.float64).view(2, -1) / replicas
+    return scores[0].numpy(), scores[1].numpy() > 0.5
+
+
+def choice_metrics(items: list[Choice], lls: np.ndarray) -> dict[str, float]:
+    """acc and acc_norm of the items from the log-likelihoods of all their endings, in order."""
+    right = right_norm = 0
+    offset = 0
+    for item in items:
+        scores = lls[offset:offset + len(item.choices)]
+        lengths = np.array([len(choice) for choice in item.choices], dtype=np.float64)
+        right += int(np.argmax(scores)) == item.label
+        right_norm += int(np.argmax(scores / lengths)) == item.label
+        offset += len(item.choices)
+    return {"acc": right / len(items), "acc_norm": right_norm / len(items)}
+
+
+class ChoiceTask:
+    """A HellaSwag-format file, read and tokenized once, scored whenever asked (the trainers' --eval-tasks)."""
+
+    def __init__(self, path: str, tok: Tokenizer, limit: int | None = None):
+        self.path, self.name = path, os.path.splitext(os.path.basename(path))[0]
+        self.items = read_choices(path, limit)
+        try:
+            self.requests = choice_requests(self.items, tok)
+        except ValueError as e:  # a character outside a char vocabulary
+            raise CLIError(f"{path}: {e}") from None
+
+    def score(self, logits_at: LogitsAt, block_size: int, batch_size: int, device: torch.device,
+              shard: tuple[int, int] | None = None) -> dict:
+        lls, _ = loglikelihoods(logits_at, self.requests, block_size, batch_size, device, shard)
+        return choice_metrics(self.items, lls)

@@ -1,0 +1,128 @@
+"""EleutherAI's lm-evaluation-harness on this toolkit's GPT: an `LM` of its API, and its tasks run by name or from a
+task YAML (eval.py). Only imported when a harness task is asked for: `pip install lm_eval` is optional.
+
+GPTHarness answers the harness's three request kinds with the model's own tokenizer: loglikelihood (through
+TemplateLM, so contexts and continuations are split as the harness's `hf` model splits them, then scored by
+toolkit/evaluation.py in length-sorted batches), loglikelihood_rolling (the harness's rolling windows of the
+block size) and generate_until (greedy or sampled, with the KV cache, stopping at any `until` string).
+"""
+import functools
+import os
+
+import torch
+from lm_eval import simple_evaluate, utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.tasks import TaskManager
+
+from model import GPT
+from toolkit.cli import CLIError
+from toolkit.device import autocast
+from toolkit.evaluation import gpt_logits_at, loglikelihoods
+from toolkit.files import read_text
+from toolkit.tokenizers import Tokenizer
+
+
+class GPTHarness(TemplateLM):
+    def __init__(self, model: GPT, tok: Tokenizer, batch_size: int, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.model, self.tok, self.batch_size, self.where, self.dtype = model.eval(), tok, batch_size, device, dtype
+        self.logits_at = gpt_logits_at(model, device, dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.where
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eot_id if self.tok.eot_id is not None else self.tok.encode("\n")[0]
+
+    @property
+    def max_length(self) -> int:
+        return self.model.config.block_size
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tok.encode(string)
+
+    def tok_decode(self, tokens: list[int], **kwargs) -> str:
+        return self.tok.decode(tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        lls, greedy = loglikelihoods(self.logits_at, [(context, continuation) for _, context, continuation in
+                                                      requests], self.max_length, self.batch_size, self.where)
+        return list(zip(lls.tolist(), greedy.tolist()))
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for number, (text,) in enumerate(request.args for request in requests):
+            for window in utils.get_rolling_token_windows(token_list=self.tok_encode(text),
+                                                          prefix_token=self.prefix_token_id,
+                                                          max_seq_len=self.max_length, context_len=1):
+                windows.append(utils.make_disjoint_window(window))
+                owners.append(number)
+        lls, _ = loglikelihoods(self.logits_at, windows, self.max_length, self.batch_size, self.where)
+        totals = [0.0] * len(requests)
+        for owner, ll in zip(owners, lls.tolist()):
+            totals[owner] += ll
+        return totals
+
+    @torch.no_grad()
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for context, options in (request.args for request in requests):
+            until = options.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            new_tokens = options.get("max_gen_toks", 256)
+            temperature = options.get("temperature", 0.0) if options.get("do_sample") else 0.0
+            ids = (self.tok_encode(context) or [self.eot_token_id])[-(self.max_length - 1):]
+            tokens, text = [], ""
+            with autocast(self.where, self.dtype):
+                stream = self.model.generate_stream(torch.tensor([ids], device=self.where), new_tokens,
+                                                    temperature=temperature, eos_token=self.tok.eot_id)
+                for step in stream:
+                    tokens.append(step[0].item())
+                    text = self.tok_decode(tokens)
+                    if tokens[-1] == self.tok.eot_id or any(stop in text for stop in until):
+                        break
+            for stop in until:
+                text = text.split(stop)[0]
+            out.append(text)
+        return out
+
+
+def task_name(spec: str) -> tuple[str, str | None]:
+    """(task name, folder to include) of a --tasks entry: a task YAML file (its `task:` key), or a harness name."""
+    if not spec.endswith((".yaml", ".yml")):
+        return spec, None
+    for line in read_text(spec, "task YAML").splitlines():
+        if line.startswith("task:"):
+            return line.split(":", 1)[1].strip().strip("'\""), os.path.dirname(os.path.abspath(spec))
+    raise CLIError(f"{spec} has no `task:` line: not an lm-eval task YAML")
+
+
+@functools.cache
+def task_manager(folders: tuple[str, ...], defaults: bool) -> TaskManager:
+    """The harness's index of tasks: its own 10,000+ (seconds to build: only when a task is named) and the folders
+    of the task YAMLs given."""
+    return TaskManager(include_path=list(folders) or None, include_defaults=defaults)
+
+
+def run(specs: list[str], lm: GPTHarness, limit: int | None) -> dict:
+    """lm_eval.simple_evaluate on the tasks; a name the harness does not know, or data it cannot reach (offline),
+    is one line."""
+    names, folders = zip(*map(task_name, specs))
+    local = tuple(f for f in folders if f)
+    manager = task_manager(local, len(local) < len(names))
+    unknown = [name for name in names if name not in manager.all_tasks]
+    if unknown:
+        close = [t for t in manager.all_tasks if unknown[0].split("_")[0] in t][:5]
+        raise CLIError(f"unknown task {unknown[0]!r} for lm-evaluation-harness" +
+                       (f"; similar: {', '.join(close)}" if close else "") +
+                       "; a local file is a .jsonl in HellaSwag's format or a task .yaml")
+    try:
+        return simple_evaluate(model=lm, tasks=list(names), task_manager=manager, limit=limit, log_samples=True,
+                               bootstrap_iters=0)
+    except (ConnectionError, OSError, ValueError, FileNotFoundError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CLIError(f"lm-evaluation-harness cannot load the data of {', '.join(names)} ({first[:200]}); without "
+                       f"internet, score a local file instead: --tasks FILE.jsonl (HellaSwag's format) or a task "
+                       f"YAML over local data (docs/eval.md)") from None
