@@ -73,7 +73,9 @@ def test_load_hf_bin_without_prefix(tmp_path):
 def test_save_pretrained_loads_in_transformers(tmp_path, bias):
     m = tiny_gpt(bias=bias)
     save_gpt2(m, str(tmp_path / "out"))
-    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "merges.txt",
+                                                     "model.safetensors", "special_tokens_map.json", "tokenizer.json",
+                                                     "tokenizer_config.json", "vocab.json"]
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     idx = torch.randint(0, VOCAB, (2, 32))
     assert rel_err(m(idx)[0], hf(idx).logits) < 1e-5
