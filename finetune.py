@@ -1,7 +1,10 @@
-"""Fine-tune a pretrained GPT for classification, entailment, similarity or multiple choice, as GPT-1 did.
+"""Fine-tune a pretrained GPT for classification, entailment, similarity or multiple choice, as GPT-1 did, or
+for instruction following (sft); every weight, or LoRA adapters with the base frozen.
 
     python finetune.py --task classify --train train.jsonl --val val.jsonl --init-from ckpt/ckpt.pt --out-dir ckpt/cls
     python finetune.py --init-from ckpt/cls/ckpt.pt --predict new.jsonl --out predictions.jsonl
+    python finetune.py --task sft --train chats.jsonl --val chats_val.jsonl --lora-rank 8 --out-dir ckpt/sft
+    python finetune.py --merge-lora ckpt/sft/ckpt.pt --out-dir ckpt/sft-merged
     torchrun --standalone --nproc_per_node 2 finetune.py [the same flags]
 
 Examples are JSON lines (schemas: docs/finetune.md); toolkit/tasks.py lays each task out in tokens and holds the
@@ -13,7 +16,9 @@ plus the head and the task; test.py samples from it). --predict labels a file wi
 one given as --init-from, or after training the one just written. The last line printed is one JSON object: the
 best epoch's validation metrics (or, for --predict alone, what was written). --batch-size is per process and
 --grad-accum counts micro-batches over all processes, as in train.py, so N processes train like one with the same
-global batch.
+global batch. sft learns the assistant turns of conversations through toolkit/chat.py's template (test.py --chat
+talks to the result); --lora-rank R trains adapters alone (toolkit/lora.py), and the checkpoint then holds them
+with the path and sha256 of their base: every script reads it, and --merge-lora writes it as a full checkpoint.
 """
 import json
 import os
@@ -24,7 +29,8 @@ from toolkit.checkpoint import CHECKPOINT_FILE
 from toolkit.cli import CLIError
 from toolkit.device import resolve_device, resolve_dtype
 from toolkit.files import check_output
-from toolkit.finetuning import FinetuneConfig, check_config, learning_warning, setup, write_predictions
+from toolkit.finetuning import FinetuneConfig, check_config, learning_warning, resumed_config, setup, write_merged, \
+    write_predictions
 
 
 def parse_config(argv: list[str] | None = None) -> tuple[FinetuneConfig, object]:
@@ -33,46 +39,53 @@ def parse_config(argv: list[str] | None = None) -> tuple[FinetuneConfig, object]
     distributed.add_distributed_flags(parser)  # --backend and --timeout, used under torchrun
     args = parser.parse_args(argv)
     cfg = FinetuneConfig(**flags.values(args, FinetuneConfig))
+    args.resume = None
+    if cfg.init_from == "resume":
+        cfg, args.resume = resumed_config(cfg, flags.given(FinetuneConfig, argv))
     check_config(cfg)
     return cfg, args
 
 
-def check_outputs(cfg: FinetuneConfig) -> None:
+def check_outputs(cfg: FinetuneConfig, resuming: bool) -> None:
     """Outputs that replace no input, and no earlier result unless --overwrite."""
-    inputs = [cfg.init_from, cfg.train, cfg.val, cfg.predict]
+    inputs = [cfg.init_from, cfg.train, cfg.val, cfg.predict, cfg.merge_lora]
     outputs = []
-    if cfg.train:
+    if cfg.train or cfg.merge_lora:
         outputs.append(("--out-dir", os.path.join(cfg.out_dir, CHECKPOINT_FILE)))
     if cfg.out:
         outputs.append(("--out", cfg.out))
     for flag, path in outputs:
         check_output(path, inputs, flag)
-        if os.path.exists(path) and not cfg.overwrite:
+        if os.path.exists(path) and not cfg.overwrite and not (flag == "--out-dir" and resuming):
             raise CLIError(f"{path} exists; choose another {flag} or pass --overwrite to replace it")
         inputs.append(path)
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg, args = parse_config(argv)
-    check_outputs(cfg)
+    check_outputs(cfg, args.resume is not None)
     if distributed.launched_by_torchrun():
         distributed.init_torchrun(cfg.device, args.backend, args.timeout)
     master = distributed.rank() == 0
+    if cfg.merge_lora:
+        if master:
+            print(json.dumps(write_merged(cfg)))
+        return
     if cfg.train is None:
         if master:
             device = resolve_device(cfg.device)
             print(json.dumps(write_predictions(cfg, cfg.init_from, device, resolve_dtype(cfg.dtype, device))))
         return
-    trainer = setup(cfg)
+    trainer = setup(cfg, args.resume)
     trainer.fit()
-    if master and cfg.predict:
+    if master and cfg.predict and not trainer.stopped:
         print(json.dumps(write_predictions(cfg, trainer.engine.path, trainer.device, trainer.engine.dtype)))
     if master:
         warning = learning_warning(trainer)
         if warning:
             print(warning, file=sys.stderr, flush=True)
         steps_per_epoch = trainer.objective.steps_per_epoch
-        print(json.dumps({**trainer.best, "epochs": trainer.step // steps_per_epoch, "steps": trainer.step}),
+        print(json.dumps({**(trainer.best or {}), "epochs": trainer.step // steps_per_epoch, "steps": trainer.step}),
               flush=True)
 
 

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.export_hf:
         print(save_gpt2(model, args.export_hf, facts))
         return
-    run_sampling(model, load_tokenizer(facts), args)
+    run_sampling(model, load_tokenizer(facts), args, args.ckpt)
 
 
 if __name__ == "__main__":

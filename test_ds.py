@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
                              "output stored elsewhere (default: the folder above it)")
     parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step2000 (default: latest)")
     parser.add_argument("--export-hf", metavar="DIR", default=None,
-                        help="write the model as an HF GPT-2 folder (config.json + model.safetensors) and exit")
+                        help="write the model as an HF GPT-2 folder (weights, config, tokenizer files) and exit")
     parser.add_argument("--export-ckpt", metavar="PATH", default=None,
                         help="write the model as a plain ckpt.pt (weights, configs, tokenizer; no optimizer state) "
                              "for test.py, and exit")
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         print(save_gpt2(model, args.export_hf, facts), flush=True)
     if args.export_ckpt or args.export_hf:
         return
-    run_sampling(model, load_tokenizer(facts), args)
+    run_sampling(model, load_tokenizer(facts), args, args.ckpt)
 
 
 if __name__ == "__main__":

@@ -311,7 +311,7 @@ def test_two_processes_give_the_metrics_of_one(datasets, pretrained, tmp_path):
     torch.testing.assert_close(heads[0], heads[1], atol=1e-4, rtol=0)
 
 
-def test_sigterm_finishes_the_step_saves_and_exits_0(datasets, pretrained, tmp_path):
+def test_sigterm_finishes_the_step_saves_the_latest_state_and_exits_0(datasets, pretrained, tmp_path):
     train, val = datasets["classify"]
     proc = subprocess.Popen([sys.executable, str(ROOT / "finetune.py"), "--task", "classify", "--train", train,
                              "--val", val, "--init-from", pretrained, "--out-dir", str(tmp_path), *FAST,
@@ -329,7 +329,8 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(datasets, pretrained, tmp_p
     assert "stopped by signal at iteration" in out
     report = json.loads(out.splitlines()[-1])
     assert report["epochs"] == 0 and 1 <= report["steps"] < math.ceil(TRAIN_EXAMPLES / 16)
-    assert load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] == report["steps"]
+    assert not (tmp_path / "ckpt.pt").exists()  # no epoch was evaluated: nothing is the best yet
+    assert load_checkpoint(str(tmp_path / "last.pt"))["iter_num"] == report["steps"]  # --init-from resume
 
 
 # ----------------------------------------------------------------------------- bad input

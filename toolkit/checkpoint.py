@@ -9,7 +9,8 @@
     best_val_loss, history (the loss curve)
     optimizer, scaler, rng   what exact resume needs (scaler is None unless float16)
 
-Fine-tuned checkpoints add `head` (the task head's weights) and `finetune` (the task's facts). Weight files are
+Fine-tuned checkpoints add `head` (the task head's weights) and `finetune` (the task's facts). A LoRA checkpoint
+has `lora` and `adapters` in place of `model` (toolkit/lora.py: the weights are its base's plus the adapters). Weight files are
 what HF folders and DeepSpeed's zero_to_fp32 write: pytorch_model.bin, model.safetensors, sharded folders.
 DeepSpeed's own folder is toolkit/ds_checkpoint.py's; toolkit/load.py reads any of them.
 """
@@ -64,8 +65,8 @@ def make_checkpoint(state: dict, model: torch.nn.Module, optimizer: dict | None,
     the weights, optimizer, scaler and RNG states."""
     missing = [k for k in STATE_KEYS if k not in state]
     assert not missing, missing
-    return {**state, "model": clean_state_dict(model.state_dict()), "optimizer": optimizer, "scaler": scaler,
-            "rng": rng}
+    weights = {} if "adapters" in state else {"model": clean_state_dict(model.state_dict())}
+    return {**state, **weights, "optimizer": optimizer, "scaler": scaler, "rng": rng}
 
 
 def save_checkpoint(checkpoint: dict, path: str) -> None:
@@ -78,9 +79,10 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict
     if not os.path.isfile(path):
         raise CLIError(f"checkpoint not found: {path}")
     checkpoint = load_plain(path, map_location)
-    required = ("model", "model_config")
-    if not isinstance(checkpoint, dict) or any(k not in checkpoint for k in required):
-        raise CLIError(f"{path} is not a checkpoint of this toolkit (needs keys {', '.join(required)})")
+    if not isinstance(checkpoint, dict) or "model_config" not in checkpoint or not ("model" in checkpoint or
+                                                                                    "adapters" in checkpoint):
+        raise CLIError(f"{path} is not a checkpoint of this toolkit (needs keys model_config and model, or "
+                       f"adapters)")
     return checkpoint
 
 
@@ -124,6 +126,9 @@ def model_from_weights(model_config: dict, weights: dict, source: str, **overrid
 
 def model_from_checkpoint(checkpoint: dict, source: str = "checkpoint", **overrides) -> GPT:
     """Build a GPT from a ckpt.pt dict's config and weights."""
+    if "model" not in checkpoint:
+        raise CLIError(f"{source} holds LoRA adapters, not full weights; read it with toolkit.load.load_model, or "
+                       f"merge it first (finetune.py --merge-lora)")
     return model_from_weights(checkpoint["model_config"], checkpoint["model"], source, **overrides)
 
 

@@ -1,11 +1,13 @@
-"""Fine-tuning a pretrained GPT for a task as GPT-1 did, the way finetune.py runs it: the options, the starting
-body, the objective the loop runs (the task's loss plus the LM loss, one global batch split over the processes),
-the validation metrics, and predictions with a fine-tuned checkpoint.
+"""Fine-tuning a pretrained GPT, the way finetune.py runs it: for a task as GPT-1 did (the task's loss plus the LM
+loss) or for instruction following (sft: the LM loss on the assistant turns), every weight or LoRA adapters. The
+options, the starting body, the objectives the loop runs (one global batch split over the processes), the
+validation metrics, predictions with a fine-tuned checkpoint, and the merge of LoRA adapters.
 
     trainer, report = setup(cfg), ...      # see finetune.py
     trainer.fit()
 
-The tasks' token layouts and the head are toolkit/tasks.py's; the loop is toolkit/training.py.
+The tasks' token layouts and the head are toolkit/tasks.py's, the chat template toolkit/chat.py's, the adapters
+toolkit/lora.py's; the loop is toolkit/training.py.
 """
 import json
 import math
@@ -18,8 +20,10 @@ import torch
 from torch.nn import functional as F
 
 from model import GPT
-from toolkit import distributed, flags
-from toolkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, model_from_checkpoint
+from toolkit import distributed, flags, hf, lora
+from toolkit.chat import add_chat_tokens, encode_conversations, pad_conversations, read_conversations, \
+    trained_tokens
+from toolkit.checkpoint import CHECKPOINT_FILE, clean_state_dict, load_checkpoint, save_checkpoint
 from toolkit.cli import CLIError
 from toolkit.device import autocast, describe, keep_freed_memory_in_heap, resolve_device, resolve_dtype
 from toolkit.files import atomic_open
@@ -34,22 +38,36 @@ from toolkit.training import LoopConfig, Schedule, TorchEngine, Trainer, claim_o
 
 EPOCHS, MIN_STEPS = 3, 200  # GPT-1's epochs; a set too small for them gets more (docs/finetune.md)
 LR_WIDTH = 0.128  # lr = LR_WIDTH / n_embd: a larger model takes smaller steps (measured: docs/finetune.md)
+LORA_LR = 10  # adapters start at zero and move a rank-r slice: LoRA takes larger steps (measured: docs/finetune.md)
+ALL_TASKS = (*TASKS, "sft")
+LATEST_FILE = "last.pt"  # OUT_DIR/last.pt: the latest state while a fine-tuning runs, for --init-from resume
 
 
 @dataclass
 class FinetuneConfig:
     # task and files
-    task: str | None = option(None, f"{', '.join(TASKS)} (--predict alone: the checkpoint's own)")
-    train: str | None = option(None, "training examples, JSON lines (schemas: docs/finetune.md)")
-    val: str | None = option(None, "validation examples, JSON lines, scored after every epoch")
+    task: str | None = option(None, f"{', '.join(TASKS)}, or sft for instruction tuning on conversations "
+                                    f"(--predict alone: the checkpoint's own)")
+    train: str | None = option(None, "training examples or conversations, JSON lines (schemas: docs/finetune.md)")
+    val: str | None = option(None, "validation examples or conversations, JSON lines, scored after every epoch")
     labels: str = option("class", "class: labels are classes; float: similarity scores, learnt by regression",
                          choices=["class", "float"])
     init_from: str = option("ckpt/ckpt.pt", "pretrained model: a ckpt.pt, a DeepSpeed folder or its zero_to_fp32 "
-                                            "output, an HF GPT-2 folder; with --predict alone, a fine-tuned ckpt.pt")
+                                            "output, an HF GPT-2 folder; resume: continue the interrupted "
+                                            "fine-tuning in OUT_DIR; with --predict alone, a fine-tuned ckpt.pt")
     out_dir: str = option("ckpt/finetune", "where the best epoch's ckpt.pt and the TensorBoard logs go")
     overwrite: bool = option(False, "replace an existing OUT_DIR/ckpt.pt or --out")
     predict: str | None = option(None, "examples to label with the fine-tuned model (JSON lines, labels not needed)")
     out: str | None = option(None, "where --predict writes one JSON line per example")
+    merge_lora: str | None = option(None, "a LoRA checkpoint to merge into its base: writes OUT_DIR/ckpt.pt, a full "
+                                          "checkpoint every script reads")
+    # LoRA: low-rank adapters, the base frozen (toolkit/lora.py)
+    lora_rank: int = option(0, "train LoRA adapters of this rank instead of every weight (0 = every weight)",
+                            check="non-negative")
+    lora_alpha: float = option(16.0, "LoRA's alpha: the update is scaled by alpha / rank", check="positive-number")
+    lora_dropout: float = option(0.05, "dropout on the adapters' input", check="probability")
+    lora_targets: str = option("all", "the linears that get adapters: attn (c_attn, c_proj), mlp (c_fc, c_proj) "
+                                      "or all", choices=list(lora.TARGETS))
     # optimisation: GPT-1's recipe, with a rate that follows the width and enough steps for small sets
     epochs: int | None = option(None, f"passes over the training examples (default: {EPOCHS}, or more when that "
                                       f"is fewer than {MIN_STEPS} steps)", check="positive")
@@ -57,7 +75,8 @@ class FinetuneConfig:
     grad_accum: int | None = option(None, "micro-batches per optimizer step over ALL processes (default: one per "
                                           "process)", check="positive")
     lr: float | None = option(None, f"peak learning rate (default: {LR_WIDTH:g} / the model's width: 1e-3 at the "
-                                    f"quick start's 128, 1.7e-4 at GPT-2's 768)", check="positive-number")
+                                    f"quick start's 128, 1.7e-4 at GPT-2's 768; {LORA_LR}x that with LoRA)",
+                              check="positive-number")
     warmup: float = option(0.1, "share of the steps with linear warmup, followed by linear decay to 0",
                            check="share")
     lm_weight: float = option(0.5, "weight of the language-model loss on the same inputs (0 = off)",
@@ -81,18 +100,36 @@ class FinetuneConfig:
     seed: int = option(1337, "seed of the new weights, of dropout and of the order of the examples")
 
 
+def resumed_config(cfg: FinetuneConfig, given: set[str]) -> tuple[FinetuneConfig, dict]:
+    """--init-from resume: the interrupted run's options (those given now win) and its latest state."""
+    path = os.path.join(cfg.out_dir, LATEST_FILE)
+    if not os.path.isfile(path):
+        raise CLIError(f"nothing to resume in {cfg.out_dir}: {path} exists only while a fine-tuning runs or after one "
+                       f"was interrupted")
+    checkpoint = load_checkpoint(path)
+    saved = {k: v for k, v in checkpoint["train_config"].items() if k in FinetuneConfig.__dataclass_fields__}
+    mine = given | {"out_dir", "overwrite"}
+    return FinetuneConfig(**{**saved, **{k: getattr(cfg, k) for k in mine if k != "init_from"}}), checkpoint
+
+
 def check_config(cfg: FinetuneConfig) -> None:
     """Every value in range and the flags consistent, before anything is read or written (CLIError)."""
     flags.check_values(cfg)
-    if cfg.task is not None and cfg.task not in TASKS:
-        raise CLIError(f"unknown task {cfg.task!r}; choose from {', '.join(TASKS)}")
-    if cfg.train is None and cfg.predict is None:
-        raise CLIError("nothing to do: give --task, --train and --val to fine-tune, or --predict and --out")
+    if cfg.task is not None and cfg.task not in ALL_TASKS:
+        raise CLIError(f"unknown task {cfg.task!r}; choose from {', '.join(ALL_TASKS)}")
+    if cfg.merge_lora and (cfg.train or cfg.predict):
+        raise CLIError("--merge-lora goes alone (with --out-dir): merge first, then fine-tune or predict")
+    if cfg.train is None and cfg.predict is None and cfg.merge_lora is None:
+        raise CLIError("nothing to do: give --task, --train and --val to fine-tune, --predict and --out, or "
+                       "--merge-lora")
     for a, b in (("train", "val"), ("predict", "out")):
         if (getattr(cfg, a) is None) != (getattr(cfg, b) is None):
             raise CLIError(f"--{a} and --{b} go together")
     if cfg.train and cfg.task is None:
-        raise CLIError(f"--task is required to fine-tune; choose from {', '.join(TASKS)}")
+        raise CLIError(f"--task is required to fine-tune; choose from {', '.join(ALL_TASKS)}")
+    if cfg.task == "sft" and cfg.predict:
+        raise CLIError("--predict labels examples of a GPT-1 task; an sft model answers with test.py --chat or "
+                       "--prompt")
     if cfg.labels == "float" and cfg.task not in (None, "similarity"):
         raise CLIError("--labels float is for --task similarity (regression on a score)")
     if cfg.block_size is not None and cfg.block_size < 4:
@@ -116,10 +153,13 @@ def load_finetuned(path: str, device: torch.device) -> tuple[TaskModel, Tokenize
     """(model with its head, tokenizer with the special tokens, the task facts) of a fine-tuned ckpt.pt."""
     checkpoint = load_checkpoint(path)
     task = checkpoint.get("finetune")
+    if isinstance(task, dict) and task.get("task") == "sft":
+        raise CLIError(f"{path} is instruction-tuned, not fine-tuned for a task: talk to it with test.py --ckpt "
+                       f"{path} --chat")
     if not isinstance(task, dict) or "head" not in checkpoint:
         raise CLIError(f"{path} is not a fine-tuned checkpoint (it has no task head); fine-tune it with --task, "
                        f"--train and --val first")
-    body = model_from_checkpoint(checkpoint, path, dropout=0.0)
+    body, _ = load_model(path)
     model = TaskModel(body, task["task"], task["outputs"], dropout=0.0)
     model.head.load_state_dict(checkpoint["head"])
     return model.to(device).eval(), load_tokenizer(checkpoint["tokenizer"]), task
@@ -133,6 +173,14 @@ def epoch_batches(n: int, global_batch: int, micro_batches: int, seed: int, epoc
     order = np.random.Generator(np.random.PCG64([seed, epoch])).permutation(n)
     batches = [order[i : i + global_batch] for i in range(0, n, global_batch)]
     return batches if len(batches[-1]) >= micro_batches else batches[:-1]
+
+
+def step_batches(step: int, n: int, cfg: "FinetuneConfig", steps_per_epoch: int) -> tuple[int, list[np.ndarray]]:
+    """(the examples in the step's global batch, this rank's micro-batches of it as index arrays)."""
+    epoch, index = divmod(step, steps_per_epoch)
+    batch = epoch_batches(n, cfg.batch_size * cfg.grad_accum, cfg.grad_accum, cfg.seed, epoch)[index]
+    micro_steps = cfg.grad_accum // distributed.world_size()
+    return len(batch), np.array_split(batch, cfg.grad_accum)[distributed.rank() * micro_steps:][:micro_steps]
 
 
 def rank_share(n: int, rank: int, world_size: int) -> np.ndarray:
@@ -234,18 +282,14 @@ class TaskObjective:
         self.train_set, self.val_set, self.device, self.dtype = train_set, val_set, device, dtype
         self.regression = cfg.labels == "float"
         self.val_labels = torch.tensor([e.label for e in val_set])
-        self.micro_steps = cfg.grad_accum // distributed.world_size()
         self.global_batch = cfg.batch_size * cfg.grad_accum
         self.steps_per_epoch = len(epoch_batches(len(train_set), self.global_batch, cfg.grad_accum, cfg.seed, 0))
+        self.adapters = None  # LoRA's facts when the body trains adapters (setup)
 
     def micro_batches(self, step: int) -> list[tuple[list[Example], float]]:
         """This rank's micro-batches of the step's global batch, each weighted by its share of the examples."""
-        epoch, index = divmod(step, self.steps_per_epoch)
-        batch = epoch_batches(len(self.train_set), self.global_batch, self.cfg.grad_accum, self.cfg.seed,
-                              epoch)[index]
-        micro = np.array_split(batch, self.cfg.grad_accum)
-        mine = micro[distributed.rank() * self.micro_steps:][: self.micro_steps]
-        return [([self.train_set[i] for i in rows], len(rows) / len(batch)) for rows in mine]
+        size, mine = step_batches(step, len(self.train_set), self.cfg, self.steps_per_epoch)
+        return [([self.train_set[i] for i in rows], len(rows) / size) for rows in mine]
 
     def loss(self, model: torch.nn.Module, examples: list[Example]) -> torch.Tensor:
         idx, extract, targets = pad_batch(examples, self.device)
@@ -275,8 +319,7 @@ class TaskObjective:
     def checkpoint_state(self, best: dict | None) -> dict:
         """train.py's format plus the head's weights and the task (fine-tuning is not resumed: no optimizer)."""
         cfg = self.cfg
-        return {"model_config": asdict(self.model.body.config), "train_config": asdict(cfg), "tokenizer": self.facts,
-                "head": self.model.head.state_dict(),
+        return {**finetuned_state(cfg, self.model.body, self.facts, self.adapters), "head": self.model.head.state_dict(),
                 "finetune": {"task": cfg.task, "labels": cfg.labels, "label_names": self.names,
                              "outputs": self.model.head.out_features, "metrics": best, "init_from": cfg.init_from}}
 
@@ -290,9 +333,95 @@ class TaskObjective:
         return torch.bincount(self.val_labels).max().item() / len(self.val_labels)
 
 
-def setup(cfg: FinetuneConfig) -> Trainer:
-    """Read the body and the examples, add the special tokens and the head, and hand the loop an engine; nothing is
-    written before every input has been read and checked."""
+class ChatObjective:
+    """What the loop learns in instruction tuning: the LM loss on the assistant turns' tokens alone (the mask of
+    toolkit/chat.py), averaged over all of a global batch's learnt tokens; evaluated by the same loss on the
+    held-out conversations after each epoch."""
+
+    def __init__(self, cfg: FinetuneConfig, model: GPT, facts: dict, train_set: list, val_set: list,
+                 device: torch.device, dtype: torch.dtype):
+        self.cfg, self.model, self.facts, self.device, self.dtype = cfg, model, facts, device, dtype
+        self.train_set, self.val_set = train_set, val_set
+        self.global_batch = cfg.batch_size * cfg.grad_accum
+        self.steps_per_epoch = len(epoch_batches(len(train_set), self.global_batch, cfg.grad_accum, cfg.seed, 0))
+        self.adapters = None
+
+    def micro_batches(self, step: int) -> list[tuple[list, float]]:
+        """This rank's micro-batches, each weighted by its share of the global batch's learnt tokens."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        order = epoch_batches(len(self.train_set), self.global_batch, self.cfg.grad_accum, self.cfg.seed, epoch)
+        total = trained_tokens([self.train_set[i] for i in order[index]])
+        _, mine = step_batches(step, len(self.train_set), self.cfg, self.steps_per_epoch)
+        batches = [[self.train_set[i] for i in rows] for rows in mine]
+        return [(batch, trained_tokens(batch) / total) for batch in batches]
+
+    def loss(self, model: torch.nn.Module, conversations: list) -> torch.Tensor:
+        idx, targets = pad_conversations(conversations, self.device)
+        return model(idx, targets, chunked_loss=True)[1]
+
+    def throughput(self) -> tuple[int, str, None]:
+        return self.global_batch, "conversations", None
+
+    @torch.no_grad()
+    def evaluate(self, engine) -> dict[str, float]:
+        """The mean loss per learnt token of the val conversations, each rank scoring its share."""
+        was_training = self.model.training
+        self.model.eval()
+        mine = rank_share(len(self.val_set), distributed.rank(), distributed.world_size())
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed loss, tokens
+        for start in range(0, len(mine), self.cfg.batch_size):
+            batch = [self.val_set[i] for i in mine[start : start + self.cfg.batch_size]]
+            with autocast(self.device, self.dtype):
+                total[0] += self.loss(self.model, batch).double() * trained_tokens(batch)
+            total[1] += trained_tokens(batch)
+        if distributed.world_size() > 1:
+            torch.distributed.all_reduce(total)
+        self.model.train(was_training)
+        return {"val_loss": round((total[0] / total[1]).item(), 4)}
+
+    def good_weights(self, engine) -> bool:
+        return engine.weights_finite()
+
+    def checkpoint_state(self, best: dict | None) -> dict:
+        cfg = self.cfg
+        return {**finetuned_state(cfg, self.model, self.facts, self.adapters),
+                "finetune": {"task": "sft", "metrics": best, "init_from": cfg.init_from}}
+
+
+def finetuned_state(cfg: FinetuneConfig, body: GPT, facts: dict, adapters: dict | None) -> dict:
+    """What every fine-tuned checkpoint holds besides its task: the body's config, the options, the tokenizer, and
+    with LoRA the adapters and their base (toolkit/lora.py; then the checkpoint has no full weights)."""
+    state = {"model_config": asdict(body.config), "train_config": asdict(cfg), "tokenizer": facts}
+    if adapters is not None:
+        state |= {"lora": adapters, "adapters": lora.adapter_state(body)}
+    return state
+
+
+def base_source(path: str) -> str:
+    """Where a base model lies on disk: the file or folder given, or an HF name's folder in the local cache."""
+    return os.path.abspath(path) if os.path.exists(path) else hf.find_model_dir(path)
+
+
+def write_merged(cfg: FinetuneConfig) -> dict:
+    """The LoRA checkpoint cfg.merge_lora with its adapters added into its base's weights, as OUT_DIR/ckpt.pt."""
+    checkpoint = load_checkpoint(cfg.merge_lora)
+    if "adapters" not in checkpoint:
+        raise CLIError(f"{cfg.merge_lora} holds no LoRA adapters; it is already a full checkpoint")
+    model, _ = load_model(cfg.merge_lora)
+    merged = {k: v for k, v in checkpoint.items() if k not in ("lora", "adapters")}
+    merged["model"] = clean_state_dict(model.state_dict())
+    merged["finetune"] = {**checkpoint.get("finetune", {}), "merged_from": cfg.merge_lora,
+                          "lora": checkpoint["lora"]}
+    path = os.path.join(cfg.out_dir, CHECKPOINT_FILE)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    save_checkpoint(merged, path)
+    return {"merged": cfg.merge_lora, "out": path}
+
+
+def setup(cfg: FinetuneConfig, resume: dict | None = None) -> Trainer:
+    """Read the body and the examples, add the special tokens and the head (or the adapters), and hand the loop an
+    engine; nothing is written before every input has been read and checked. resume: an interrupted run's latest
+    state (resumed_config), continued exactly."""
     device = resolve_device(cfg.device, distributed.local_rank())
     dtype = resolve_dtype(cfg.dtype, device)
     if device.type == "cpu":
@@ -311,56 +440,110 @@ def setup(cfg: FinetuneConfig) -> Trainer:
                        f"{cfg.init_from}")
     if cfg.block_size is not None:
         body.crop_block_size(cfg.block_size)
+    base_vocab = body.config.vocab_size
     torch.manual_seed(cfg.seed)  # the new embedding rows and the head, the same in every rank
-    special = add_special_tokens(body, tokenizer)
+    special = add_chat_tokens(body, tokenizer) if cfg.task == "sft" else add_special_tokens(body, tokenizer)
     facts = {**facts, "vocab_size": tokenizer.vocab_size, "special_tokens": special}
-
-    train = read_records(cfg.train, cfg.task, labelled=True)
-    val = read_records(cfg.val, cfg.task, labelled=True)
-    regression = cfg.labels == "float"
-    names = None if regression or cfg.task == "choice" else label_names(train, cfg.train)
-    block_size = body.config.block_size
-    train_set = encode_records(train, cfg.train, cfg.task, tokenizer, special, block_size, names)
-    val_set = encode_records(val, cfg.val, cfg.task, tokenizer, special, block_size, names)
-    model = TaskModel(body, cfg.task, len(names) if names else 1, cfg.head_dropout).to(device)
-    objective = TaskObjective(cfg, model, facts, names, train_set, val_set, device, dtype)
+    objective = chat_objective(cfg, body, facts, tokenizer, device, dtype) if cfg.task == "sft" else \
+        task_objective(cfg, body, facts, tokenizer, special, device, dtype)
+    model = objective.model.to(device)
     if objective.steps_per_epoch == 0:
-        raise CLIError(f"{cfg.train} has {len(train_set)} examples, fewer than the {cfg.grad_accum} micro-batches of "
-                       f"a step")
+        raise CLIError(f"{cfg.train} has {len(objective.train_set)} examples, fewer than the {cfg.grad_accum} "
+                       f"micro-batches of a step")
+    if cfg.lora_rank:
+        objective.adapters = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
+                              "targets": cfg.lora_targets, "base_vocab": base_vocab,
+                              "base": {"path": base_source(cfg.init_from),
+                                       "sha256": lora.fingerprint(base_source(cfg.init_from))}}
+        lora.add_lora(body, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, base_vocab)
+    if resume is not None:
+        restore_trained(objective, resume)
     cfg.epochs = cfg.epochs or max(EPOCHS, math.ceil(MIN_STEPS / objective.steps_per_epoch))
-    cfg.lr = cfg.lr or LR_WIDTH / body.config.n_embd
+    cfg.lr = cfg.lr or LR_WIDTH / body.config.n_embd * (LORA_LR if cfg.lora_rank else 1)
     optimizer = make_optimizer(model, "adamw", cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                device_type=device.type)
     path = os.path.join(cfg.out_dir, CHECKPOINT_FILE)
     engine = TorchEngine(path, model, body, optimizer, device, dtype, objective.loss, cfg.grad_clip,
-                         save_optimizer=False)
+                         save_optimizer=False, resume=resume)
     if distributed.rank() == 0:  # every input is good: only now is anything written
-        claim_out_dir(cfg.out_dir, path, resuming=False, overwrite=True)  # finetune.py refused it before
+        claim_out_dir(cfg.out_dir, path, resuming=resume is not None, overwrite=True)  # finetune.py checked it
         describe_run(cfg, objective, device, dtype)
     total = cfg.epochs * objective.steps_per_epoch
     schedule = Schedule(cfg.lr, math.ceil(cfg.warmup * total), total, 0.0, shape="linear")
+    metric = "val_loss" if cfg.task == "sft" else "val_pearson" if cfg.labels == "float" else "val_accuracy"
     loop = LoopConfig(max_iters=total, log_interval=cfg.log_interval, eval_interval=objective.steps_per_epoch,
-                      eval_at_start=False, metric="val_pearson" if regression else "val_accuracy", maximize=True,
-                      keep_best=True)
+                      eval_at_start=cfg.task == "sft", metric=metric, maximize=metric != "val_loss",
+                      keep_best=True, latest_path=os.path.join(cfg.out_dir, LATEST_FILE))
+    if resume is None:
+        return Trainer(engine, objective, schedule, loop, cfg.out_dir, cfg.run_name, cfg.tensorboard_dir,
+                       desc="finetune")
     return Trainer(engine, objective, schedule, loop, cfg.out_dir, cfg.run_name, cfg.tensorboard_dir,
+                   step=resume["iter_num"], history=resume["history"], best=resume["finetune"]["metrics"],
                    desc="finetune")
 
 
-def describe_run(cfg: FinetuneConfig, objective: TaskObjective, device: torch.device, dtype: torch.dtype) -> None:
-    body = objective.model.body
-    labels = "scores (regression)" if objective.regression else "answers" if cfg.task == "choice" else \
-        f"labels {', '.join(map(repr, objective.names))}"
+def restore_trained(objective, checkpoint: dict) -> None:
+    """What a fine-tuning trains, from its latest state: the adapters (LoRA; the engine restores full weights) and
+    the head."""
+    body = getattr(objective.model, "body", objective.model)
+    if "adapters" in checkpoint:
+        lora.load_adapters(body, checkpoint["adapters"], LATEST_FILE)
+    if "head" in checkpoint:
+        objective.model.head.load_state_dict(checkpoint["head"])
+
+
+def task_objective(cfg: FinetuneConfig, body: GPT, facts: dict, tokenizer: Tokenizer, special: dict[str, int],
+                   device: torch.device, dtype: torch.dtype) -> TaskObjective:
+    """A GPT-1 task's examples, labels and head."""
+    train = read_records(cfg.train, cfg.task, labelled=True)
+    val = read_records(cfg.val, cfg.task, labelled=True)
+    names = None if cfg.labels == "float" or cfg.task == "choice" else label_names(train, cfg.train)
+    block_size = body.config.block_size
+    train_set = encode_records(train, cfg.train, cfg.task, tokenizer, special, block_size, names)
+    val_set = encode_records(val, cfg.val, cfg.task, tokenizer, special, block_size, names)
+    model = TaskModel(body, cfg.task, len(names) if names else 1, cfg.head_dropout)
+    for path, examples in ((cfg.train, train_set), (cfg.val, val_set)):
+        cut = sum(e.truncated for e in examples)
+        if cut and distributed.rank() == 0:
+            print(f"{path}: {cut} of {len(examples)} examples cut to the block size of {block_size} tokens, from the "
+                  f"left of the context")
+    return TaskObjective(cfg, model, facts, names, train_set, val_set, device, dtype)
+
+
+def chat_objective(cfg: FinetuneConfig, body: GPT, facts: dict, tokenizer: Tokenizer, device: torch.device,
+                   dtype: torch.dtype) -> ChatObjective:
+    """The conversations of instruction tuning, cut to the block size by toolkit/chat.py's rule."""
+    sets = []
+    for path in (cfg.train, cfg.val):
+        conversations = read_conversations(path)
+        kept, left_out = encode_conversations(conversations, tokenizer, body.config.block_size)
+        cut = sum(c.cut for c in kept)
+        if (cut or left_out) and distributed.rank() == 0:
+            print(f"{path}: {cut} of {len(conversations)} conversations cut at the block size of "
+                  f"{body.config.block_size} tokens (their later tokens dropped), {left_out} left out (no assistant "
+                  f"token within it)")
+        if not kept:
+            raise CLIError(f"{path}: no conversation has an assistant token within the block size of "
+                           f"{body.config.block_size}; use shorter conversations or a model with a longer block")
+        sets.append(kept)
+    return ChatObjective(cfg, body, facts, *sets, device, dtype)
+
+
+def describe_run(cfg: FinetuneConfig, objective, device: torch.device, dtype: torch.dtype) -> None:
+    body = getattr(objective.model, "body", objective.model)
+    if cfg.task == "sft":
+        what = f"conversations, loss on {trained_tokens(objective.train_set):,} assistant tokens"
+    else:
+        what = "examples, " + ("scores (regression)" if objective.regression else "answers" if cfg.task == "choice"
+                               else f"labels {', '.join(map(repr, objective.names))}")
     print(f"fine-tuning {cfg.task} from {cfg.init_from}: {len(objective.train_set)} train, "
-          f"{len(objective.val_set)} val examples, {labels}")
-    print(f"model: {body.num_params() / 1e6:.2f}M parameters, block {body.config.block_size}; {cfg.epochs} epochs x "
-          f"{objective.steps_per_epoch} steps of {objective.global_batch} examples over {distributed.world_size()} "
+          f"{len(objective.val_set)} val {what}")
+    trainable = sum(p.numel() for p in objective.model.parameters() if p.requires_grad)
+    adapters = f", LoRA rank {cfg.lora_rank} on {cfg.lora_targets}: {trainable:,} trained" if cfg.lora_rank else ""
+    print(f"model: {body.num_params() / 1e6:.2f}M parameters{adapters}, block {body.config.block_size}; {cfg.epochs} "
+          f"epochs x {objective.steps_per_epoch} steps of {objective.global_batch} over {distributed.world_size()} "
           f"process(es), lr {cfg.lr:.3g}; device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}",
           flush=True)
-    for path, examples in ((cfg.train, objective.train_set), (cfg.val, objective.val_set)):
-        cut = sum(e.truncated for e in examples)
-        if cut:
-            print(f"{path}: {cut} of {len(examples)} examples cut to the block size of {body.config.block_size} "
-                  f"tokens, from the left of the context")
 
 
 def learning_warning(trainer: Trainer) -> str | None:
@@ -369,9 +552,16 @@ def learning_warning(trainer: Trainer) -> str | None:
     metrics = trainer.history["metrics"]
     if not metrics:
         return None
-    best, first, chance = trainer.best[loop.metric], metrics[0][loop.metric], objective.chance()
-    if best > chance + 0.02 and (len(metrics) < 2 or best > first):
-        return None
-    why = f"no better than chance ({chance:.3f})" if best <= chance + 0.02 else "no better than after the first epoch"
+    best, first = trainer.best[loop.metric], metrics[0][loop.metric]
+    if not loop.maximize:  # sft's val loss, first evaluated before any step
+        if best < first - 0.01:
+            return None
+        why = f"no lower than before fine-tuning ({first:.4f})"
+    else:
+        chance = objective.chance()
+        if best > chance + 0.02 and (len(metrics) < 2 or best > first):
+            return None
+        why = f"no better than chance ({chance:.3f})" if best <= chance + 0.02 else \
+            "no better than after the first epoch"
     return (f"warning: the best {loop.metric.replace('_', ' ')} {best:.4f} is {why}; try a higher --lr (now "
             f"{objective.cfg.lr:g}), more --epochs or more examples")

@@ -1,13 +1,14 @@
 """Every model a script can start from, read by one function: a ckpt.pt (pretrained or fine-tuned), a DeepSpeed
 checkpoint folder (OUT_DIR, OUT_DIR/ds, a global_stepN folder, or the zero_to_fp32 output inside it), an HF GPT-2
-folder, or a GPT-2 hub name found in the local Hugging Face cache.
+folder, or a GPT-2 hub name found in the local Hugging Face cache; a LoRA checkpoint is read as its base with the
+adapters merged in.
 
     model, facts = load_model("ckpt/ckpt.pt")     # the GPT and its tokenizer facts (load_tokenizer(facts))
 """
 import os
 
 from model import GPT
-from toolkit import hf
+from toolkit import hf, lora
 from toolkit.checkpoint import load_checkpoint, model_from_checkpoint
 from toolkit.ds_checkpoint import is_deepspeed_folder, load_deepspeed_model
 from toolkit.gpt2_vocab import GPT2_FACTS
@@ -36,4 +37,19 @@ def load_model(path: str, **overrides) -> tuple[GPT, dict]:
         model = hf.load_gpt2(path, **overrides)
         return model, hf.read_tokenizer(hf.find_model_dir(path), model.config.vocab_size)
     checkpoint = load_checkpoint(path)
+    if "adapters" in checkpoint:
+        return load_adapted(checkpoint, path, **overrides), checkpoint["tokenizer"]
     return model_from_checkpoint(checkpoint, path, **overrides), checkpoint.get("tokenizer", GPT2_FACTS)
+
+
+def load_adapted(checkpoint: dict, path: str, **overrides) -> GPT:
+    """A LoRA checkpoint's base (found and unchanged: toolkit/lora.py) shaped as the fine-tuning shaped it, with the
+    adapters merged in: a plain GPT."""
+    settings, config = checkpoint["lora"], checkpoint["model_config"]
+    model, _ = load_model(lora.check_base(settings, path), **overrides)
+    if config["block_size"] < model.config.block_size:
+        model.crop_block_size(config["block_size"])
+    model.resize_token_embeddings(config["vocab_size"])
+    lora.add_lora(model, settings["rank"], settings["alpha"], 0.0, settings["targets"], settings["base_vocab"])
+    lora.load_adapters(model, checkpoint["adapters"], path)
+    return lora.merge(model).eval()

@@ -1,9 +1,10 @@
 """Sampling from a GPT on the command line, as test.py and test_ds.py do: the options, prompts, printing samples as
-they stream, and Megatron-style JSONL files (--genfile), written atomically.
+they stream, Megatron-style JSONL files (--genfile), written atomically, and the chat loop (--chat) of an
+instruction-tuned model, whose template (toolkit/chat.py) also frames a --prompt.
 
     add_sampling_arguments(parser); args = parser.parse_args()
     check_sampling_args(args, inputs=[args.ckpt])
-    run_sampling(model, tokenizer, args)
+    run_sampling(model, tokenizer, args, source="ckpt/ckpt.pt")
 """
 import argparse
 import json
@@ -14,6 +15,7 @@ from typing import IO
 import torch
 
 from model import ATTN_KERNELS, GPT, check_sampling
+from toolkit.chat import END, chat_prompt, fit_history, is_chat_tokenizer
 from toolkit.cli import CLIError
 from toolkit.device import autocast, resolve_device, resolve_dtype
 from toolkit.files import atomic_open, check_output, read_text
@@ -43,6 +45,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="print tokens as they come (default: when stdout is a terminal)")
     parser.add_argument("--interactive", action="store_true", help="read prompts from stdin in a loop")
+    parser.add_argument("--chat", action="store_true",
+                        help="talk to an instruction-tuned model (finetune.py --task sft) turn by turn")
+    parser.add_argument("--system", help="with an instruction-tuned model: the system turn that opens the talk")
     megatron = parser.add_argument_group("Megatron-LM's names", "its spellings of the options above")
     megatron.add_argument("--out-seq-length", dest="max_new_tokens", type=int, default=argparse.SUPPRESS,
                           help="= --max-new-tokens")
@@ -77,42 +82,50 @@ class Sampler:
         self.model.to(self.device).eval()
         self.ctx = autocast(self.device, resolve_dtype(args.dtype, self.device))
         self.stream = sys.stdout.isatty() if args.stream is None else args.stream
+        self.template = is_chat_tokenizer(tok)  # an instruction-tuned model: replies end at <|end|>
+        self.eos = tok.special_tokens[END] if self.template else tok.eot_id
 
-    def generation_kwargs(self) -> dict:
+    def generation_kwargs(self, max_new_tokens: int | None = None) -> dict:
         a = self.args
-        return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                    eos_token=self.tok.eot_id)
+        return dict(max_new_tokens=max_new_tokens or a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                    top_p=a.top_p, eos_token=self.eos)
+
+    def prompt(self, text: str) -> tuple[list[int], str]:
+        """The tokens of a prompt, and the text printed before a sample: an instruction-tuned model answers text
+        as the user's turn (after the --system turn), and only its answer is printed."""
+        if self.template and text:
+            history = [{"role": "system", "content": self.args.system}] if self.args.system else []
+            return chat_prompt(history + [{"role": "user", "content": text}], self.tok), ""
+        return prompt_ids(text, self.tok), text
 
     def sample(self, text: str) -> None:
         """num_samples completions of text, printed (streamed or whole) and written to the genfile."""
-        ids = prompt_ids(text, self.tok)
+        ids, shown = self.prompt(text)
         done = 0
         while done < self.args.num_samples:
             n = 1 if self.stream else min(self.args.batch_size, self.args.num_samples - done)
             idx = torch.tensor([ids] * n, dtype=torch.long, device=self.device)
             with torch.no_grad(), self.ctx:
-                new = self.stream_one(idx, text) if self.stream else self.batch(idx, text)
+                new = [self.stream_one(idx, shown)] if self.stream else self.batch(idx, shown)
             for tokens in new:
                 self.record(text, tokens)
             done += n
+            if self.stream:
+                print("-" * 40, flush=True)
 
-    def stream_one(self, idx: torch.Tensor, text: str) -> list[list[int]]:
+    def stream_one(self, idx: torch.Tensor, text: str, max_new_tokens: int | None = None) -> list[int]:
         """Typewriter output: print each piece of text as soon as it decodes to whole characters."""
         tokens, printed = [], ""
         print(text, end="", flush=True)
-        for step in self.model.generate_stream(idx, **self.generation_kwargs()):
-            token = step[0].item()
-            if token == self.tok.eot_id:
-                return [self.finish_line(tokens, printed) + [token]]
-            tokens.append(token)
+        for step in self.model.generate_stream(idx, **self.generation_kwargs(max_new_tokens)):
+            tokens.append(step[0].item())
+            if tokens[-1] == self.eos:
+                break
             decoded = self.tok.decode(tokens)
             if not decoded.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the next token
                 print(decoded[len(printed):], end="", flush=True)
                 printed = decoded
-        return [self.finish_line(tokens, printed)]
-
-    def finish_line(self, tokens: list[int], printed: str) -> list[int]:
-        print(self.tok.decode(tokens)[len(printed):] + "\n" + "-" * 40, flush=True)
+        print(self.tok.decode(self.strip_eot(tokens)[0])[len(printed):], flush=True)
         return tokens
 
     def batch(self, idx: torch.Tensor, text: str) -> list[list[int]]:
@@ -122,10 +135,20 @@ class Sampler:
         return out
 
     def strip_eot(self, tokens: list[int]) -> tuple[list[int], bool]:
-        """Tokens up to the first end-of-text token, and whether there was one."""
-        if self.tok.eot_id is not None and self.tok.eot_id in tokens:
-            return tokens[: tokens.index(self.tok.eot_id)], True
+        """Tokens up to the first end token (end-of-text, or <|end|> of a reply), and whether there was one."""
+        if self.eos is not None and self.eos in tokens:
+            return tokens[: tokens.index(self.eos)], True
         return tokens, False
+
+    def reply(self, history: list[dict]) -> str:
+        """The model's next turn after the history, streamed as it comes; generation stops at <|end|>, at
+        --max-new-tokens, or where the context is full."""
+        ids = chat_prompt(history, self.tok)[-(self.model.config.block_size - 1):]
+        idx = torch.tensor([ids], dtype=torch.long, device=self.device)
+        room = self.model.config.block_size - len(ids)
+        with torch.no_grad(), self.ctx:
+            tokens = self.stream_one(idx, "", min(self.args.max_new_tokens, room))
+        return self.tok.decode(self.strip_eot(tokens)[0])
 
     def record(self, prompt: str, tokens: list[int]) -> None:
         if self.genfile:
@@ -148,16 +171,51 @@ def check_sampling_args(args: argparse.Namespace, inputs: list[str]) -> None:
             raise CLIError(f"--genfile {args.genfile} already exists; pass --overwrite to replace it")
 
 
-def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace) -> None:
-    """Sample once from --prompt, or in a loop over prompts typed on stdin with --interactive. The genfile
-    appears, complete, when sampling ends; a failure or an interrupt leaves none."""
+def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: str) -> None:
+    """Sample once from --prompt, in a loop over prompts typed on stdin with --interactive, or talk with --chat.
+    The genfile appears, complete, when sampling ends; a failure or an interrupt leaves none."""
+    if (args.chat or args.system) and not is_chat_tokenizer(tok):
+        flag = "--chat" if args.chat else "--system"
+        raise CLIError(f"{source} was never instruction-tuned, so it has no chat template for {flag}; continue text "
+                       f"with --prompt, or instruction-tune it first (finetune.py --task sft)")
     torch.manual_seed(args.seed)
+    if args.chat:
+        chat(Sampler(model, tok, args, None))
+        return
     prompt = read_prompt(args.prompt) if not args.interactive else None
     if args.genfile:
         with atomic_open(args.genfile) as genfile:
             sample_prompts(Sampler(model, tok, args, genfile), prompt)
     else:
         sample_prompts(Sampler(model, tok, args, None), prompt)
+
+
+def chat(sampler: Sampler) -> None:
+    """A conversation on stdin and stdout: the history, within the block size (the oldest turns dropped, said
+    once), is the prompt of each reply. Ctrl-D or Ctrl-C ends it."""
+    args, block_size = sampler.args, sampler.model.config.block_size
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    room = block_size - min(args.max_new_tokens, block_size // 2)  # the prompt leaves the reply this much
+    told = False
+    print("Chat: type a message and press Enter (Ctrl-D or Ctrl-C to leave).", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("you> ")
+            except EOFError:
+                break
+            if not line.strip():
+                continue
+            history, dropped = fit_history(history + [{"role": "user", "content": line}], sampler.tok, room)
+            if dropped and not told:
+                print(f"(the oldest turns no longer fit the model's {block_size}-token context and are dropped)",
+                      file=sys.stderr)
+                told = True
+            print("model> ", end="", flush=True)
+            history.append({"role": "assistant", "content": sampler.reply(history)})
+    except KeyboardInterrupt:
+        pass
+    print(file=sys.stderr)
 
 
 def sample_prompts(sampler: Sampler, prompt: str | None) -> None:

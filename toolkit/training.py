@@ -17,7 +17,8 @@ The loop: an evaluation every eval_interval steps (metrics printed, logged to Te
 history), a step, the loss averaged over all processes and checked, a log line every log_interval steps,
 SIGINT/SIGTERM finishing the step and saving, checkpoints at save_interval, and at the end a last evaluation,
 the checkpoint and OUT_DIR/loss.png. A non-finite step never reaches disk. With keep_best (fine-tuning), the
-checkpoint is instead written at each evaluation that beats the best so far.
+checkpoint is instead written at each evaluation that beats the best so far, and the latest state (what exact
+resume needs) at latest_path after each evaluation and on a signal, removed when the run ends.
 
 Weights: each micro-batch comes with its share of the global batch's loss (the weights of all micro-batches
 of all data-parallel processes sum to 1), so uneven splits train exactly as one process would.
@@ -71,6 +72,7 @@ class LoopConfig:
     metric: str = "val_loss"  # the metric "best" refers to
     maximize: bool = False
     keep_best: bool = False  # save at each evaluation that beats the best, instead of the latest state
+    latest_path: str | None = None  # keep_best: also the latest state here, for exact resume, until the run ends
     peak_tflops: float | None = None  # the device's peak, for MFU (known GPUs are looked up)
     hint: str = "a lower --lr or --dtype bfloat16"  # what to try when the run goes non-finite
 
@@ -151,8 +153,10 @@ class TorchEngine:
         return distributed.rank(), self.data_parallel_size
 
     def resume(self, checkpoint: dict) -> None:
-        """Weights, optimizer, scaler and RNG from a ckpt.pt dict."""
-        load_weights(self.gpt, checkpoint["model"], self.path)
+        """Weights (unless the checkpoint holds adapters: toolkit/lora.py), optimizer, scaler and RNG from a
+        ckpt.pt dict."""
+        if "model" in checkpoint:
+            load_weights(self.gpt, checkpoint["model"], self.path)
         if checkpoint.get("optimizer"):
             self.optimizer.load_state_dict(checkpoint["optimizer"])
         if checkpoint.get("scaler"):
@@ -197,13 +201,15 @@ class TorchEngine:
     def weights_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
 
-    def save(self, state: dict) -> None:
+    def save(self, state: dict, path: str | None = None, resumable: bool | None = None) -> None:
+        """A checkpoint at path (default: self.path), with the optimizer, scaler and RNG states when resumable
+        (default: save_optimizer)."""
         if distributed.rank() == 0:
-            keep = self.save_optimizer
+            keep = self.save_optimizer if resumable is None else resumable
             scaler = self.scaler.state_dict() if keep and self.scaler.is_enabled() else None
             checkpoint = make_checkpoint(state, self.gpt, self.optimizer.state_dict() if keep else None, scaler,
                                          capture_rng(self.device) if keep else {})
-            save_checkpoint(checkpoint, self.path)
+            save_checkpoint(checkpoint, path or self.path)
 
 
 class Trainer:
@@ -234,7 +240,8 @@ class Trainer:
                    dynamic_ncols=True)
         with StopRequest() as stop_request:
             while self.step < loop.max_iters:
-                if loop.eval_interval and self.step % loop.eval_interval == 0 and (self.step or loop.eval_at_start):
+                if loop.eval_interval and self.step % loop.eval_interval == 0 and (self.step or loop.eval_at_start) \
+                        and self.step not in self.history["eval_iter"][-1:]:  # a resumed run evaluated it already
                     self.evaluate()
                 lr = self.schedule(self.step)
                 t0 = time.perf_counter()
@@ -254,12 +261,16 @@ class Trainer:
                         and not loop.keep_best:
                     self.save()
             bar.close()
-            if self.stopped and not loop.keep_best:
+            if self.stopped and loop.latest_path:
+                self.save_latest()
+            elif self.stopped and not loop.keep_best:
                 self.save()
             else:
                 self.evaluate()
                 if not loop.keep_best:
                     self.save()
+                elif loop.latest_path and self.master and os.path.exists(loop.latest_path):
+                    os.remove(loop.latest_path)  # the run is complete: the best checkpoint is what stays
         if self.master:
             self.plot_losses()
             if self.writer is not None:
@@ -268,9 +279,11 @@ class Trainer:
 
     def outcome(self) -> str:
         """The run's last line: how it ended, the best metric and where the checkpoint is."""
-        saved = f"the best checkpoint is {self.engine.path}" if self.loop.keep_best else f"saved {self.engine.path}"
+        saved = f"the best checkpoint is {self.engine.path}" if self.loop.keep_best and self.best else \
+            "nothing evaluated yet" if self.loop.keep_best else f"saved {self.engine.path}"
         if self.stopped:
-            return f"stopped by signal at iteration {self.step}; {saved}"
+            latest = f"; continue it with --init-from resume ({self.loop.latest_path})" if self.loop.latest_path else ""
+            return f"stopped by signal at iteration {self.step}; {saved}{latest}"
         best = f", best {self.loop.metric.replace('_', ' ')} {self.best[self.loop.metric]:.4f}" if self.best else ""
         return f"done: {self.step} iterations{best}, {saved}"
 
@@ -305,6 +318,8 @@ class Trainer:
         self.history["metrics"].append(metrics)
         if improved and self.loop.keep_best:
             self.save()
+        if self.loop.keep_best and self.step < self.loop.max_iters:
+            self.save_latest()
         if self.master:
             shown = ", ".join(f"{name.replace('_', ' ')} {value:.4f}" for name, value in metrics.items())
             tqdm.write(f"step {self.step}: {shown}" + (f"; saved {self.engine.path}" if improved and
@@ -349,6 +364,14 @@ class Trainer:
         if self.master and self.writer is not None:
             self.writer.flush()
         distributed.barrier()
+
+    def save_latest(self) -> None:
+        """keep_best: the latest state, with what exact resume needs, at latest_path."""
+        if self.loop.latest_path:
+            if not self.objective.good_weights(self.engine):
+                raise diverged(f"the weights after iteration {self.step} are not finite", self.loop.hint)
+            self.engine.save(self.state(), self.loop.latest_path, resumable=True)
+            distributed.barrier()
 
     def plot_losses(self) -> None:
         """OUT_DIR/loss.png: the training loss every log_interval steps and the val loss at each evaluation."""

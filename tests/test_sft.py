@@ -1,0 +1,255 @@
+"""Instruction tuning (finetune.py --task sft, toolkit/chat.py), LoRA (toolkit/lora.py, --lora-rank, --merge-lora),
+the chat loop (test.py --chat), exact resume of a fine-tuning, torchrun, and bad input."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, assert_one_line_error, run_main, run_script
+from toolkit import lora
+from toolkit.chat import (CHAT_TOKENS, add_chat_tokens, chat_prompt, encode_conversation, encode_conversations,
+                          fit_history, pad_conversations)
+from toolkit.checkpoint import load_checkpoint
+from toolkit.distributed import free_port
+from toolkit.finetuning import FinetuneConfig, setup
+from toolkit.load import load_model
+from toolkit.tokenizers import load_tokenizer
+
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+FAST = ["--device", "cpu", "--dtype", "float32", "--epochs", "2", "--batch-size", "16"]  # not about learning
+
+
+def ok(result: subprocess.CompletedProcess) -> dict:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def pretrained(char_data, tmp_path_factory) -> str:
+    """A tiny char-level GPT with room for a question and its answer (block 128), pretrained by train.py."""
+    out = tmp_path_factory.mktemp("pretrained")
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", out, "--n-layer", "2", "--n-head", "2",
+                      "--n-embd", "64", "--block-size", "128", "--batch-size", "16", "--max-iters", "300",
+                      "--eval-interval", "300", "--eval-iters", "2", "--log-interval", "300", "--device", "cpu",
+                      env=ENV)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return str(out / "ckpt.pt")
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> tuple[str, str]:
+    """The recipe's conversations about Python's documentation topics (docs/finetune.md), as its script writes them."""
+    out = tmp_path_factory.mktemp("chats")
+    result = run_script("examples/pydoc_chat.py", "--out-dir", out)
+    assert result.returncode == 0, result.stderr
+    return str(out / "train.jsonl"), str(out / "val.jsonl")
+
+
+def char_tokenizer_and_model(pretrained: str):
+    model, facts = load_model(pretrained)
+    tok = load_tokenizer(facts)
+    add_chat_tokens(model, tok)
+    return model, tok
+
+
+# ----------------------------------------------------------------------------- the template and the mask
+
+
+def test_the_loss_covers_exactly_the_assistant_tokens_and_their_end(pretrained):
+    _, tok = char_tokenizer_and_model(pretrained)
+    system, user, assistant, end = (tok.special_tokens[name] for name in CHAT_TOKENS)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "And?"},
+                {"role": "assistant", "content": "Done"}]
+    c = encode_conversation(messages, tok, block_size=128)
+    e = tok.encode
+    assert c.ids == [system, *e("Be brief."), end, user, *e("Hi?"), end, assistant, *e("Hello."), end,
+                     user, *e("And?"), end, assistant, *e("Done"), end] and not c.cut
+    idx, targets = pad_conversations([c, encode_conversation(messages[:3], tok, 128)], torch.device("cpu"))
+    assert idx[0].tolist() == c.ids[:-1]
+    learnt = [(i, t) for i, t in enumerate(targets[0].tolist()) if t != -1]
+    assert [t for _, t in learnt] == [*e("Hello."), end, *e("Done"), end]
+    assert all(c.ids[i + 1] == t for i, t in learnt)  # each target is the next token
+    assert (targets[1, len(encode_conversation(messages[:3], tok, 128).ids) - 1:] == -1).all()  # padding
+    # the generation prompt: the history and the assistant's role token
+    assert chat_prompt(messages[:2], tok) == c.ids[: c.ids.index(assistant) + 1]
+    # too long: cut at block_size + 1 tokens; left out when no assistant token remains
+    cut = encode_conversation(messages, tok, block_size=30)
+    assert cut.cut and len(cut.ids) == 31 and cut.ids == c.ids[:31]
+    kept, left_out = encode_conversations([(1, messages), (2, messages)], tok, block_size=12)
+    assert kept == [] and left_out == 2
+    # the history of a chat drops its oldest turns first, never the system turn
+    fitted, dropped = fit_history(messages, tok, room=len(chat_prompt(messages[:1] + messages[3:], tok)))
+    assert fitted == messages[:1] + messages[3:] and dropped == 2
+
+
+# ----------------------------------------------------------------------------- learning, chat
+
+
+def test_sft_on_the_defaults_learns_and_test_py_chats(pretrained, chats, tmp_path):
+    train, val = chats
+    out = tmp_path / "sft"
+    result = run_main("finetune.py", "--task", "sft", "--train", train, "--val", val, "--init-from", pretrained,
+                      "--out-dir", out, "--device", "cpu", env=ENV)
+    best = ok(result)
+    history = load_checkpoint(str(out / "ckpt.pt"))["history"]
+    start = history["metrics"][0]["val_loss"]  # evaluated before the first step
+    assert best["val_loss"] < start - 0.1, (start, best)
+    assert "warning" not in result.stderr
+    assert not (out / "last.pt").exists()  # the run finished: only the best epoch stays
+
+    talk = run_main("test.py", "--ckpt", out / "ckpt.pt", "--chat", "--temperature", "0", "--max-new-tokens", "40",
+                    "--device", "cpu", input="Title of assert?\n\nTitle of lambda?\n")
+    assert talk.returncode == 0, talk.stderr
+    assert talk.stdout.count("model> ") == 2 and "Ctrl-D" in talk.stderr
+    replies = [line.split("model> ", 1)[1] for line in talk.stdout.splitlines() if "model> " in line]
+    assert all(replies) and not any(name in talk.stdout for name in CHAT_TOKENS)
+    # --prompt frames one question with the template and prints only the answer
+    one = run_main("test.py", "--ckpt", out / "ckpt.pt", "--prompt", "Title of assert?", "--temperature", "0",
+                   "--num-samples", "1", "--max-new-tokens", "40", "--device", "cpu")
+    assert one.returncode == 0 and one.stdout.splitlines()[0] == replies[0], (one.stdout, replies)
+    refused = run_main("test.py", "--ckpt", pretrained, "--chat")
+    assert_one_line_error(refused, "never instruction-tuned", "--prompt")
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+def test_lora_trains_only_the_adapters_and_merges_to_the_same_model(pretrained, chats, tmp_path):
+    train, val = chats
+    cfg = FinetuneConfig(task="sft", train=train, val=val, init_from=pretrained, out_dir=str(tmp_path / "lora"),
+                         lora_rank=4, device="cpu", dtype="float32", epochs=2, batch_size=16)
+    trainer = setup(cfg)
+    body = trainer.objective.model
+    frozen = {name: p.detach().clone() for name, p in body.named_parameters() if not p.requires_grad}
+    trained = {id(p) for group in trainer.engine.optimizer.param_groups for p in group["params"]}
+    adapters = [m for m in body.modules() if isinstance(m, lora.LoRALinear)]
+    rows = body.lm_head.parametrizations.weight[0].rows
+    assert len(adapters) == 4 * 2  # c_attn, c_proj, c_fc, c_proj in each of 2 blocks
+    assert trained == {id(p) for m in adapters for p in (m.lora_a, m.lora_b)} | {id(rows)}
+    assert rows.shape == (len(CHAT_TOKENS), 64)
+    trainer.fit()
+    assert all(torch.equal(p, frozen[name]) for name, p in body.named_parameters() if not p.requires_grad)
+    assert any(m.lora_b.abs().sum() > 0 for m in adapters)
+
+    adapter_ckpt = tmp_path / "lora" / "ckpt.pt"
+    saved = load_checkpoint(str(adapter_ckpt))
+    assert "model" not in saved and saved["lora"]["base"]["sha256"] == lora.fingerprint(pretrained)
+    # the adapters as trained (unmerged), read back merged, and merged into a full checkpoint: one function
+    idx = torch.randint(0, body.config.vocab_size, (2, 40))
+    body.eval()
+    with torch.no_grad():
+        unmerged = body(idx)[0]
+        loaded, _ = load_model(str(adapter_ckpt))
+        torch.testing.assert_close(loaded(idx)[0], unmerged, atol=1e-5, rtol=0)
+        merged = ok(run_main("finetune.py", "--merge-lora", adapter_ckpt, "--out-dir", tmp_path / "merged"))
+        full = load_checkpoint(merged["out"])
+        assert "model" in full and full["finetune"]["lora"]["rank"] == 4
+        assert os.path.getsize(adapter_ckpt) < 0.25 * os.path.getsize(merged["out"])
+        torch.testing.assert_close(load_model(merged["out"])[0](idx)[0], unmerged, atol=1e-5, rtol=0)
+    # every reader takes the adapter checkpoint: sampling and the HF export
+    assert run_main("test.py", "--ckpt", adapter_ckpt, "--prompt", "Title of dict?", "--max-new-tokens", "5",
+                    "--num-samples", "1", "--device", "cpu").returncode == 0
+    assert run_main("test.py", "--ckpt", adapter_ckpt, "--export-hf", tmp_path / "hf").returncode == 0
+
+
+def test_lora_for_a_gpt1_task_trains_the_adapters_and_the_head(pretrained, tmp_path):
+    rows = [{"text": f"def f{i}(x): return x", "label": "code"} if i % 2 else
+            {"text": f"The value {i} is", "label": "prose"} for i in range(64)]
+    path = tmp_path / "cls.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = run_main("finetune.py", "--task", "classify", "--train", path, "--val", path, "--init-from", pretrained,
+                      "--out-dir", tmp_path / "cls", "--lora-rank", "4", "--lora-targets", "attn", *FAST)
+    metrics = ok(result)
+    assert metrics["val_accuracy"] >= 0.9, metrics
+    saved = load_checkpoint(str(tmp_path / "cls" / "ckpt.pt"))
+    assert set(saved["adapters"]) == {f"transformer.h.{i}.attn.{n}.lora_{ab}" for i in (0, 1)
+                                      for n in ("c_attn", "c_proj") for ab in "ab"} | {lora.NEW_ROWS}
+    predictions = tmp_path / "p.jsonl"
+    assert ok(run_main("finetune.py", "--init-from", tmp_path / "cls" / "ckpt.pt", "--predict", path, "--out",
+                       predictions, "--device", "cpu", "--dtype", "float32"))["predictions"] == 64
+
+
+def test_a_lora_checkpoint_whose_base_is_missing_or_changed_is_refused(pretrained, chats, tmp_path):
+    base = tmp_path / "base.pt"
+    shutil.copy(pretrained, base)
+    train, val = chats
+    ok(run_main("finetune.py", "--task", "sft", "--train", train, "--val", val, "--init-from", base, "--out-dir",
+                tmp_path / "lora", "--lora-rank", "2", *FAST, "--epochs", "1"))
+    adapters = tmp_path / "lora" / "ckpt.pt"
+    with open(base, "ab") as f:
+        f.write(b"\0")
+    assert_one_line_error(run_main("test.py", "--ckpt", adapters), "has changed since they were trained")
+    base.unlink()
+    assert_one_line_error(run_main("test.py", "--ckpt", adapters), "is missing", str(base))
+    assert_one_line_error(run_main("finetune.py", "--merge-lora", adapters, "--out-dir", tmp_path / "m"), "is missing")
+    assert not (tmp_path / "m").exists()
+
+
+# ----------------------------------------------------------------------------- resume, torchrun
+
+
+def test_an_interrupted_fine_tuning_resumes_exactly(pretrained, chats, tmp_path):
+    train, val = chats
+    args = ["--task", "sft", "--train", train, "--val", val, "--init-from", pretrained, "--lora-rank", "4",
+            *FAST, "--epochs", "4", "--batch-size", "8", "--log-interval", "1"]  # 16 steps an epoch
+    whole = ok(run_main("finetune.py", *args, "--out-dir", tmp_path / "whole", env=ENV))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "finetune.py"), *map(str, args), "--out-dir",
+                             str(tmp_path / "cut")], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, **ENV})
+    try:
+        for line in proc.stdout:
+            if line.startswith("iter 20:"):  # into the second epoch
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "--init-from resume" in out, err[-2000:]
+    latest = load_checkpoint(str(tmp_path / "cut" / "last.pt"))
+    assert 20 <= latest["iter_num"] < 64 and latest["optimizer"]
+    resumed = ok(run_main("finetune.py", "--init-from", "resume", "--out-dir", tmp_path / "cut", env=ENV))
+    assert resumed == whole
+    saved = [load_checkpoint(str(tmp_path / run / "ckpt.pt")) for run in ("whole", "cut")]
+    assert all(torch.equal(saved[0]["adapters"][k], saved[1]["adapters"][k]) for k in saved[0]["adapters"])
+    assert saved[0]["history"]["metrics"] == saved[1]["history"]["metrics"]
+    assert not (tmp_path / "cut" / "last.pt").exists()
+    assert_one_line_error(run_main("finetune.py", "--init-from", "resume", "--out-dir", tmp_path / "cut"),
+                          "nothing to resume")
+
+
+def test_two_processes_instruction_tune_like_one(pretrained, chats, tmp_path):
+    train, val = chats
+    args = ["--task", "sft", "--train", train, "--val", val, "--init-from", pretrained, "--lora-rank", "4",
+            *FAST, "--epochs", "1", "--batch-size", "8", "--lora-dropout", "0"]  # x 2 micro-batches a step
+    one = ok(run_main("finetune.py", *args, "--grad-accum", "2", "--out-dir", tmp_path / "one", env=ENV))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()), "--nproc_per_node",
+           "2", str(ROOT / "finetune.py"), *map(str, args), "--out-dir", str(tmp_path / "two")]
+    two = ok(subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300, env={**os.environ, **ENV}))
+    assert two["steps"] == one["steps"] == 8 and two["val_loss"] == pytest.approx(one["val_loss"], abs=2e-4)
+    adapters = [load_checkpoint(str(tmp_path / run / "ckpt.pt"))["adapters"] for run in ("one", "two")]
+    for key in adapters[0]:
+        torch.testing.assert_close(adapters[0][key], adapters[1][key], atol=1e-4, rtol=0)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"messages": [{"role": "user", "content": "hi"}]}, "line 2: the conversation has no assistant turn"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "line 2: message 0 has the unknown role 'robot'"),
+    ({"messages": [{"role": "assistant", "content": 3}]}, "line 2: message 0 (assistant) has content that is not"),
+    ({"prompt": "hi"}, 'line 2: expected {"messages"'),
+])
+def test_a_bad_conversation_is_one_line_and_writes_nothing(line, message, pretrained, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n" + json.dumps(line) + "\n")
+    result = run_main("finetune.py", "--task", "sft", "--train", path, "--val", path, "--init-from", pretrained,
+                      "--out-dir", tmp_path / "out", "--device", "cpu")
+    assert_one_line_error(result, f"{path} {message}")
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,142 @@
+"""Conversations: the file schema of instruction tuning, the chat template, and the loss mask.
+
+The template gives each role a token and ends every turn with one more, all four new rows of the token
+embedding (as GPT-1's tasks add theirs, toolkit/tasks.py), so no text a user types can forge a turn:
+
+    <|system|> You answer briefly. <|end|> <|user|> What is a tuple? <|end|> <|assistant|> An immutable ... <|end|>
+
+Instruction tuning (finetune.py --task sft) sees one conversation as one sequence and learns only the assistant
+turns: the loss covers each assistant turn's content tokens and its <|end|> (so the model learns to answer and to
+stop), never a system or user token or a role token. A conversation longer than the block size plus one token is
+cut at its end (its later tokens are lost); one left with no assistant token is left out; both are counted.
+Chat (test.py --chat) prompts with the history followed by <|assistant|> and reads the reply up to <|end|>.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from model import GPT
+from toolkit.cli import CLIError
+from toolkit.documents import json_lines
+from toolkit.tokenizers import Tokenizer
+
+ROLES = ("system", "user", "assistant")
+END = "<|end|>"
+CHAT_TOKENS = (*(f"<|{role}|>" for role in ROLES), END)
+
+
+@dataclass
+class Conversation:
+    ids: list[int]  # the template's tokens, at most block_size + 1
+    trained: list[bool]  # per token: an assistant turn's content or its end (a target of the loss)
+    cut: bool  # tokens past block_size + 1 were dropped
+
+
+def add_chat_tokens(model: GPT, tokenizer: Tokenizer) -> dict[str, int]:
+    """The template's four tokens as new rows of the model's (tied) embedding and ids of the tokenizer."""
+    first = model.config.vocab_size
+    special = {name: first + i for i, name in enumerate(CHAT_TOKENS)}
+    model.resize_token_embeddings(first + len(special))
+    tokenizer.add_special_tokens(special)
+    return special
+
+
+def is_chat_tokenizer(tokenizer: Tokenizer) -> bool:
+    return all(name in tokenizer.special_tokens for name in CHAT_TOKENS)
+
+
+# ----- files -----
+
+def messages_of(record) -> list[dict]:
+    """The messages of one line: {"messages": [{"role", "content"}, ...]} or the shorthand {"prompt", "response"}
+    (a user turn and the assistant's answer); a problem is a ValueError saying what is wrong."""
+    if isinstance(record, dict) and "messages" not in record and {"prompt", "response"} <= record.keys():
+        record = {"messages": [{"role": "user", "content": record["prompt"]},
+                               {"role": "assistant", "content": record["response"]}]}
+    if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
+        raise ValueError('expected {"messages": [{"role": ..., "content": ...}, ...]} or {"prompt": ..., '
+                         '"response": ...}')
+    for i, message in enumerate(record["messages"]):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"message {i} is not an object with role and content")
+        if message["role"] not in ROLES:
+            raise ValueError(f"message {i} has the unknown role {message['role']!r} (roles: {', '.join(ROLES)})")
+        if not isinstance(message["content"], str):
+            raise ValueError(f"message {i} ({message['role']}) has content that is not a string")
+    if not any(m["role"] == "assistant" for m in record["messages"]):
+        raise ValueError("the conversation has no assistant turn, so nothing to learn")
+    return record["messages"]
+
+
+def read_conversations(path: str) -> list[tuple[int, list[dict]]]:
+    """(line number, messages) of each non-blank line of a JSON-lines file; a problem names the file and line."""
+    conversations = []
+    for number, record in json_lines(path):
+        try:
+            conversations.append((number, messages_of(record)))
+        except ValueError as e:
+            raise CLIError(f"{path} line {number}: {e}") from None
+    if not conversations:
+        raise CLIError(f"{path} has no conversations")
+    return conversations
+
+
+# ----- the template -----
+
+def turn_ids(message: dict, tokenizer: Tokenizer) -> list[int]:
+    """<|role|> content <|end|>"""
+    special = tokenizer.special_tokens
+    return [special[f"<|{message['role']}|>"], *tokenizer.encode(message["content"]), special[END]]
+
+
+def encode_conversation(messages: list[dict], tokenizer: Tokenizer, block_size: int) -> Conversation:
+    ids, trained = [], []
+    for message in messages:
+        turn = turn_ids(message, tokenizer)
+        ids += turn
+        learnt = message["role"] == "assistant"
+        trained += [False] + [learnt] * (len(turn) - 1)  # the role token is given, the content and end are learnt
+    keep = block_size + 1  # block_size inputs, each with the next token as its target
+    return Conversation(ids[:keep], trained[:keep], len(ids) > keep)
+
+
+def encode_conversations(conversations: list[tuple[int, list[dict]]], tokenizer: Tokenizer,
+                         block_size: int) -> tuple[list[Conversation], int]:
+    """The encoded conversations that still hold an assistant token after the cut, and how many were left out."""
+    encoded = [encode_conversation(messages, tokenizer, block_size) for _, messages in conversations]
+    kept = [c for c in encoded if any(c.trained[1:])]
+    return kept, len(encoded) - len(kept)
+
+
+def pad_conversations(conversations: list[Conversation], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(idx, targets) right-padded to the longest: each position's target is the next token where that token is
+    learnt, else -1 (ignored by the loss), padding included."""
+    width = max(len(c.ids) for c in conversations) - 1
+    idx = torch.zeros(len(conversations), width, dtype=torch.long)
+    targets = torch.full_like(idx, -1)
+    for row, c in enumerate(conversations):
+        ids = torch.tensor(c.ids)
+        idx[row, : len(c.ids) - 1] = ids[:-1]
+        targets[row, : len(c.ids) - 1] = torch.where(torch.tensor(c.trained[1:]), ids[1:], -1)
+    return idx.to(device), targets.to(device)
+
+
+def trained_tokens(conversations: list[Conversation]) -> int:
+    return sum(sum(c.trained[1:]) for c in conversations)
+
+
+def chat_prompt(history: list[dict], tokenizer: Tokenizer) -> list[int]:
+    """The tokens that ask for the next assistant turn: every turn of the history, then <|assistant|>."""
+    ids = [token for message in history for token in turn_ids(message, tokenizer)]
+    return ids + [tokenizer.special_tokens["<|assistant|>"]]
+
+
+def fit_history(history: list[dict], tokenizer: Tokenizer, room: int) -> tuple[list[dict], int]:
+    """The history without its oldest turns (a system turn at the start stays) until its prompt takes at most
+    room tokens; and how many turns were dropped."""
+    system = history[:1] if history and history[0]["role"] == "system" else []
+    turns = history[len(system):]
+    dropped = 0
+    while len(turns) > 1 and len(chat_prompt(system + turns, tokenizer)) > room:
+        turns, dropped = turns[1:], dropped + 1
+    return system + turns, dropped
