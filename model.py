@@ -242,19 +242,18 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     """Cross-entropy of x @ weight.T that never holds all logits; the gradients are made in forward."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, compute_dtype, need_grad):
+    def forward(ctx, x, weight, targets, compute_dtype, need_grad_x, need_grad_w):
         N, V = x.size(0), weight.size(0)
         xs, w = x.to(compute_dtype), weight.to(compute_dtype)
         valid = targets != -1
         scale = (valid / valid.sum()).unsqueeze(1)  # mean over non-ignored rows; ignored rows get 0
         tgt = targets.clamp(min=0).unsqueeze(1)
         loss = torch.zeros((), device=x.device, dtype=torch.float32)
-        if need_grad:
-            grad_x = torch.empty_like(xs)
-            grad_w = torch.zeros(weight.shape, device=x.device, dtype=torch.float32)
-            # in low precision each chunk's weight gradient lands in one reused buffer, then is
-            # accumulated in fp32
-            grad_w_chunk = None if compute_dtype == torch.float32 else torch.empty_like(w)
+        need_grad = need_grad_x or need_grad_w
+        grad_x = torch.empty_like(xs) if need_grad_x else None
+        grad_w = torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if need_grad_w else None
+        # in low precision each chunk's weight gradient lands in one reused buffer, then is accumulated in fp32
+        grad_w_chunk = torch.empty_like(w) if need_grad_w and compute_dtype != torch.float32 else None
         rows = max(1, CHUNK_ELEMENTS // V)
         for s in range(0, N, rows):
             xc, tc, sc = xs[s : s + rows], tgt[s : s + rows], scale[s : s + rows]
@@ -267,19 +266,20 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             if need_grad:
                 # d loss / d logits = (softmax - onehot(target)) * scale
                 g = probs.mul_(sc / total).scatter_add_(1, tc, -sc).to(compute_dtype)
-                torch.mm(g, w, out=grad_x[s : s + rows])
-                if grad_w_chunk is None:
-                    grad_w.addmm_(g.t(), xc)
-                else:
+                if need_grad_x:
+                    torch.mm(g, w, out=grad_x[s : s + rows])
+                if grad_w_chunk is not None:
                     grad_w += torch.mm(g.t(), xc, out=grad_w_chunk)
-        if need_grad:
-            ctx.save_for_backward(grad_x.to(x.dtype), grad_w.to(weight.dtype))
+                elif need_grad_w:
+                    grad_w.addmm_(g.t(), xc)
+        ctx.save_for_backward(grad_x.to(x.dtype) if need_grad_x else None,
+                              grad_w.to(weight.dtype) if need_grad_w else None)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_loss, grad_w * grad_loss, None, None, None
+        grads = (None if g is None else g * grad_loss for g in ctx.saved_tensors)
+        return *grads, None, None, None, None
 
 
 def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -292,8 +292,9 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.
     x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
     dev = x.device.type
     compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return _ChunkedCrossEntropy.apply(x, weight, targets, compute_dtype, need_grad)
+    grad = torch.is_grad_enabled()  # a frozen weight (LoRA) gets no gradient: its matmul is skipped
+    return _ChunkedCrossEntropy.apply(x, weight, targets, compute_dtype, grad and x.requires_grad,
+                                      grad and weight.requires_grad)
 
 
 class GPT(nn.Module):

@@ -244,6 +244,20 @@ def test_chunked_loss_without_grad():
         assert torch.allclose(loss, naive_loss(m, idx, targets), rtol=1e-6)
 
 
+def test_chunked_loss_with_a_frozen_head_gives_the_same_gradients_and_none_for_the_head():
+    m = tiny_gpt().train()
+    idx, targets = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
+    _, ref_grads = loss_and_grads(m, lambda: m(idx, targets)[1])
+    m.lm_head.weight.requires_grad_(False)  # as LoRA freezes it (tied: the embedding too): no gradient matmul
+    m.zero_grad()
+    m(idx, targets, chunked_loss=True)[1].backward()
+    assert m.lm_head.weight.grad is None
+    trained = {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+    assert len(trained) == len(ref_grads) - 1
+    for name, g in trained.items():
+        assert rel_err(g, ref_grads[name]) < 1e-5, name
+
+
 def test_param_count_and_flops():
     with torch.device("meta"):
         gpt2 = GPT(GPTConfig(**PRESETS["gpt2"]))

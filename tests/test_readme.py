@@ -43,7 +43,7 @@ def tiny(command: str) -> str:
             part += f" {TINY_TRAINING} --max-iters {6 if '--init-from resume' in part else 2}"
         elif re.search(r"\btest(_ds)?\.py\b", part):
             part += f" {TINY_SAMPLING}"
-        elif re.search(r"\bfinetune\.py\b", part):
+        elif re.search(r"\bfinetune\.py\b", part) and "--merge-lora" not in part:
             part += f" {TINY_FINETUNING}"
         parts.append(part)
     return " && ".join(parts)
@@ -62,6 +62,9 @@ def user_folder(tmp_path, ds_ops):
         examples = [{"text": f"def f{i}(x): return x", "label": "code"} if i % 2 else
                     {"text": f"The value {i} is", "label": "prose"} for i in range(count)]
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(example) + "\n" for example in examples))
+    chats = [{"messages": [{"role": "user", "content": f"What is {i}?"}, {"role": "assistant", "content": f"It is {i}."}]}
+             for i in range(8)]  # conversations for instruction tuning
+    (tmp_path / "my_chats.jsonl").write_text("".join(json.dumps(chat) + "\n" for chat in chats))
     choices = [{"ctx": f"def f{i}(x):", "endings": [" return x", " x = = (", "The end", "!!"], "label": i % 4}
                for i in range(6)]  # multiple choice for eval.py, in the char vocabulary
     (tmp_path / "my_choices.jsonl").write_text("".join(json.dumps(item) + "\n" for item in choices))
@@ -104,5 +107,5 @@ def test_every_readme_command_runs(user_folder):
     for path in ("ckpt/ckpt.pt", "data/mine/meta.json", "data/my-gpt2_text_document.idx", "ckpt/mine/ckpt.pt",
                  "ckpt/gpt2-mine/ckpt.pt", "samples.jsonl", "ckpt/ddp/ckpt.pt", "ckpt/ddp2/ckpt.pt",
                  "ckpt/ds/latest", "ckpt/ds/ckpt_ds.pt/pytorch_model.bin", "ckpt/cls/ckpt.pt", "predictions.jsonl",
-                 "my_hf_model/model.safetensors"):
+                 "my_hf_model/model.safetensors", "ckpt/sft/ckpt.pt", "ckpt/sft-merged/ckpt.pt"):
         assert (user_folder / path).exists(), path
