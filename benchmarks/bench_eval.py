@@ -50,7 +50,8 @@ def write_yaml(folder: str, items: str) -> None:
     import lm_eval
     utils = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "hellaswag", "utils.py")
     with open(utils) as f, open(os.path.join(folder, "utils.py"), "w") as g:
-        g.write(f.read() + "\n\ndef process_plain(dataset):\n    return dataset.map(lambda d: {'query': preprocess(d['ctx']),"
+        g.write(f.read() + "\n\ndef process_plain(dataset):\n"
+                "    return dataset.map(lambda d: {'query': preprocess(d['ctx']),"
                 " 'choices': [preprocess(e) for e in d['endings']]})\n")
     with open(os.path.join(folder, "bench_items.yaml"), "w") as f:
         f.write(f"task: bench_items\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    validation: {items}\n"

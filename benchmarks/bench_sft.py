@@ -105,7 +105,8 @@ def lora_step(mode: str, steps: int) -> dict:
         engine.train_step(batch, 1e-4)
         if step >= 2:
             times.append(time.perf_counter() - start)
-    return {"mode": mode, "ms_per_step": 1000 * statistics.median(times), "trainable": sum(p.numel() for p in trainable),
+    return {"mode": mode, "ms_per_step": 1000 * statistics.median(times),
+            "trainable": sum(p.numel() for p in trainable),
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
@@ -172,7 +173,8 @@ def recipe(args) -> None:
         seconds = time.perf_counter() - start
         on_train, on_val = (exact_matches(os.path.join(out, "ckpt.pt"), path) for path in (train, val))
         rows.append((name, best, seconds, on_train, on_val))
-    print("| sft | best val loss | epochs | s | exact match, train | exact match, held out |\n|---|---|---|---|---|---|")
+    print("| sft | best val loss | epochs | s | exact match, train | exact match, held out |\n"
+          "|---|---|---|---|---|---|")
     for name, best, seconds, (a, n), (b, m) in rows:
         print(f"| {name} | {best['val_loss']:.4f} | {best['epochs']} | {seconds:.0f} | {a}/{n} = {a / n:.2f} | "
               f"{b}/{m} = {b / m:.2f} |")

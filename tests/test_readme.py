@@ -62,8 +62,8 @@ def user_folder(tmp_path, ds_ops):
         examples = [{"text": f"def f{i}(x): return x", "label": "code"} if i % 2 else
                     {"text": f"The value {i} is", "label": "prose"} for i in range(count)]
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(example) + "\n" for example in examples))
-    chats = [{"messages": [{"role": "user", "content": f"What is {i}?"}, {"role": "assistant", "content": f"It is {i}."}]}
-             for i in range(8)]  # conversations for instruction tuning
+    chats = [{"messages": [{"role": "user", "content": f"What is {i}?"},  # conversations for instruction tuning
+                           {"role": "assistant", "content": f"It is {i}."}]} for i in range(8)]
     (tmp_path / "my_chats.jsonl").write_text("".join(json.dumps(chat) + "\n" for chat in chats))
     choices = [{"ctx": f"def f{i}(x):", "endings": [" return x", " x = = (", "The end", "!!"], "label": i % 4}
                for i in range(6)]  # multiple choice for eval.py, in the char vocabulary

@@ -10,8 +10,9 @@
     optimizer, scaler, rng   what exact resume needs (scaler is None unless float16)
 
 Fine-tuned checkpoints add `head` (the task head's weights) and `finetune` (the task's facts). A LoRA checkpoint
-has `lora` and `adapters` in place of `model` (toolkit/lora.py: the weights are its base's plus the adapters). Weight files are
-what HF folders and DeepSpeed's zero_to_fp32 write: pytorch_model.bin, model.safetensors, sharded folders.
+has `lora` and `adapters` in place of `model` (toolkit/lora.py: the weights are its base's plus the adapters).
+Weight files are what HF folders and DeepSpeed's zero_to_fp32 write: pytorch_model.bin, model.safetensors,
+sharded folders.
 DeepSpeed's own folder is toolkit/ds_checkpoint.py's; toolkit/load.py reads any of them.
 """
 import os

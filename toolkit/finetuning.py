@@ -319,7 +319,8 @@ class TaskObjective:
     def checkpoint_state(self, best: dict | None) -> dict:
         """train.py's format plus the head's weights and the task (fine-tuning is not resumed: no optimizer)."""
         cfg = self.cfg
-        return {**finetuned_state(cfg, self.model.body, self.facts, self.adapters), "head": self.model.head.state_dict(),
+        return {**finetuned_state(cfg, self.model.body, self.facts, self.adapters),
+                "head": self.model.head.state_dict(),
                 "finetune": {"task": cfg.task, "labels": cfg.labels, "label_names": self.names,
                              "outputs": self.model.head.out_features, "metrics": best, "init_from": cfg.init_from}}
 
