@@ -9,14 +9,18 @@ import sys
 
 import pytest
 import torch
+import transformers
 
 from conftest import ROOT, assert_one_line_error, run_main, run_script
+from model import GPT, GPTConfig
 from toolkit import lora
 from toolkit.chat import (CHAT_TOKENS, add_chat_tokens, chat_prompt, encode_conversation, encode_conversations,
                           fit_history, pad_conversations)
 from toolkit.checkpoint import load_checkpoint
 from toolkit.distributed import free_port
 from toolkit.finetuning import FinetuneConfig, setup
+from toolkit.gpt2_vocab import GPT2_FACTS
+from toolkit.hf import save_gpt2
 from toolkit.load import load_model
 from toolkit.tokenizers import load_tokenizer
 
@@ -253,3 +257,13 @@ def test_a_bad_conversation_is_one_line_and_writes_nothing(line, message, pretra
                       "--out-dir", tmp_path / "out", "--device", "cpu")
     assert_one_line_error(result, f"{path} {message}")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_hf_export_of_an_instruction_tuned_gpt2_names_the_template_tokens(tmp_path):
+    model = GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16))
+    tok = load_tokenizer(dict(GPT2_FACTS))
+    add_chat_tokens(model, tok)
+    save_gpt2(model, str(tmp_path), tok.facts())
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert hf_tok.convert_ids_to_tokens(list(range(50257, 50261))) == list(CHAT_TOKENS)
+    assert hf_tok.encode("<|user|>Hi") == [tok.special_tokens["<|user|>"], *tok.encode("Hi")]

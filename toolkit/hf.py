@@ -214,7 +214,9 @@ def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
     vocab[EOT_TEXT] = facts["eot_id"]
     merges = [" ".join(map(text, merge_of(token, ranks))) for token, _ in
               sorted(((t, r) for t, r in ranks.items() if len(t) > 1), key=lambda item: item[1])]
-    added = {EOT_TEXT: facts["eot_id"], **{f"<|{name}|>": i for name, i in (facts.get("special_tokens") or {}).items()}}
+    special = facts.get("special_tokens") or {}  # GPT-1's start, ...: <|start|>; the chat template's are so named
+    added = {EOT_TEXT: facts["eot_id"], **{name if name.startswith("<|") else f"<|{name}|>": i
+                                           for name, i in special.items()}}
     write_json(os.path.join(out_dir, "vocab.json"), vocab)
     write_text(os.path.join(out_dir, "merges.txt"), "#version: 0.2\n" + "\n".join(merges) + "\n")
     write_json(os.path.join(out_dir, "special_tokens_map.json"),
