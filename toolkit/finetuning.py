@@ -175,12 +175,13 @@ def epoch_batches(n: int, global_batch: int, micro_batches: int, seed: int, epoc
     return batches if len(batches[-1]) >= micro_batches else batches[:-1]
 
 
-def step_batches(step: int, n: int, cfg: "FinetuneConfig", steps_per_epoch: int) -> tuple[int, list[np.ndarray]]:
-    """(the examples in the step's global batch, this rank's micro-batches of it as index arrays)."""
+def step_batches(step: int, n: int, cfg: "FinetuneConfig",
+                 steps_per_epoch: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(the indices of the step's global batch, this rank's micro-batches of it)."""
     epoch, index = divmod(step, steps_per_epoch)
     batch = epoch_batches(n, cfg.batch_size * cfg.grad_accum, cfg.grad_accum, cfg.seed, epoch)[index]
     micro_steps = cfg.grad_accum // distributed.world_size()
-    return len(batch), np.array_split(batch, cfg.grad_accum)[distributed.rank() * micro_steps:][:micro_steps]
+    return batch, np.array_split(batch, cfg.grad_accum)[distributed.rank() * micro_steps:][:micro_steps]
 
 
 def rank_share(n: int, rank: int, world_size: int) -> np.ndarray:
@@ -288,8 +289,8 @@ class TaskObjective:
 
     def micro_batches(self, step: int) -> list[tuple[list[Example], float]]:
         """This rank's micro-batches of the step's global batch, each weighted by its share of the examples."""
-        size, mine = step_batches(step, len(self.train_set), self.cfg, self.steps_per_epoch)
-        return [([self.train_set[i] for i in rows], len(rows) / size) for rows in mine]
+        batch, mine = step_batches(step, len(self.train_set), self.cfg, self.steps_per_epoch)
+        return [([self.train_set[i] for i in rows], len(rows) / len(batch)) for rows in mine]
 
     def loss(self, model: torch.nn.Module, examples: list[Example]) -> torch.Tensor:
         idx, extract, targets = pad_batch(examples, self.device)
@@ -349,10 +350,8 @@ class ChatObjective:
 
     def micro_batches(self, step: int) -> list[tuple[list, float]]:
         """This rank's micro-batches, each weighted by its share of the global batch's learnt tokens."""
-        epoch, index = divmod(step, self.steps_per_epoch)
-        order = epoch_batches(len(self.train_set), self.global_batch, self.cfg.grad_accum, self.cfg.seed, epoch)
-        total = trained_tokens([self.train_set[i] for i in order[index]])
-        _, mine = step_batches(step, len(self.train_set), self.cfg, self.steps_per_epoch)
+        batch, mine = step_batches(step, len(self.train_set), self.cfg, self.steps_per_epoch)
+        total = trained_tokens([self.train_set[i] for i in batch])
         batches = [[self.train_set[i] for i in rows] for rows in mine]
         return [(batch, trained_tokens(batch) / total) for batch in batches]
 
