@@ -29,7 +29,7 @@ export PYTHONUNBUFFERED=1
 
 if [ $DRY = 1 ]; then
   DEVICE=cpu; DTYPE=float32; GPUS=0
-  SDPA="--device cpu --dtypes float32 --shapes 1x2x64x16 --warmup 1 --repeats 2"  # every kernel
+  SDPA="--device cpu --dtypes float32 --shapes 1x4x512x32 --warmup 1 --repeats 2"  # every kernel; inputs over 64 KiB, so their memory shows
   SHAPE="--n-layer 1 --n-head 2 --n-embd 32 --block-size 32 --batch-size 2"; ITERS=6; SKIP=2
   SAMPLE="--device cpu --dtype float32 --new-tokens 8 --block-size 32"
   # the script's steps, not Inductor's C++ build: --compile runs eagerly (tests/test_model.py traces compile)
@@ -108,7 +108,7 @@ else
 fi
 
 echo "== DeepSpeed ZeRO-3"
-if python -c "import deepspeed" 2>/dev/null; then
+if python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"; then
   python - "$WORK/zero3.json" <<'EOF'
 import json, sys
 config = json.load(open("ds_config.json"))

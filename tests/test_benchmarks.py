@@ -26,7 +26,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     for r in records:
         if r["kernel"] in ("efficient", "cudnn"):  # CUDA-only kernels, on a CPU: unsupported, with the reason
             assert not r["supported"] and "CUDA" in r["reason"]
-            assert figures[(f"sdpa {r['kernel']} 1x2x64x16 float32", "")] == "unsupported"
+            assert figures[(f"sdpa {r['kernel']} 1x4x512x32 float32", "")] == "unsupported"
         else:
             assert r["supported"] and r["ms"] > 0 and r["peak_bytes"] > 0 and r["time_vs_math"] > 0, r
     assert "vs math" in (tmp_path / "sdpa.txt").read_text()
