@@ -117,6 +117,11 @@ def test_sft_on_the_defaults_learns_and_test_py_chats(pretrained, chats, tmp_pat
     one = run_main("test.py", "--ckpt", out / "ckpt.pt", "--prompt", "Title of assert?", "--temperature", "0",
                    "--num-samples", "1", "--max-new-tokens", "40", "--device", "cpu")
     assert one.returncode == 0 and one.stdout.splitlines()[0] == replies[0], (one.stdout, replies)
+    genfile = tmp_path / "answers.jsonl"
+    assert run_main("test.py", "--ckpt", out / "ckpt.pt", "--prompt", "Title of assert?", "--temperature", "0",
+                    "--num-samples", "1", "--max-new-tokens", "40", "--device", "cpu", "--genfile",
+                    genfile).returncode == 0
+    assert json.loads(genfile.read_text())["text"] == replies[0]  # the answer alone, as printed
     refused = run_main("test.py", "--ckpt", pretrained, "--chat")
     assert_one_line_error(refused, "never instruction-tuned", "--prompt")
 

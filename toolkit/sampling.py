@@ -108,7 +108,7 @@ class Sampler:
             with torch.no_grad(), self.ctx:
                 new = [self.stream_one(idx, shown)] if self.stream else self.batch(idx, shown)
             for tokens in new:
-                self.record(text, tokens)
+                self.record(shown, tokens)  # an instruction-tuned model's answer alone, as printed
             done += n
             if self.stream:
                 print("-" * 40, flush=True)
