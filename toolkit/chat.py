@@ -18,7 +18,7 @@ import torch
 from model import GPT
 from toolkit.cli import CLIError
 from toolkit.documents import json_lines
-from toolkit.tokenizers import Tokenizer
+from toolkit.tokenizers import Tokenizer, add_tokens
 
 ROLES = ("system", "user", "assistant")
 END = "<|end|>"
@@ -34,11 +34,7 @@ class Conversation:
 
 def add_chat_tokens(model: GPT, tokenizer: Tokenizer) -> dict[str, int]:
     """The template's four tokens as new rows of the model's (tied) embedding and ids of the tokenizer."""
-    first = model.config.vocab_size
-    special = {name: first + i for i, name in enumerate(CHAT_TOKENS)}
-    model.resize_token_embeddings(first + len(special))
-    tokenizer.add_special_tokens(special)
-    return special
+    return add_tokens(model, tokenizer, CHAT_TOKENS)
 
 
 def is_chat_tokenizer(tokenizer: Tokenizer) -> bool:

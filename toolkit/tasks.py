@@ -21,7 +21,7 @@ import torch.nn as nn
 from model import GPT, chunked_cross_entropy
 from toolkit.cli import CLIError
 from toolkit.documents import json_lines
-from toolkit.tokenizers import Tokenizer
+from toolkit.tokenizers import Tokenizer, add_tokens
 
 FIELDS = {"classify": ("text",), "entail": ("premise", "hypothesis"), "similarity": ("text_a", "text_b"),
           "choice": ("context", "choices")}
@@ -38,11 +38,7 @@ class Example:
 
 def add_special_tokens(model: GPT, tokenizer: Tokenizer) -> dict[str, int]:
     """Start, delimiter and extract as new rows of the model's (tied) embedding and ids of the tokenizer."""
-    first = model.config.vocab_size
-    special = {name: first + i for i, name in enumerate(SPECIAL_TOKENS)}
-    model.resize_token_embeddings(first + len(special))
-    tokenizer.add_special_tokens(special)
-    return special
+    return add_tokens(model, tokenizer, SPECIAL_TOKENS)
 
 
 # ----- files -----

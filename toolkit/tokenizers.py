@@ -13,6 +13,7 @@ import tiktoken
 import tiktoken.load
 from tiktoken_ext.openai_public import r50k_pat_str
 
+from model import GPT
 from toolkit import gpt2_vocab
 from toolkit.cli import CLIError
 
@@ -141,6 +142,17 @@ class Tokenizer:
         if self.special_tokens:
             facts["special_tokens"] = dict(self.special_tokens)
         return facts
+
+
+def add_tokens(model: GPT, tokenizer: Tokenizer, names: tuple[str, ...]) -> dict[str, int]:
+    """names as new rows of the model's (tied) embedding, right after its vocabulary, and as special tokens of
+    the tokenizer, with the same ids: GPT-1's layout tokens (toolkit/tasks.py), the chat template's
+    (toolkit/chat.py)."""
+    first = model.config.vocab_size
+    special = {name: first + i for i, name in enumerate(names)}
+    model.resize_token_embeddings(first + len(special))
+    tokenizer.add_special_tokens(special)
+    return special
 
 
 def load_tokenizer(facts: dict) -> Tokenizer:
