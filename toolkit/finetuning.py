@@ -451,10 +451,10 @@ def setup(cfg: FinetuneConfig, resume: dict | None = None) -> Trainer:
         raise CLIError(f"{cfg.train} has {len(objective.train_set)} examples, fewer than the {cfg.grad_accum} "
                        f"micro-batches of a step")
     if cfg.lora_rank:
+        base = base_source(cfg.init_from)
         objective.adapters = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
                               "targets": cfg.lora_targets, "base_vocab": base_vocab,
-                              "base": {"path": base_source(cfg.init_from),
-                                       "sha256": lora.fingerprint(base_source(cfg.init_from))}}
+                              "base": {"path": base, "sha256": lora.fingerprint(base)}}
         lora.add_lora(body, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, base_vocab)
     if resume is not None:
         restore_trained(objective, resume)
