@@ -1,8 +1,9 @@
 """What finetune.py and `embed.py tune` learn with their defaults, on tasks built from the embedded corpus.
 
 Bodies: pretrained here on the pydoc corpus (char level) by train.py: the quick start (`python train.py`, Muon),
-the same with --optimizer adamw, and the 124M preset (gpt2: 12 x 768) trained briefly. Tasks, each 600 train
-examples from the corpus' train split and 200 val examples from its val split (text the body never saw):
+the same with --optimizer adamw, and the 124M preset (gpt2: 12 x 768) trained briefly. Tasks, each
+--train-examples (600) train examples from the corpus' train split and 200 val examples from its val split (text
+the body never saw):
   classify  a real 64-character span, or the same span with its words shuffled (chance 0.5)
   choice    the true 24-character continuation of a 48-character context among 4: the other three are the
             continuations of other contexts (chance 0.25)
@@ -16,6 +17,7 @@ is one run: task, body, accuracy, epochs, steps, wall seconds. The CPU kind is i
     python benchmarks/bench_finetune.py                                     # quick start bodies, all tasks
     python benchmarks/bench_finetune.py --bodies gpt2 --tasks classify,choice
     python benchmarks/bench_finetune.py --tasks choice -- --lr 1e-4         # another setting to compare
+    python benchmarks/bench_finetune.py --train-examples 2400               # 4 times the data
 """
 import json
 import os
@@ -90,11 +92,11 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
     return path
 
 
-def task_files(task: str, folder: str) -> tuple[str, str]:
+def task_files(task: str, folder: str, train_examples: int) -> tuple[str, str]:
     train_texts, val_texts = corpus_splits()
     rng = random.Random(0)
     files = []
-    for split, texts, n in (("train", train_texts, TRAIN_EXAMPLES), ("val", val_texts, VAL_EXAMPLES)):
+    for split, texts, n in (("train", train_texts, train_examples), ("val", val_texts, VAL_EXAMPLES)):
         rows = [make_example(task, rng, texts, i % 2 == 0) for i in range(n)]
         files.append(write_jsonl(os.path.join(folder, f"{task}_{split}.jsonl"), rows))
     return files[0], files[1]
@@ -115,19 +117,19 @@ def run(cmd: list[str]) -> tuple[str, float]:
     return result.stdout, time.perf_counter() - start
 
 
-def finetune(task: str, body_ckpt: str, folder: str, extra: list[str]) -> tuple[dict, float]:
-    train, val = task_files(task, folder)
+def finetune(task: str, body_ckpt: str, folder: str, train_examples: int, extra: list[str]) -> tuple[dict, float]:
+    train, val = task_files(task, folder, train_examples)
     out = tempfile.mkdtemp(dir=folder, prefix=f"{task}_")
     stdout, seconds = run([sys.executable, os.path.join(ROOT, "finetune.py"), "--task", task, "--train", train,
                            "--val", val, "--init-from", body_ckpt, "--out-dir", out, *extra])
     return json.loads(stdout.splitlines()[-1]), seconds
 
 
-def tune(body_ckpt: str, folder: str, extra: list[str]) -> tuple[dict, float]:
+def tune(body_ckpt: str, folder: str, train_examples: int, extra: list[str]) -> tuple[dict, float]:
     """Recall@1 of held-out (span -> next span) queries against an index of the val split's next spans."""
     train_texts, val_texts = corpus_splits()
     rng = random.Random(0)
-    pairs = [span(rng, train_texts, 96)[0] for _ in range(TRAIN_EXAMPLES)]
+    pairs = [span(rng, train_texts, 96)[0] for _ in range(train_examples)]
     write_jsonl(os.path.join(folder, "pairs.jsonl"), [{"query": p[:48], "positive": p[48:]} for p in pairs])
     held = [span(rng, val_texts, 96)[0] for _ in range(VAL_EXAMPLES)]
     write_jsonl(os.path.join(folder, "docs.jsonl"), [{"id": str(i), "text": p[48:]} for i, p in enumerate(held)])
@@ -153,6 +155,7 @@ def main() -> None:
     parser = cli.argument_parser(__doc__)
     parser.add_argument("--bodies", default="quick-start,quick-start-adamw", help="of: " + ", ".join(BODIES))
     parser.add_argument("--tasks", default=",".join(TASKS), help="of: " + ", ".join(TASKS))
+    parser.add_argument("--train-examples", type=int, default=TRAIN_EXAMPLES, help="per task (default: %(default)s)")
     parser.add_argument("--work", default=os.path.join(ROOT, "data", "bench_finetune"),
                         help="where bodies, tasks and runs go (bodies are reused)")
     parser.add_argument("extra", nargs="*", help="after --: flags for every finetune.py / embed.py tune run")
@@ -163,16 +166,17 @@ def main() -> None:
             raise cli.CLIError(f"unknown body or task {name!r}")
     ensure_default_corpus(os.path.join(ROOT, DEFAULT_CORPUS_DIR))
     os.makedirs(args.work, exist_ok=True)
-    print(f"CPU {cpu_kind()}, {torch.get_num_threads()} threads; flags: {' '.join(args.extra) or '(defaults)'}")
+    print(f"CPU {cpu_kind()}, {torch.get_num_threads()} threads; {args.train_examples} training examples a task; "
+          f"flags: {' '.join(args.extra) or '(defaults)'}")
     print("| task | body | result | epochs | steps | seconds |\n|---|---|---|---|---|---|")
     for body in bodies:
         ckpt = pretrain(body, args.work)
         for task in tasks:
             if task == "tune":
-                result, seconds = tune(ckpt, args.work, args.extra)
+                result, seconds = tune(ckpt, args.work, args.train_examples, args.extra)
                 shown, epochs, steps = ", ".join(f"{k} {v:.3f}" for k, v in result.items()), "", ""
             else:
-                result, seconds = finetune(task, ckpt, args.work, args.extra)
+                result, seconds = finetune(task, ckpt, args.work, args.train_examples, args.extra)
                 metric = "val_accuracy"
                 shown, epochs, steps = f"{metric} {result[metric]:.3f}", result["epochs"], result["steps"]
             print(f"| {task} | {body} | {shown} | {epochs} | {steps} | {seconds:.1f} |", flush=True)
