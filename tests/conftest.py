@@ -79,38 +79,26 @@ def gpt2_vocabulary() -> str:
     return gpt2_vocab.install()
 
 
-DS_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")  # every CPU launch's communication op; ZeRO-Offload's Adam
-
-
-def pytest_collection_modifyitems(items: list) -> None:
-    """The modules with a test that needs DeepSpeed's ops run last, each module still in one piece (its fixtures are
-    built once): on a fresh machine the ops then compile in the background while the other modules run."""
-    needs_ops = {item.module.__name__ for item in items if "ds_ops" in item.fixturenames}
-    items.sort(key=lambda item: item.module.__name__ in needs_ops)  # a stable sort: the order is kept otherwise
-
-
 @pytest.fixture(scope="session", autouse=True)
-def ds_ops_build() -> list[subprocess.Popen]:
-    """DeepSpeed's C++ ops for the CPU built, or loaded from ~/.cache/torch_extensions, in the background from the
-    start of the session, one process per op at the lowest priority: on a fresh machine (about a minute of compiling
-    each) the compiler then uses the cores the tests leave idle instead of making a DeepSpeed test wait for it."""
-    code = ("import sys; from deepspeed.accelerator import get_accelerator; "
-            "get_accelerator().create_op_builder(sys.argv[1]).load()")
-    procs = [subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", code, op], text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, env={**os.environ, "DS_ACCELERATOR": "cpu"}) for op in DS_OPS]
-    yield procs
-    for proc in procs:
-        if proc.poll() is None:  # a session that needed no DeepSpeed
-            proc.kill()
-            proc.communicate()
+def ds_ops_build() -> subprocess.Popen:
+    """DeepSpeed's C++ ops for the CPU (cpu_adam, shm_comm) built, or loaded from ~/.cache/torch_extensions, in
+    the background from the start of the session and at the lowest priority: on a fresh machine the compiler
+    then uses the core the first tests leave idle, instead of making the first DeepSpeed test wait for it."""
+    code = ("from deepspeed.accelerator import get_accelerator as g; "
+            "[g().create_op_builder(n).load() for n in ('CPUAdamBuilder', 'ShareMemCommBuilder')]")
+    proc = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", code], text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    yield proc
+    if proc.poll() is None:  # a session that needed no DeepSpeed
+        proc.kill()
+        proc.communicate()
 
 
 @pytest.fixture(scope="session")
 def ds_ops(ds_ops_build):
     """The ops built, before parallel ranks need them."""
-    for proc in ds_ops_build:
-        output = proc.communicate(timeout=900)[0]
-        assert proc.returncode == 0, output
+    output = ds_ops_build.communicate(timeout=900)[0]
+    assert ds_ops_build.returncode == 0, output
 
 
 def fake_deepspeed_folder(ds_dir: Path, tag: str = "global_step4", payload=None, model_config: dict | None = None,
