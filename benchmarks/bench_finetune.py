@@ -1,9 +1,9 @@
 """What finetune.py and `embed.py tune` learn with their defaults, on tasks built from the embedded corpus.
 
 Bodies: pretrained here on the pydoc corpus (char level) by train.py: the quick start (`python train.py`, Muon),
-the same with --optimizer adamw, and the 124M preset (gpt2: 12 x 768) trained briefly. Tasks, each
---train-examples (600) train examples from the corpus' train split and 200 val examples from its val split (text
-the body never saw):
+the same with --optimizer adamw, and the 124M preset (gpt2: 12 x 768) trained briefly with either optimizer.
+Tasks, each --train-examples (600) train examples from the corpus' train split and 200 val examples from its val
+split (text the body never saw):
   classify  a real 64-character span, or the same span with its words shuffled (chance 0.5)
   choice    the true 24-character continuation of a 48-character context among 4: the other three are the
             continuations of other contexts (chance 0.25)
@@ -12,10 +12,10 @@ the body never saw):
   tune      embed.py tune on (query: a span, positive: the span after it) pairs, recall@1 of held-out queries
             against the val split's spans, before and after
 finetune.py runs as a user runs it, with the defaults and any --flags given after `--`; each line of the table
-is one run: task, body, accuracy, epochs, steps, wall seconds. The CPU kind is in the header.
+is one run: task, body, accuracy, epochs, steps, wall seconds. The device (CPU kind or GPU) is in the header.
 
     python benchmarks/bench_finetune.py                                     # quick start bodies, all tasks
-    python benchmarks/bench_finetune.py --bodies gpt2 --tasks classify,choice
+    python benchmarks/bench_finetune.py --bodies gpt2,gpt2-adamw --tasks classify,choice,entail,similarity
     python benchmarks/bench_finetune.py --tasks choice -- --lr 1e-4         # another setting to compare
     python benchmarks/bench_finetune.py --train-examples 2400               # 4 times the data
 """
@@ -30,17 +30,17 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-
 from toolkit import cli  # noqa: E402
-from toolkit.device import cpu_kind  # noqa: E402
+from toolkit.device import describe, resolve_device  # noqa: E402
 from toolkit.prepare import DEFAULT_CORPUS_DIR, default_corpus_documents, ensure_default_corpus  # noqa: E402
 
+GPT2_BRIEFLY = ["--preset", "gpt2", "--block-size", "128", "--batch-size", "16", "--max-iters", "150",
+                "--eval-interval", "150", "--eval-iters", "5"]
 BODIES = {
     "quick-start": [],
     "quick-start-adamw": ["--optimizer", "adamw"],
-    "gpt2": ["--preset", "gpt2", "--block-size", "128", "--batch-size", "16", "--max-iters", "150",
-             "--eval-interval", "150", "--eval-iters", "5"],
+    "gpt2": GPT2_BRIEFLY,
+    "gpt2-adamw": [*GPT2_BRIEFLY, "--optimizer", "adamw"],
 }
 TASKS = ("classify", "choice", "entail", "similarity", "tune")
 TRAIN_EXAMPLES, VAL_EXAMPLES = 600, 200
@@ -166,7 +166,7 @@ def main() -> None:
             raise cli.CLIError(f"unknown body or task {name!r}")
     ensure_default_corpus(os.path.join(ROOT, DEFAULT_CORPUS_DIR))
     os.makedirs(args.work, exist_ok=True)
-    print(f"CPU {cpu_kind()}, {torch.get_num_threads()} threads; {args.train_examples} training examples a task; "
+    print(f"{describe(resolve_device('auto'))}; {args.train_examples} training examples a task; "
           f"flags: {' '.join(args.extra) or '(defaults)'}")
     print("| task | body | result | epochs | steps | seconds |\n|---|---|---|---|---|---|")
     for body in bodies:
