@@ -1,7 +1,8 @@
 """What finetune.py and `embed.py tune` learn with their defaults, on tasks built from the embedded corpus.
 
 Bodies: pretrained here on the pydoc corpus (char level) by train.py: the quick start (`python train.py`, Muon),
-the same with --optimizer adamw, and the 124M preset (gpt2: 12 x 768) trained briefly with either optimizer.
+the same with --optimizer adamw, nanoGPT's shakespeare-char shape (6x384: 6 x 384, 10.7M) and the 124M preset
+(gpt2: 12 x 768) trained briefly, each with either optimizer.
 Tasks, each --train-examples (600) train examples from the corpus' train split and 200 val examples from its val
 split (text the body never saw):
   classify  a real 64-character span, or the same span with its words shuffled (chance 0.5)
@@ -9,12 +10,13 @@ split (text the body never saw):
             continuations of other contexts (chance 0.25)
   entail    does the 24-character hypothesis continue the 40-character premise, or come from elsewhere (0.5)
   similarity  two 32-character spans: adjacent in one document, or from two documents (0.5)
-  tune      embed.py tune on (query: a span, positive: the span after it) pairs, recall@1 of held-out queries
-            against the val split's spans, before and after
+  tune      embed.py tune on (query: a span, positive: the span after it) pairs; recall@1, recall@10, MRR@10 of
+            held-out queries against the val split's spans, before and after
 finetune.py runs as a user runs it, with the defaults and any --flags given after `--`; each line of the table
 is one run: task, body, accuracy, epochs, steps, wall seconds. The device (CPU kind or GPU) is in the header.
 
     python benchmarks/bench_finetune.py                                     # quick start bodies, all tasks
+    python benchmarks/bench_finetune.py --bodies 6x384                       # 18 min of pretraining on 2 cores
     python benchmarks/bench_finetune.py --bodies gpt2,gpt2-adamw --tasks classify,choice,entail,similarity
     python benchmarks/bench_finetune.py --tasks choice -- --lr 1e-4         # another setting to compare
     python benchmarks/bench_finetune.py --train-examples 2400               # 4 times the data
@@ -36,9 +38,13 @@ from toolkit.prepare import DEFAULT_CORPUS_DIR, default_corpus_documents, ensure
 
 GPT2_BRIEFLY = ["--preset", "gpt2", "--block-size", "128", "--batch-size", "16", "--max-iters", "150",
                 "--eval-interval", "150", "--eval-iters", "5"]
+BABY_GPT = ["--n-layer", "6", "--n-head", "6", "--n-embd", "384", "--block-size", "128", "--lr", "1e-3",
+            "--max-iters", "600", "--eval-interval", "300"]  # nanoGPT's shakespeare-char shape, 10.7M parameters
 BODIES = {
     "quick-start": [],
     "quick-start-adamw": ["--optimizer", "adamw"],
+    "6x384": BABY_GPT,
+    "6x384-adamw": [*BABY_GPT, "--optimizer", "adamw"],
     "gpt2": GPT2_BRIEFLY,
     "gpt2-adamw": [*GPT2_BRIEFLY, "--optimizer", "adamw"],
 }
@@ -148,7 +154,8 @@ def tune(body_ckpt: str, folder: str, train_examples: int, extra: list[str]) -> 
     _, seconds = run([*embed, "tune", "--ckpt", body_ckpt, "--pairs", os.path.join(folder, "pairs.jsonl"),
                       "--out-dir", out, *extra])
     after = recall(os.path.join(out, "ckpt.pt"), "after")
-    return {"recall@1 before": before["recall@1"], "recall@1": after["recall@1"], "mrr@10": after["mrr@10"]}, seconds
+    return {f"{k} {when}": v[k] for k in ("recall@1", "recall@10", "mrr@10")
+            for when, v in (("before", before), ("after", after))}, seconds
 
 
 def main() -> None:
