@@ -160,7 +160,8 @@ def load_finetuned(path: str, device: torch.device) -> tuple[TaskModel, Tokenize
         raise CLIError(f"{path} is not a fine-tuned checkpoint (it has no task head); fine-tune it with --task, "
                        f"--train and --val first")
     body, _ = load_model(path)
-    model = TaskModel(body, task["task"], task["outputs"], dropout=0.0)
+    delimiter = checkpoint["tokenizer"]["special_tokens"]["delimiter"] if task.get("answer_likelihood") else None
+    model = TaskModel(body, task["task"], task["outputs"], dropout=0.0, delimiter=delimiter)
     model.head.load_state_dict(checkpoint["head"])
     return model.to(device).eval(), load_tokenizer(checkpoint["tokenizer"]), task
 
@@ -323,7 +324,8 @@ class TaskObjective:
         return {**finetuned_state(cfg, self.model.body, self.facts, self.adapters),
                 "head": self.model.head.state_dict(),
                 "finetune": {"task": cfg.task, "labels": cfg.labels, "label_names": self.names,
-                             "outputs": self.model.head.out_features, "metrics": best, "init_from": cfg.init_from}}
+                             "outputs": self.model.head.out_features, "metrics": best, "init_from": cfg.init_from,
+                             "answer_likelihood": self.model.delimiter is not None}}
 
     def chance(self) -> float:
         """The metric a model that learnt nothing reaches: the commonest val label's share (a choice: one over the
@@ -501,7 +503,8 @@ def task_objective(cfg: FinetuneConfig, body: GPT, facts: dict, tokenizer: Token
     block_size = body.config.block_size
     train_set = encode_records(train, cfg.train, cfg.task, tokenizer, special, block_size, names)
     val_set = encode_records(val, cfg.val, cfg.task, tokenizer, special, block_size, names)
-    model = TaskModel(body, cfg.task, len(names) if names else 1, cfg.head_dropout)
+    model = TaskModel(body, cfg.task, len(names) if names else 1, cfg.head_dropout,
+                      special["delimiter"] if cfg.task == "choice" else None)
     for path, examples in ((cfg.train, train_set), (cfg.val, val_set)):
         cut = sum(e.truncated for e in examples)
         if cut and distributed.rank() == 0:

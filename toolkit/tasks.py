@@ -8,7 +8,9 @@ embedding (GPT-1, Radford et al. 2018, section 3.3):
     similarity   start a delimiter b extract  and  start b delimiter a extract   (final states added)
     choice       start context delimiter answer extract, one per answer          (softmax over the answers)
 
-A linear head (after dropout) reads the final hidden state at each sequence's extract token. A sequence
+A linear head (after dropout) reads the final hidden state at each sequence's extract token; a choice's score
+also adds the body's log-likelihood of the answer after its context (what lm-eval scores an answer by, zero-shot),
+so fine-tuning starts from what the body already knows and GPT-1's head learns the rest. A sequence
 longer than the block size loses tokens from the left of its context (text, premise, context; for
 similarity, the longer text), never from the hypothesis or an answer. toolkit/finetuning.py trains and applies
 it; docs/finetune.md gives the file schemas.
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.nn import functional as F
 
 from model import GPT, chunked_cross_entropy
 from toolkit.cli import CLIError
@@ -181,11 +184,12 @@ def pad_batch(examples: list[Example], device: torch.device) -> tuple[torch.Tens
 # ----- the head -----
 
 class TaskModel(nn.Module):
-    """The GPT body and a linear head on the final hidden state at each sequence's extract token."""
+    """The GPT body and a linear head on the final hidden state at each sequence's extract token; with a delimiter
+    id, a choice's score adds the log-likelihood of its answer (the tokens between the delimiter and extract)."""
 
-    def __init__(self, body: GPT, task: str, outputs: int, dropout: float):
+    def __init__(self, body: GPT, task: str, outputs: int, dropout: float, delimiter: int | None = None):
         super().__init__()
-        self.body, self.task = body, task
+        self.body, self.task, self.delimiter = body, task, delimiter
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(body.config.n_embd, outputs)
         # scores of unit scale from the unit-variance final states: a head as small as the body's init (0.02)
@@ -202,7 +206,20 @@ class TaskModel(nn.Module):
         final = final.view(-1, per_example, final.size(-1))
         if self.task == "choice":
             logits = self.head(self.dropout(final)).squeeze(-1)  # one score per answer
+            if self.delimiter is not None:
+                logits = logits + self.answer_log_likelihood(hidden, idx, extract).view_as(logits)
         else:
             logits = self.head(self.dropout(final.sum(dim=1)))  # similarity adds its two orderings
         lm_loss = None if lm_targets is None else chunked_cross_entropy(hidden, self.body.lm_head.weight, lm_targets)
         return logits.float(), lm_loss
+
+    def answer_log_likelihood(self, hidden: torch.Tensor, idx: torch.Tensor, extract: torch.Tensor) -> torch.Tensor:
+        """(rows,) log p(answer | start, context, delimiter) of each row, summed over its tokens as lm-eval's acc
+        scores an answer (the mean per token learnt less: docs/finetune.md). The states from the delimiter to the
+        one before the last answer token predict the answer's tokens; only those positions get logits."""
+        position = torch.arange(idx.size(1), device=idx.device)
+        first = (idx == self.delimiter).int().argmax(dim=1)
+        rows, cols = ((position >= first[:, None]) & (position < extract[:, None] - 1)).nonzero(as_tuple=True)
+        logits = hidden[rows, cols] @ self.body.lm_head.weight.T
+        log_p = -F.cross_entropy(logits.float(), idx[rows, cols + 1], reduction="none")
+        return torch.zeros(idx.size(0), device=idx.device).index_add(0, rows, log_p)
