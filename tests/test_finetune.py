@@ -297,11 +297,14 @@ def test_predictions_round_trip(finetuned, datasets, tmp_path):
     accuracy = sum(line["label"] == label for line, label in zip(lines, labels)) / len(labels)
     assert accuracy == pytest.approx(metrics["val_accuracy"], abs=1e-4)  # the kept checkpoint is the best epoch's
 
-    out, _ = finetuned("choice", "pretrained")
+    out, metrics = finetuned("choice", "pretrained")
     _, val = datasets["choice"]
-    ok(finetune("--init-from", out / "ckpt.pt", "--predict", val, "--out", predictions, "--overwrite"))
-    line = json.loads(predictions.read_text().splitlines()[0])
-    assert line["label"] in range(4) and len(line["probabilities"]) == 4
+    ok(finetune("--init-from", out / "ckpt.pt", "--predict", val, "--out", predictions, "--overwrite",
+                "--device", "cpu"))
+    lines = [json.loads(line) for line in predictions.read_text().splitlines()]
+    assert all(line["label"] in range(4) and len(line["probabilities"]) == 4 for line in lines)
+    accuracy = sum(line["label"] == row["label"] for line, row in zip(lines, read_jsonl(val))) / len(lines)
+    assert accuracy == pytest.approx(metrics["val_accuracy"], abs=1e-4)  # scored as in training: likelihood and head
 
 
 def test_finetuned_checkpoint_samples_with_test_py(finetuned):
