@@ -16,6 +16,7 @@ from conftest import ROOT, assert_one_line_error, run_main
 from model import GPT, GPTConfig
 from toolkit.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.distributed import free_port
+from toolkit.finetuning import load_finetuned
 from toolkit.prepare import default_corpus_documents
 from toolkit.tasks import Example, TaskModel, add_special_tokens, encode_records, layout, pad_batch
 from toolkit.tokenizers import Tokenizer
@@ -173,12 +174,13 @@ def finetuned(datasets, pretrained, random_body, tmp_path_factory):
 def test_layout_of_each_task():
     s, d, e = SPECIAL.values()
     assert layout("classify", [[1, 2, 3]], SPECIAL, 16) == ([[s, 1, 2, 3, e]], False)
-    assert layout("entail", [[1, 2], [3]], SPECIAL, 16) == ([[s, 1, 2, d, 3, e]], False)
+    assert layout("entail", [[1, 2], [3]], SPECIAL, 16) == ([[s, 1, 2, d, 3, e], [s, 3, e]], False)  # and alone
     assert layout("similarity", [[1, 2], [3]], SPECIAL, 16) == ([[s, 1, 2, d, 3, e], [s, 3, d, 1, 2, e]], False)
     assert layout("choice", [[1, 2], [3], [4, 5]], SPECIAL, 16) == ([[s, 1, 2, d, 3, e], [s, 1, 2, d, 4, 5, e]], False)
     # too long: the context loses tokens from its left, never the hypothesis or an answer
     assert layout("classify", [[1, 2, 3, 4, 5, 6]], SPECIAL, 5) == ([[s, 4, 5, 6, e]], True)
-    assert layout("entail", [[1, 2, 3, 4, 5, 6], [7, 8, 9]], SPECIAL, 8) == ([[s, 5, 6, d, 7, 8, 9, e]], True)
+    assert layout("entail", [[1, 2, 3, 4, 5, 6], [7, 8, 9]], SPECIAL, 8) == \
+        ([[s, 5, 6, d, 7, 8, 9, e], [s, 7, 8, 9, e]], True)
     assert layout("choice", [[1, 2, 3, 4], [7], [8, 9]], SPECIAL, 7) == \
         ([[s, 3, 4, d, 7, e], [s, 3, 4, d, 8, 9, e]], True)  # one context for all answers, cut for the longest
     # similarity: the longer text gives way first, and both orderings hold the same tokens
@@ -195,7 +197,8 @@ def test_special_tokens_are_new_rows_of_the_tied_embedding():
     tok = Tokenizer("char", chars="abcd", char_eot=True)
     assert add_special_tokens(model, tok) == {"start": 5, "delimiter": 6, "extract": 7}
     assert model.transformer.wte.weight is model.lm_head.weight and model.lm_head.weight.shape == (8, 8)
-    assert torch.equal(model.lm_head.weight[:5], old) and model.lm_head.weight[5:].abs().sum() > 0
+    assert torch.equal(model.lm_head.weight[:5], old)
+    torch.testing.assert_close(model.lm_head.weight[5:], old.mean(dim=0).expand(3, -1))  # an average token
     assert tok.vocab_size == model.config.vocab_size == 8 and tok.decode([5, 0, 6, 1, 7]) == "ab"
     assert model(torch.tensor([[5, 0, 6, 7]]))[0].shape == (1, 4, 8)
 
@@ -205,19 +208,27 @@ def test_records_become_examples_with_label_ids():
     records = [(1, {"premise": "abc", "hypothesis": "de", "label": "no"}),
                (2, {"premise": "h", "hypothesis": "g", "label": "yes"})]
     examples = encode_records(records, "f.jsonl", "entail", tok, SPECIAL, 16, ["no", "yes"])
-    assert [e.sequences for e in examples] == [[[20, 0, 1, 2, 21, 3, 4, 22]], [[20, 7, 21, 6, 22]]]
+    assert [e.sequences for e in examples] == [[[20, 0, 1, 2, 21, 3, 4, 22], [20, 3, 4, 22]],
+                                               [[20, 7, 21, 6, 22], [20, 6, 22]]]
     assert [e.label for e in examples] == [0, 1]
     choice = [(1, {"context": "ab", "choices": ["c", "d", "e"], "label": 2})]
     assert encode_records(choice, "f.jsonl", "choice", tok, SPECIAL, 16, None)[0].label == 2
 
 
-@pytest.mark.parametrize("task, per_example", [("classify", 1), ("entail", 1), ("similarity", 2), ("choice", 3)])
-def test_padding_never_changes_a_result(task, per_example):
-    """Right padding: a row alone and in a batch padded to a longer row give the same logits."""
+def task_model(task: str) -> TaskModel:
+    """A random body and head (the head starts at zero before its fit: random weights here, so it counts)."""
     torch.manual_seed(0)
     body = GPT(GPTConfig(block_size=32, vocab_size=23, n_layer=2, n_head=2, n_embd=32))
-    model = TaskModel(body, task, 1 if task == "choice" else 3, 0.1, SPECIAL["delimiter"] if task == "choice" else None)
-    model.eval()
+    model = TaskModel(body, task, 1 if task == "choice" else 3, 0.1, SPECIAL).eval()
+    torch.nn.init.normal_(model.head.weight)
+    torch.nn.init.normal_(model.head.bias)
+    return model
+
+
+@pytest.mark.parametrize("task, per_example", [("classify", 1), ("entail", 2), ("similarity", 2), ("choice", 3)])
+def test_padding_never_changes_a_result(task, per_example):
+    """Right padding: a row alone and in a batch padded to a longer row give the same logits."""
+    model = task_model(task)
     rng = random.Random(0)
     examples = [Example([[20] + [rng.randrange(20) for _ in range(rng.randrange(1, 15))] + [21] +
                          [rng.randrange(20) for _ in range(rng.randrange(1, 15))] + [22]
@@ -232,23 +243,51 @@ def test_padding_never_changes_a_result(task, per_example):
             torch.testing.assert_close(batched[i : i + 1], alone, atol=1e-5, rtol=0)
 
 
+def log_probabilities(body: GPT, sequence: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final states, log-probabilities of each token predicted by the state before it; 0 at position 0)."""
+    ids = torch.tensor([sequence])
+    hidden = body.hidden_states(ids)[0]
+    log_p = torch.log_softmax(body.lm_head(hidden), dim=-1)
+    return hidden, torch.cat([torch.zeros(1), log_p[torch.arange(len(sequence) - 1), ids[0, 1:]]])
+
+
 def test_a_choice_scores_its_answer_by_the_bodys_log_likelihood_plus_the_head():
     """Each answer's score is log p(answer | start, context, delimiter) under the body, plus the head's output."""
-    torch.manual_seed(0)
-    body = GPT(GPTConfig(block_size=32, vocab_size=23, n_layer=2, n_head=2, n_embd=32))
-    model = TaskModel(body, "choice", 1, 0.0, SPECIAL["delimiter"]).eval()
+    model = task_model("choice")
+    body = model.body
     sequences = [[20, 1, 2, 3, 21, 4, 5, 6, 22], [20, 1, 2, 3, 21, 7, 22]]  # context 1 2 3, answers 4 5 6 and 7
     idx, extract, _ = pad_batch([Example(sequences, 0, False)], torch.device("cpu"))
     with torch.no_grad():
         scores = model(idx, extract, 2)[0][0]
         for sequence, score in zip(sequences, scores):
-            ids = torch.tensor([sequence])
-            hidden = body.hidden_states(ids)
-            log_p = torch.log_softmax(body.lm_head(hidden), dim=-1)[0]
-            answer = sum(log_p[p, sequence[p + 1]] for p in range(4, len(sequence) - 2))  # after the delimiter
-            head = model.head(hidden[0, -1]).squeeze()
+            hidden, log_p = log_probabilities(body, sequence)
+            answer = log_p[5 : len(sequence) - 1].sum()  # the tokens after the delimiter
+            head = model.head(hidden[-1]).squeeze()
             torch.testing.assert_close(score, answer + head, atol=1e-5, rtol=0)
     assert not torch.allclose(scores[0], scores[1])
+
+
+@pytest.mark.parametrize("task", ["classify", "entail", "similarity"])
+def test_the_class_head_reads_the_state_and_the_bodys_likelihood(task):
+    """classify: the text's mean log-likelihood beside the state at extract; entail: log p(hypothesis | premise) -
+    log p(hypothesis) per token beside the first sequence's state; similarity: that of b after a plus that of a after
+    b, beside the two states added."""
+    model = task_model(task)
+    a, b = [1, 2, 3, 4], [5, 6, 7]
+    s, d, e = SPECIAL.values()
+    sequences = {"classify": [[s, *a, e]], "entail": [[s, *a, d, *b, e], [s, *b, e]],
+                 "similarity": [[s, *a, d, *b, e], [s, *b, d, *a, e]]}[task]
+    idx, extract, _ = pad_batch([Example(sequences, 0, False)], torch.device("cpu"))
+    with torch.no_grad():
+        logits = model(idx, extract, len(sequences))[0][0]
+        (h0, p0), (h1, p1) = [log_probabilities(model.body, q) for q in sequences + sequences[:2 - len(sequences)]]
+        state, feature = h0[-1], p0[1:5].mean()  # classify: the text after start
+        if task == "entail":  # b after the premise's delimiter, b after start alone
+            feature = p0[6:9].mean() - p1[1:4].mean()
+        if task == "similarity":  # b after a, minus b first; a after b, minus a first
+            state = h0[-1] + h1[-1]
+            feature = (p0[6:9].mean() - p1[1:4].mean()) + (p1[5:9].mean() - p0[1:5].mean())
+        torch.testing.assert_close(logits, model.head(torch.cat([state, feature[None]])), atol=1e-5, rtol=0)
 
 
 # ----------------------------------------------------------------------------- learning the tasks
@@ -269,6 +308,15 @@ def test_pretrained_body_learns_each_task_and_a_random_one_does_not(finetuned, t
     # the defaults: 640 examples in batches of 32 are 20 steps an epoch, so 10 epochs reach the 200 steps
     assert pretrained["epochs"] == 10 and pretrained["steps"] == 10 * math.ceil(TRAIN_EXAMPLES / 32)
     assert ("val_f1" in pretrained) == (task != "choice")
+
+
+def test_the_head_starts_fitted_to_the_pretrained_body(datasets, pretrained, tmp_path):
+    """Before the first step the head is the linear probe of the frozen body: at a rate too small to move anything,
+    one epoch already scores far above chance (a head starting at zero would score every class alike)."""
+    train, val = datasets["classify"]
+    result = ok(finetune("--task", "classify", "--train", train, "--val", val, "--init-from", pretrained,
+                         "--out-dir", tmp_path, "--epochs", "1", "--lr", "1e-12", *FINETUNE))
+    assert result["val_accuracy"] >= 0.8, result  # 0.97: the text's likelihood tells real from shuffled
 
 
 def test_similarity_regression_correlates_and_long_pairs_are_cut(datasets, pretrained, tmp_path):
@@ -305,6 +353,21 @@ def test_predictions_round_trip(finetuned, datasets, tmp_path):
     assert all(line["label"] in range(4) and len(line["probabilities"]) == 4 for line in lines)
     accuracy = sum(line["label"] == row["label"] for line, row in zip(lines, read_jsonl(val))) / len(lines)
     assert accuracy == pytest.approx(metrics["val_accuracy"], abs=1e-4)  # scored as in training: likelihood and head
+
+
+def test_a_checkpoint_from_before_the_likelihood_predicts_from_the_state_alone(finetuned, datasets, tmp_path):
+    """Written before the head read the likelihood: no `likelihood` key and a head as wide as the body."""
+    out, _ = finetuned("entail", "pretrained")
+    checkpoint = load_checkpoint(str(out / "ckpt.pt"))
+    assert checkpoint["finetune"].pop("likelihood") is True
+    width = checkpoint["model_config"]["n_embd"]
+    checkpoint["head"]["weight"] = checkpoint["head"]["weight"][:, :width].clone()
+    save_checkpoint(checkpoint, str(tmp_path / "old.pt"))
+    model, _, _ = load_finetuned(str(tmp_path / "old.pt"), torch.device("cpu"))
+    assert model.special is None and model.head.in_features == width
+    _, val = datasets["entail"]
+    ok(finetune("--init-from", tmp_path / "old.pt", "--predict", val, "--out", tmp_path / "p.jsonl", "--device", "cpu"))
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 200
 
 
 def test_finetuned_checkpoint_samples_with_test_py(finetuned):

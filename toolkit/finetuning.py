@@ -38,6 +38,7 @@ from toolkit.training import LoopConfig, Schedule, TorchEngine, Trainer, claim_o
 
 EPOCHS, MIN_STEPS = 3, 200  # GPT-1's epochs; a set too small for them gets more (docs/finetune.md)
 LR_WIDTH = 0.128  # lr = LR_WIDTH / n_embd: a larger model takes smaller steps (measured: docs/finetune.md)
+PROBE_L2, PROBE_ITERS = 1e-4, 200  # the head's first fit: its L2 penalty and L-BFGS iterations (docs/finetune.md)
 LORA_LR = 10  # adapters start at zero and move a rank-r slice: LoRA takes larger steps (measured: docs/finetune.md)
 ALL_TASKS = (*TASKS, "sft")
 LATEST_FILE = "last.pt"  # OUT_DIR/last.pt: the latest state while a fine-tuning runs, for --init-from resume
@@ -160,8 +161,9 @@ def load_finetuned(path: str, device: torch.device) -> tuple[TaskModel, Tokenize
         raise CLIError(f"{path} is not a fine-tuned checkpoint (it has no task head); fine-tune it with --task, "
                        f"--train and --val first")
     body, _ = load_model(path)
-    delimiter = checkpoint["tokenizer"]["special_tokens"]["delimiter"] if task.get("answer_likelihood") else None
-    model = TaskModel(body, task["task"], task["outputs"], dropout=0.0, delimiter=delimiter)
+    likelihood = task.get("likelihood", task.get("answer_likelihood"))  # older checkpoints: a choice's alone, or none
+    special = checkpoint["tokenizer"]["special_tokens"] if likelihood else None
+    model = TaskModel(body, task["task"], task["outputs"], dropout=0.0, special=special)
     model.head.load_state_dict(checkpoint["head"])
     return model.to(device).eval(), load_tokenizer(checkpoint["tokenizer"]), task
 
@@ -297,11 +299,56 @@ class TaskObjective:
         idx, extract, targets = pad_batch(examples, self.device)
         labels = torch.tensor([e.label for e in examples], device=self.device)
         logits, lm_loss = model(idx, extract, len(examples[0].sequences), targets if self.cfg.lm_weight else None)
-        if self.regression:
-            loss = F.mse_loss(logits.squeeze(-1), labels.float())
-        else:
-            loss = F.cross_entropy(logits, labels)
+        loss = self.task_loss(logits, labels)
         return loss if lm_loss is None else loss + self.cfg.lm_weight * lm_loss
+
+    def task_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(logits.squeeze(-1), labels.float()) if self.regression else F.cross_entropy(logits, labels)
+
+    def fit_head(self) -> None:
+        """Start the head as the best linear probe of the pretrained body (LP-FT: Kumar et al. 2022, "Fine-Tuning can
+        Distort Pretrained Features and Underperform Out-of-Distribution"): the task's loss of the head alone on what
+        it reads from the frozen body, L2-regularised, minimised by L-BFGS (a convex problem: one answer whatever the
+        start, the same in every rank). A random head would first pull the body towards itself; a fitted one starts
+        fine-tuning from what the body already knows, its likelihood included."""
+        inputs, offset = self.head_inputs(self.train_set)
+        labels = torch.tensor([e.label for e in self.train_set], device=self.device)
+        head = self.model.head
+        optimizer = torch.optim.LBFGS(head.parameters(), max_iter=PROBE_ITERS, line_search_fn="strong_wolfe")
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = self.task_loss(self.model.scores(inputs, offset), labels) + PROBE_L2 * head.weight.square().sum()
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+
+    @torch.no_grad()
+    def head_inputs(self, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the head reads of every example and the scores it adds to (TaskModel.head_inputs), in eval mode;
+        in a process group each rank computes its share and the shares are summed into the whole."""
+        model, batch_size, was_training = self.model, self.cfg.batch_size, self.model.training
+        model.eval()
+        inputs, offsets = None, None
+        mine = rank_share(len(examples), distributed.rank(), distributed.world_size())
+        for start in range(0, len(mine), batch_size):
+            rows = torch.from_numpy(mine[start : start + batch_size]).to(self.device)
+            batch = [examples[i] for i in rows.tolist()]
+            idx, extract, _ = pad_batch(batch, self.device)
+            with autocast(self.device, self.dtype):
+                x, offset = model.head_inputs(model.body.hidden_states(idx), idx, extract, len(batch[0].sequences))
+            if inputs is None:
+                inputs = torch.zeros(len(examples), *x.shape[1:], device=self.device)
+                offsets = None if offset is None else torch.zeros(len(examples), *offset.shape[1:], device=self.device)
+            inputs[rows] = x.float()
+            if offset is not None:
+                offsets[rows] = offset.float()
+        for tensor in (inputs, offsets):
+            if tensor is not None and distributed.world_size() > 1:
+                torch.distributed.all_reduce(tensor)
+        model.train(was_training)
+        return inputs, offsets
 
     def throughput(self) -> tuple[int, str, None]:
         return self.global_batch, "examples", None
@@ -325,7 +372,7 @@ class TaskObjective:
                 "head": self.model.head.state_dict(),
                 "finetune": {"task": cfg.task, "labels": cfg.labels, "label_names": self.names,
                              "outputs": self.model.head.out_features, "metrics": best, "init_from": cfg.init_from,
-                             "answer_likelihood": self.model.delimiter is not None}}
+                             "likelihood": self.model.special is not None}}
 
     def chance(self) -> float:
         """The metric a model that learnt nothing reaches: the commonest val label's share (a choice: one over the
@@ -460,6 +507,8 @@ def setup(cfg: FinetuneConfig, resume: dict | None = None) -> Trainer:
         lora.add_lora(body, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, base_vocab)
     if resume is not None:
         restore_trained(objective, resume)
+    elif cfg.task != "sft":
+        objective.fit_head()
     cfg.epochs = cfg.epochs or max(EPOCHS, math.ceil(MIN_STEPS / objective.steps_per_epoch))
     cfg.lr = cfg.lr or LR_WIDTH / body.config.n_embd * (LORA_LR if cfg.lora_rank else 1)
     optimizer = make_optimizer(model, "adamw", cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2),
@@ -503,8 +552,7 @@ def task_objective(cfg: FinetuneConfig, body: GPT, facts: dict, tokenizer: Token
     block_size = body.config.block_size
     train_set = encode_records(train, cfg.train, cfg.task, tokenizer, special, block_size, names)
     val_set = encode_records(val, cfg.val, cfg.task, tokenizer, special, block_size, names)
-    model = TaskModel(body, cfg.task, len(names) if names else 1, cfg.head_dropout,
-                      special["delimiter"] if cfg.task == "choice" else None)
+    model = TaskModel(body, cfg.task, len(names) if names else 1, cfg.head_dropout, special)
     for path, examples in ((cfg.train, train_set), (cfg.val, val_set)):
         cut = sum(e.truncated for e in examples)
         if cut and distributed.rank() == 0:

@@ -4,16 +4,17 @@ Every example becomes one or more token sequences framed by three special tokens
 embedding (GPT-1, Radford et al. 2018, section 3.3):
 
     classify     start text extract
-    entail       start premise delimiter hypothesis extract
+    entail       start premise delimiter hypothesis extract  and  start hypothesis extract  (read: the first)
     similarity   start a delimiter b extract  and  start b delimiter a extract   (final states added)
     choice       start context delimiter answer extract, one per answer          (softmax over the answers)
 
-A linear head (after dropout) reads the final hidden state at each sequence's extract token; a choice's score
-also adds the body's log-likelihood of the answer after its context (what lm-eval scores an answer by, zero-shot),
-so fine-tuning starts from what the body already knows and GPT-1's head learns the rest. A sequence
-longer than the block size loses tokens from the left of its context (text, premise, context; for
-similarity, the longer text), never from the hypothesis or an answer. toolkit/finetuning.py trains and applies
-it; docs/finetune.md gives the file schemas.
+A linear head (after dropout) reads the final hidden state at the extract token, and beside it what the body's own
+likelihood already says (what lm-eval scores by, zero-shot), so fine-tuning starts from what the body knows: a
+choice's score adds the log-likelihood of its answer; the classes' head reads one more input, the text's mean
+log-likelihood (classify) or the pointwise mutual information of the two texts (entail, similarity: how much more
+likely the second text is after the first than alone, per token). A sequence longer than the block size loses
+tokens from the left of its context (text, premise, context; for similarity, the longer text), never from the
+hypothesis or an answer. toolkit/finetuning.py trains and applies it; docs/finetune.md gives the file schemas.
 """
 from dataclasses import dataclass
 
@@ -128,7 +129,10 @@ def layout(task: str, texts: list[list[int]], special: dict[str, int], block_siz
         raise ValueError(f"{what} alone takes {block_size - room} tokens with the special tokens, more than the "
                          f"block size {block_size}")
     kept = keep_last(context, room)
-    return [[start, *kept, delimiter, *answer, extract] for answer in answers], len(kept) < len(context)
+    sequences = [[start, *kept, delimiter, *answer, extract] for answer in answers]
+    if task == "entail":  # the hypothesis alone: its likelihood without the premise
+        sequences.append([start, *answers[0], extract])
+    return sequences, len(kept) < len(context)
 
 
 def keep_last(tokens: list[int], n: int) -> list[int]:
@@ -184,17 +188,18 @@ def pad_batch(examples: list[Example], device: torch.device) -> tuple[torch.Tens
 # ----- the head -----
 
 class TaskModel(nn.Module):
-    """The GPT body and a linear head on the final hidden state at each sequence's extract token; with a delimiter
-    id, a choice's score adds the log-likelihood of its answer (the tokens between the delimiter and extract)."""
+    """The GPT body and a linear head on the final hidden state at the extract token. With the special token ids,
+    the head also has the body's likelihood beside it: a choice's score adds its answer's log-likelihood, the
+    classes' head reads one more input (module docstring); without them (checkpoints written before), the state
+    alone."""
 
-    def __init__(self, body: GPT, task: str, outputs: int, dropout: float, delimiter: int | None = None):
+    def __init__(self, body: GPT, task: str, outputs: int, dropout: float, special: dict[str, int] | None = None):
         super().__init__()
-        self.body, self.task, self.delimiter = body, task, delimiter
+        self.body, self.task, self.special = body, task, special
         self.dropout = nn.Dropout(dropout)
-        self.head = nn.Linear(body.config.n_embd, outputs)
-        # scores of unit scale from the unit-variance final states: a head as small as the body's init (0.02)
-        # scores every answer alike and passes the body almost no gradient, and a run can sit at chance
-        nn.init.normal_(self.head.weight, mean=0.0, std=body.config.n_embd ** -0.5)
+        extra = 1 if special is not None and task != "choice" else 0
+        self.head = nn.Linear(body.config.n_embd + extra, outputs)
+        nn.init.zeros_(self.head.weight)  # fitted before the first step (finetuning.TaskObjective.fit_head)
         nn.init.zeros_(self.head.bias)
 
     def forward(self, idx: torch.Tensor, extract: torch.Tensor, per_example: int,
@@ -202,24 +207,56 @@ class TaskModel(nn.Module):
         """Logits (B, outputs), or (B, answers) for choice, of the B examples whose per_example sequences each are
         the rows of idx; with lm_targets also the mean LM loss on the same inputs."""
         hidden = self.body.hidden_states(idx)
-        final = hidden[torch.arange(idx.size(0), device=idx.device), extract]
-        final = final.view(-1, per_example, final.size(-1))
-        if self.task == "choice":
-            logits = self.head(self.dropout(final)).squeeze(-1)  # one score per answer
-            if self.delimiter is not None:
-                logits = logits + self.answer_log_likelihood(hidden, idx, extract).view_as(logits)
-        else:
-            logits = self.head(self.dropout(final.sum(dim=1)))  # similarity adds its two orderings
+        inputs, offset = self.head_inputs(hidden, idx, extract, per_example)
+        logits = self.scores(inputs, offset)
         lm_loss = None if lm_targets is None else chunked_cross_entropy(hidden, self.body.lm_head.weight, lm_targets)
         return logits.float(), lm_loss
 
-    def answer_log_likelihood(self, hidden: torch.Tensor, idx: torch.Tensor, extract: torch.Tensor) -> torch.Tensor:
-        """(rows,) log p(answer | start, context, delimiter) of each row, summed over its tokens as lm-eval's acc
-        scores an answer (the mean per token learnt less: docs/finetune.md). The states from the delimiter to the
-        one before the last answer token predict the answer's tokens; only those positions get logits."""
+    def scores(self, inputs: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+        """The head's logits of its inputs, plus what they add to (a choice's log-likelihoods)."""
+        logits = self.head(inputs)
+        if self.task == "choice":
+            logits = logits.squeeze(-1)  # one score per answer
+        return logits if offset is None else logits + offset
+
+    def head_inputs(self, hidden: torch.Tensor, idx: torch.Tensor, extract: torch.Tensor,
+                    per_example: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(what the head reads: (B, answers, width) for choice, else (B, width [+ 1]); the scores it adds to: a
+        choice's summed answer log-likelihoods (B, answers), or None)."""
+        final = hidden[torch.arange(idx.size(0), device=idx.device), extract]
+        final = final.view(-1, per_example, final.size(-1))
+        if self.task == "choice":
+            offset = None
+            if self.special is not None:
+                offset = self.text_log_likelihoods(hidden, idx, extract)[0][:, 1].view(-1, per_example)
+            return self.dropout(final), offset
+        state = self.dropout(final[:, 0] if self.task == "entail" else final.sum(dim=1))  # similarity: both orders
+        if self.special is None:
+            return state, None
+        total, count = self.text_log_likelihoods(hidden, idx, extract)
+        mean = (total / count.clamp(min=1)).view(-1, per_example, 2)  # per token, of the first and the second text
+        if self.task == "classify":
+            feature = mean[:, 0, 0]
+        elif self.task == "entail":  # log p(hypothesis | premise) - log p(hypothesis)
+            feature = mean[:, 0, 1] - mean[:, 1, 0]
+        else:  # similarity: the same of b after a and of a after b
+            feature = mean[:, 0, 1] - mean[:, 1, 0] + mean[:, 1, 1] - mean[:, 0, 0]
+        return torch.cat([state, feature[:, None].to(state.dtype)], dim=1), None
+
+    def text_log_likelihoods(self, hidden: torch.Tensor, idx: torch.Tensor,
+                             extract: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, 2) summed log-probabilities and token counts of each row's first text (after start, up to the
+        delimiter or extract) and second text (from the delimiter to extract), each token predicted by the state
+        before it. A choice needs only its answers: only the positions needed get logits."""
         position = torch.arange(idx.size(1), device=idx.device)
-        first = (idx == self.delimiter).int().argmax(dim=1)
-        rows, cols = ((position >= first[:, None]) & (position < extract[:, None] - 1)).nonzero(as_tuple=True)
-        logits = hidden[rows, cols] @ self.body.lm_head.weight.T
-        log_p = -F.cross_entropy(logits.float(), idx[rows, cols + 1], reduction="none")
-        return torch.zeros(idx.size(0), device=idx.device).index_add(0, rows, log_p)
+        is_delimiter = idx == self.special["delimiter"]
+        delimiter = torch.where(is_delimiter.any(dim=1), is_delimiter.int().argmax(dim=1), extract)[:, None]
+        wanted = (position < extract[:, None]) & (position != delimiter)
+        wanted &= position > (delimiter if self.task == "choice" else 0)
+        rows, cols = wanted.nonzero(as_tuple=True)
+        logits = hidden[rows, cols - 1] @ self.body.lm_head.weight.T
+        log_p = -F.cross_entropy(logits.float(), idx[rows, cols], reduction="none")
+        where = rows * 2 + (cols > delimiter[rows, 0])  # the row's column: 0 the first text, 1 the second
+        total = torch.zeros(idx.size(0) * 2, device=idx.device).index_add(0, where, log_p)
+        count = torch.zeros(idx.size(0) * 2, device=idx.device).index_add(0, where, torch.ones_like(log_p))
+        return total.view(-1, 2), count.view(-1, 2)
