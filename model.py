@@ -381,13 +381,16 @@ class GPT(nn.Module):
 
     def resize_token_embeddings(self, vocab_size: int) -> None:
         """Grow the vocabulary, e.g. by fine-tuning's special tokens: the tied embedding / LM head keeps its
-        rows and gains new ones, each the mean of the old rows (Hewitt 2021, "Initializing New Word Embeddings for
-        Pretrained Language Models"; HF's resize_token_embeddings does the same): the network reads a new token as
-        an average one, not as noise, and predicts it no likelier than the average token."""
+        rows and gains new ones: the mean of the old rows (Hewitt 2021, "Initializing New Word Embeddings for
+        Pretrained Language Models", as HF's resize_token_embeddings does), so the network reads a new token as an
+        average one rather than as noise, plus noise of the usual 0.02, so new tokens differ from each other (rows
+        all equal slowed instruction tuning: docs/performance.md)."""
         old = self.lm_head.weight
         if vocab_size < old.size(0):
             raise ValueError(f"vocab_size can only grow: {old.size(0)} -> {vocab_size}")
-        weight = old.detach().mean(dim=0).repeat(vocab_size, 1)
+        weight = torch.empty(vocab_size, old.size(1), device=old.device, dtype=old.dtype)
+        nn.init.normal_(weight, mean=0.0, std=0.02)
+        weight += old.detach().mean(dim=0)
         weight[: old.size(0)] = old.detach()
         self.lm_head.weight = nn.Parameter(weight)
         self.transformer.wte.weight = self.lm_head.weight
