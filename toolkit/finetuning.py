@@ -192,26 +192,38 @@ def rank_share(n: int, rank: int, world_size: int) -> np.ndarray:
     return np.array_split(np.arange(n), world_size)[rank]
 
 
-@torch.no_grad()
 def score(model: TaskModel, examples: list[Example], batch_size: int, device: torch.device,
           dtype: torch.dtype) -> torch.Tensor:
-    """The head's logits for every example (N, outputs or answers), in eval mode. In a process group each rank
-    scores its share and the shares are summed into the whole (a rank's rows are zeros elsewhere)."""
+    """The head's logits for every example (N, outputs or answers), in eval mode, shared over the processes."""
+    columns = len(examples[0].sequences) if model.task == "choice" else model.head.out_features
+    (scores,) = over_examples(model, examples, batch_size, device, dtype, [(columns,)],
+                              lambda idx, extract, per_example: [model(idx, extract, per_example)[0]])
+    return scores.cpu()
+
+
+@torch.no_grad()
+def over_examples(model: TaskModel, examples: list[Example], batch_size: int, device: torch.device,
+                  dtype: torch.dtype, shapes: list[tuple[int, ...]], compute) -> list[torch.Tensor]:
+    """compute(idx, extract, per_example) -> one tensor per shape, (batch, *shape), for every example in batches,
+    in eval mode. In a process group each rank computes its share and the shares are summed into the whole (a rank's
+    rows are zeros elsewhere)."""
     was_training = model.training
     model.eval()
-    columns = len(examples[0].sequences) if model.task == "choice" else model.head.out_features
-    scores = torch.zeros(len(examples), columns, device=device)
+    outputs = [torch.zeros(len(examples), *shape, device=device) for shape in shapes]
     mine = rank_share(len(examples), distributed.rank(), distributed.world_size())
     for start in range(0, len(mine), batch_size):
         rows = mine[start : start + batch_size]
         batch = [examples[i] for i in rows]
         idx, extract, _ = pad_batch(batch, device)
         with autocast(device, dtype):
-            scores[torch.from_numpy(rows).to(device)] = model(idx, extract, len(batch[0].sequences))[0]
+            results = compute(idx, extract, len(batch[0].sequences))
+        for output, result in zip(outputs, results):
+            output[torch.from_numpy(rows).to(device)] = result.float()
     if distributed.world_size() > 1:
-        torch.distributed.all_reduce(scores)
+        for output in outputs:
+            torch.distributed.all_reduce(output)
     model.train(was_training)
-    return scores.cpu()
+    return outputs
 
 
 def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, binary: bool) -> dict[str, float]:
@@ -324,31 +336,20 @@ class TaskObjective:
 
         optimizer.step(closure)
 
-    @torch.no_grad()
     def head_inputs(self, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What the head reads of every example and the scores it adds to (TaskModel.head_inputs), in eval mode;
-        in a process group each rank computes its share and the shares are summed into the whole."""
-        model, batch_size, was_training = self.model, self.cfg.batch_size, self.model.training
-        model.eval()
-        inputs, offsets = None, None
-        mine = rank_share(len(examples), distributed.rank(), distributed.world_size())
-        for start in range(0, len(mine), batch_size):
-            rows = torch.from_numpy(mine[start : start + batch_size]).to(self.device)
-            batch = [examples[i] for i in rows.tolist()]
-            idx, extract, _ = pad_batch(batch, self.device)
-            with autocast(self.device, self.dtype):
-                x, offset = model.head_inputs(model.body.hidden_states(idx), idx, extract, len(batch[0].sequences))
-            if inputs is None:
-                inputs = torch.zeros(len(examples), *x.shape[1:], device=self.device)
-                offsets = None if offset is None else torch.zeros(len(examples), *offset.shape[1:], device=self.device)
-            inputs[rows] = x.float()
-            if offset is not None:
-                offsets[rows] = offset.float()
-        for tensor in (inputs, offsets):
-            if tensor is not None and distributed.world_size() > 1:
-                torch.distributed.all_reduce(tensor)
-        model.train(was_training)
-        return inputs, offsets
+        """What the head reads of every example and the scores it adds to (TaskModel.head_inputs)."""
+        model, answers = self.model, len(examples[0].sequences)
+        choice = model.task == "choice"
+        shapes = [(answers, model.head.in_features) if choice else (model.head.in_features,)]
+        if choice and model.special is not None:
+            shapes.append((answers,))
+
+        def compute(idx: torch.Tensor, extract: torch.Tensor, per_example: int) -> list[torch.Tensor]:
+            inputs, offset = model.head_inputs(model.body.hidden_states(idx), idx, extract, per_example)
+            return [inputs] if offset is None else [inputs, offset]
+
+        inputs, *offset = over_examples(model, examples, self.cfg.batch_size, self.device, self.dtype, shapes, compute)
+        return inputs, offset[0] if offset else None
 
     def throughput(self) -> tuple[int, str, None]:
         return self.global_batch, "examples", None
