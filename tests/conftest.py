@@ -5,6 +5,7 @@ import contextlib
 import io
 import os
 import runpy
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from toolkit import gpt2_vocab
 
 ROOT = Path(__file__).resolve().parent.parent
+DS_OPS = ("deepspeed_shm_comm", "cpu_adam")  # the build folders of the DeepSpeed ops the tests build (ds_ops_build)
 TINY_MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
               "--device", "cpu", "--dtype", "float32", "--eval-iters", "2", "--log-interval", "1"]
 
@@ -88,11 +90,22 @@ def ds_ops_build() -> subprocess.Popen:
     code = ("from deepspeed.accelerator import get_accelerator as g; "
             "[g().create_op_builder(n).load() for n in ('ShareMemCommBuilder', 'CPUAdamBuilder')]")
     proc = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", code], text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+                            stderr=subprocess.STDOUT, env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                            start_new_session=True)
     yield proc
-    if proc.poll() is None:  # a session that needed no DeepSpeed
-        proc.kill()
+    if proc.poll() is None:  # a session that needed no DeepSpeed: stop the build, its compilers included
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
+        remove_build_locks(DS_OPS)
+
+
+def remove_build_locks(names: tuple[str, ...]) -> None:
+    """torch's extension builder holds a `lock` file in the op's build folder while it builds and waits, with no
+    time limit, for it to go; a build killed midway leaves it, and the next session's build would wait forever."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    for name in names:
+        for lock in [*root.glob(f"{name}/lock"), *root.glob(f"*/{name}/lock")]:  # the default root has py*_cpu/
+            lock.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

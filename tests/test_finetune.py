@@ -271,11 +271,18 @@ def test_a_choice_scores_its_answer_by_the_bodys_log_likelihood_plus_the_head():
     assert not torch.allclose(scores[0], scores[1])
 
 
+def text_terms(hidden: torch.Tensor, log_p: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """Over the tokens first..end-1: their mean log-probability, then the mean of the states that predicted them
+    (the one before each), each weighted by its token's log-probability."""
+    tokens = torch.arange(first, end)
+    return torch.cat([log_p[tokens].mean()[None], (log_p[tokens, None] * hidden[tokens - 1]).mean(dim=0)])
+
+
 @pytest.mark.parametrize("task", ["classify", "entail", "similarity"])
 def test_the_class_head_reads_the_state_and_the_bodys_likelihood(task):
-    """classify: the text's mean log-likelihood beside the state at extract; entail: log p(hypothesis | premise) -
-    log p(hypothesis) per token beside the first sequence's state; similarity: that of b after a plus that of a after
-    b, beside the two states added."""
+    """classify: the text's mean log-likelihood and its likelihood-weighted states beside the state at extract;
+    entail: those of the hypothesis after the premise minus those of the hypothesis alone, beside the first
+    sequence's state; similarity: the same of b after a plus that of a after b, beside the two states added."""
     model = task_model(task)
     a, b = [1, 2, 3, 4], [5, 6, 7]
     s, d, e = SPECIAL.values()
@@ -285,13 +292,15 @@ def test_the_class_head_reads_the_state_and_the_bodys_likelihood(task):
     with torch.no_grad():
         logits = model(idx, extract, len(sequences))[0][0]
         (h0, p0), (h1, p1) = [log_probabilities(model.body, q) for q in sequences + sequences[:2 - len(sequences)]]
-        state, feature = h0[-1], p0[1:5].mean()  # classify: the text after start
+        state, feature = h0[-1], text_terms(h0, p0, 1, 5)  # classify: the text after start
         if task == "entail":  # b after the premise's delimiter, b after start alone
-            feature = p0[6:9].mean() - p1[1:4].mean()
+            feature = text_terms(h0, p0, 6, 9) - text_terms(h1, p1, 1, 4)
         if task == "similarity":  # b after a, minus b first; a after b, minus a first
             state = h0[-1] + h1[-1]
-            feature = (p0[6:9].mean() - p1[1:4].mean()) + (p1[5:9].mean() - p0[1:5].mean())
-        torch.testing.assert_close(logits, model.head(torch.cat([state, feature[None]])), atol=1e-5, rtol=0)
+            feature = (text_terms(h0, p0, 6, 9) - text_terms(h1, p1, 1, 4)) + \
+                (text_terms(h1, p1, 5, 9) - text_terms(h0, p0, 1, 5))
+        assert model.head.in_features == 2 * 32 + 1
+        torch.testing.assert_close(logits, model.head(torch.cat([state, feature])), atol=1e-5, rtol=0)
 
 
 # ----------------------------------------------------------------------------- learning the tasks
@@ -359,16 +368,21 @@ def test_predictions_round_trip(finetuned, datasets, tmp_path):
     assert accuracy == pytest.approx(metrics["val_accuracy"], abs=1e-4)  # scored as in training: likelihood and head
 
 
-def test_a_checkpoint_from_before_the_likelihood_predicts_from_the_state_alone(finetuned, datasets, tmp_path):
-    """Written before the head read the likelihood: no `likelihood` key and a head as wide as the body."""
+@pytest.mark.parametrize("written_before", ["the likelihood", "the weighted states"])
+def test_an_older_checkpoint_predicts_as_it_was_trained(finetuned, datasets, tmp_path, written_before):
+    """Written before the head read the likelihood (no `likelihood` key, a head as wide as the body), or before it
+    read the likelihood-weighted states (no `weighted_states` key, one input more)."""
     out, _ = finetuned("entail", "pretrained")
     checkpoint = load_checkpoint(str(out / "ckpt.pt"))
-    assert checkpoint["finetune"].pop("likelihood") is True
+    assert checkpoint["finetune"].pop("weighted_states") is True
     width = checkpoint["model_config"]["n_embd"]
-    checkpoint["head"]["weight"] = checkpoint["head"]["weight"][:, :width].clone()
+    if written_before == "the likelihood":
+        assert checkpoint["finetune"].pop("likelihood") is True
+    kept = width if written_before == "the likelihood" else width + 1
+    checkpoint["head"]["weight"] = checkpoint["head"]["weight"][:, :kept].clone()
     save_checkpoint(checkpoint, str(tmp_path / "old.pt"))
     model, _, _ = load_finetuned(str(tmp_path / "old.pt"), torch.device("cpu"))
-    assert model.special is None and model.head.in_features == width
+    assert (model.special is None) == (written_before == "the likelihood") and model.head.in_features == kept
     _, val = datasets["entail"]
     ok(finetune("--init-from", tmp_path / "old.pt", "--predict", val, "--out", tmp_path / "p.jsonl", "--device", "cpu"))
     assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 200

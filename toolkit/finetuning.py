@@ -163,7 +163,8 @@ def load_finetuned(path: str, device: torch.device) -> tuple[TaskModel, Tokenize
     body, _ = load_model(path)
     likelihood = task.get("likelihood", task.get("answer_likelihood"))  # older checkpoints: a choice's alone, or none
     special = checkpoint["tokenizer"]["special_tokens"] if likelihood else None
-    model = TaskModel(body, task["task"], task["outputs"], dropout=0.0, special=special)
+    model = TaskModel(body, task["task"], task["outputs"], dropout=0.0, special=special,
+                      weighted_states=task.get("weighted_states", False))  # older checkpoints: the likelihood alone
     model.head.load_state_dict(checkpoint["head"])
     return model.to(device).eval(), load_tokenizer(checkpoint["tokenizer"]), task
 
@@ -373,7 +374,8 @@ class TaskObjective:
                 "head": self.model.head.state_dict(),
                 "finetune": {"task": cfg.task, "labels": cfg.labels, "label_names": self.names,
                              "outputs": self.model.head.out_features, "metrics": best, "init_from": cfg.init_from,
-                             "likelihood": self.model.special is not None}}
+                             "likelihood": self.model.special is not None,
+                             "weighted_states": self.model.weighted_states}}
 
     def chance(self) -> float:
         """The metric a model that learnt nothing reaches: the commonest val label's share (a choice: one over the

@@ -10,9 +10,12 @@ embedding (GPT-1, Radford et al. 2018, section 3.3):
 
 A linear head (after dropout) reads the final hidden state at the extract token, and beside it what the body's own
 likelihood already says (what lm-eval scores by, zero-shot), so fine-tuning starts from what the body knows: a
-choice's score adds the log-likelihood of its answer; the classes' head reads one more input, the text's mean
-log-likelihood (classify) or the pointwise mutual information of the two texts (entail, similarity: how much more
-likely the second text is after the first than alone, per token). A sequence longer than the block size loses
+choice's score adds the log-likelihood of its answer; the classes' head also reads the text's mean log-likelihood
+(classify) or the pointwise mutual information of the two texts (entail, similarity: how much more likely the second
+text is after the first than alone, per token), and the same mean of the states that predicted the tokens, each
+weighted by its token's log-likelihood, so that the head can learn which tokens' likelihood tells the classes apart
+(a linear head on it is a sum over tokens of log p(token) times a learnt function of the state before it). A
+sequence longer than the block size loses
 tokens from the left of its context (text, premise, context; for similarity, the longer text), never from the
 hypothesis or an answer. toolkit/finetuning.py trains and applies it; docs/finetune.md gives the file schemas.
 """
@@ -190,14 +193,15 @@ def pad_batch(examples: list[Example], device: torch.device) -> tuple[torch.Tens
 class TaskModel(nn.Module):
     """The GPT body and a linear head on the final hidden state at the extract token. With the special token ids,
     the head also has the body's likelihood beside it: a choice's score adds its answer's log-likelihood, the
-    classes' head reads one more input (module docstring); without them (checkpoints written before), the state
-    alone."""
+    classes' head reads the likelihood terms (module docstring: one input, or 1 + width with weighted_states);
+    without them (checkpoints written before), the state alone."""
 
-    def __init__(self, body: GPT, task: str, outputs: int, dropout: float, special: dict[str, int] | None = None):
+    def __init__(self, body: GPT, task: str, outputs: int, dropout: float, special: dict[str, int] | None = None,
+                 weighted_states: bool = True):
         super().__init__()
-        self.body, self.task, self.special = body, task, special
+        self.body, self.task, self.special, self.weighted_states = body, task, special, weighted_states
         self.dropout = nn.Dropout(dropout)
-        extra = 1 if special is not None and task != "choice" else 0
+        extra = 0 if special is None or task == "choice" else 1 + body.config.n_embd * weighted_states
         self.head = nn.Linear(body.config.n_embd + extra, outputs)
         nn.init.zeros_(self.head.weight)  # fitted before the first step (finetuning.TaskObjective.fit_head)
         nn.init.zeros_(self.head.bias)
@@ -221,8 +225,8 @@ class TaskModel(nn.Module):
 
     def head_inputs(self, hidden: torch.Tensor, idx: torch.Tensor, extract: torch.Tensor,
                     per_example: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(what the head reads: (B, answers, width) for choice, else (B, width [+ 1]); the scores it adds to: a
-        choice's summed answer log-likelihoods (B, answers), or None)."""
+        """(what the head reads: (B, answers, width) for choice, else (B, width [+ 1 [+ width]]); the scores it adds
+        to: a choice's summed answer log-likelihoods (B, answers), or None)."""
         final = hidden[torch.arange(idx.size(0), device=idx.device), extract]
         final = final.view(-1, per_example, final.size(-1))
         if self.task == "choice":
@@ -233,30 +237,36 @@ class TaskModel(nn.Module):
         state = self.dropout(final[:, 0] if self.task == "entail" else final.sum(dim=1))  # similarity: both orders
         if self.special is None:
             return state, None
-        total, count = self.text_log_likelihoods(hidden, idx, extract)
-        mean = (total / count.clamp(min=1)).view(-1, per_example, 2)  # per token, of the first and the second text
+        total, count, weighted = self.text_log_likelihoods(hidden, idx, extract)
+        per_text = torch.cat([total[..., None], weighted], dim=-1) if self.weighted_states else total[..., None]
+        # per token, of the first and the second text of each sequence: (B, per_example, 2, 1 [+ width])
+        mean = (per_text / count[..., None].clamp(min=1)).view(-1, per_example, 2, per_text.size(-1))
         if self.task == "classify":
             feature = mean[:, 0, 0]
         elif self.task == "entail":  # log p(hypothesis | premise) - log p(hypothesis)
             feature = mean[:, 0, 1] - mean[:, 1, 0]
         else:  # similarity: the same of b after a and of a after b
             feature = mean[:, 0, 1] - mean[:, 1, 0] + mean[:, 1, 1] - mean[:, 0, 0]
-        return torch.cat([state, feature[:, None].to(state.dtype)], dim=1), None
+        return torch.cat([state, feature.to(state.dtype)], dim=1), None
 
     def text_log_likelihoods(self, hidden: torch.Tensor, idx: torch.Tensor,
-                             extract: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                             extract: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows, 2) summed log-probabilities and token counts of each row's first text (after start, up to the
         delimiter or extract) and second text (from the delimiter to extract), each token predicted by the state
-        before it. A choice needs only its answers: only the positions needed get logits."""
+        before it, and (rows, 2, width) the sums of those states each weighted by its token's log-probability. A
+        choice needs only its answers: only the positions needed get logits."""
         position = torch.arange(idx.size(1), device=idx.device)
         is_delimiter = idx == self.special["delimiter"]
         delimiter = torch.where(is_delimiter.any(dim=1), is_delimiter.int().argmax(dim=1), extract)[:, None]
         wanted = (position < extract[:, None]) & (position != delimiter)
         wanted &= position > (delimiter if self.task == "choice" else 0)
         rows, cols = wanted.nonzero(as_tuple=True)
-        logits = hidden[rows, cols - 1] @ self.body.lm_head.weight.T
+        before = hidden[rows, cols - 1]
+        logits = before @ self.body.lm_head.weight.T
         log_p = -F.cross_entropy(logits.float(), idx[rows, cols], reduction="none")
         where = rows * 2 + (cols > delimiter[rows, 0])  # the row's column: 0 the first text, 1 the second
         total = torch.zeros(idx.size(0) * 2, device=idx.device).index_add(0, where, log_p)
         count = torch.zeros(idx.size(0) * 2, device=idx.device).index_add(0, where, torch.ones_like(log_p))
-        return total.view(-1, 2), count.view(-1, 2)
+        weighted = torch.zeros(idx.size(0) * 2, before.size(-1), device=idx.device).index_add(
+            0, where, log_p[:, None] * before.float())
+        return total.view(-1, 2), count.view(-1, 2), weighted.view(-1, 2, before.size(-1))
