@@ -203,7 +203,7 @@ def test_out_of_range_flags(char_data, tmp_path, flags, fragment):
 @pytest.mark.parametrize("config, fragment", [
     ({"n_layer": "two"}, "n_layer must be int"), ({"batch_size": 2.5}, "batch_size must be int"),
     ({"compile": "no"}, "compile must be bool"), ({"dtype": "float64"}, "dtype must be one of"),
-    ({"lr": None}, "lr must be float"),
+    ({"lr": "fast"}, "lr must be null or float"),
 ])
 def test_config_file_values_are_typed_like_their_flags(char_data, tmp_path, config, fragment):
     (tmp_path / "run.json").write_text(json.dumps(config))

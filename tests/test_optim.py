@@ -6,7 +6,7 @@ from conftest import TINY_MODEL, assert_one_line_error, run_main
 from model import GPT, GPTConfig
 from toolkit.checkpoint import load_checkpoint
 from toolkit.optim import Muon, make_optimizer, orthogonalize
-from toolkit.pretraining import TrainConfig
+from toolkit.pretraining import TrainConfig, apply_preset, parse_config, settle_optimizer
 
 
 @pytest.mark.parametrize("shape", [(48, 48), (32, 96), (96, 32)])
@@ -57,10 +57,28 @@ def test_recipe_of_the_quick_start_is_pinned():
     """`python train.py` with no flags is the measured CPU recipe (docs/performance.md): change both together."""
     cfg = TrainConfig()
     recipe = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=32, grad_accum=None, max_iters=300,
-                  lr=4e-3, min_lr=None, warmup_iters=25, lr_decay_iters=None, optimizer="auto", muon_lr=0.05,
+                  lr=None, min_lr=None, warmup_iters=25, lr_decay_iters=None, optimizer="auto", muon_lr=0.05,
                   weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0, dropout=0.0, bias=True, dtype="auto",
                   compile=False, eval_interval=100, eval_iters=20)
     assert {k: getattr(cfg, k) for k in recipe} == recipe
+    settle_optimizer(cfg)
+    assert (cfg.optimizer, cfg.lr) == ("muon", 4e-3)
+
+
+def settled(*argv: str) -> TrainConfig:
+    cfg, given, _ = parse_config(list(argv))
+    apply_preset(cfg, given)
+    settle_optimizer(cfg)
+    return cfg
+
+
+def test_adamw_rate_falls_with_width_from_scratch():
+    """4e-3 at the quick start's width; AdamW on the blocks' matrices from scratch gets 4e-3 x 128 / width (GPT-3's
+    rates: 6e-4 at 768), the embeddings and norms that Muon leaves to AdamW keep 4e-3, and a given --lr stands."""
+    assert settled("--optimizer", "adamw").lr == 4e-3
+    assert settled("--preset", "gpt2", "--optimizer", "adamw").lr == pytest.approx(4e-3 / 6)
+    assert settled("--preset", "gpt2").lr == 4e-3
+    assert settled("--preset", "gpt2", "--optimizer", "adamw", "--lr", "1e-3").lr == 1e-3
 
 
 def test_scratch_trains_with_muon_and_a_resume_keeps_the_optimizer(char_data, tmp_path):

@@ -28,7 +28,7 @@ from toolkit.ds_checkpoint import check_deepspeed_files, prune_deepspeed_tags, r
     write_train_state
 from toolkit.optim import decay_groups
 from toolkit.parallel import Layout, autotp_config, check_layout, pipeline_module
-from toolkit.pretraining import TrainConfig
+from toolkit.pretraining import TrainConfig, settle_optimizer
 
 # Values that both the flags and the DeepSpeed config can set: (flags, config key, the config value the flags
 # give for W processes, the flag values a config value gives). --grad-accum counts micro-batches over all
@@ -173,6 +173,7 @@ class DeepSpeedEngine:
 
     def settle_config(self, cfg: TrainConfig, given: set[str], resumed: set[str]) -> TrainConfig:
         cfg.optimizer = "adamw"  # the DeepSpeed config's (train_ds.py offers no other)
+        settle_optimizer(cfg)  # --lr, which the config may also set
         if cfg.eval_tasks and self.pipelined:
             raise CLIError("--eval-tasks needs the model's logits, which a pipeline keeps on its last stage; score "
                            "an exported checkpoint with eval.py instead (python test_ds.py --export-ckpt PATH)")

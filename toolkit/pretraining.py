@@ -65,7 +65,8 @@ class TrainConfig:
                                           "process)", check="positive")
     max_iters: int = option(300, "optimizer steps in total (a resumed run continues up to this number)",
                             check="non-negative")
-    lr: float = option(4e-3, "peak learning rate (AdamW's; Muon's is --muon-lr)", check="positive-number")
+    lr: float | None = option(None, "peak learning rate of AdamW (Muon's is --muon-lr); default 4e-3, or 4e-3 x 128 / "
+                                    "n-embd where AdamW trains the blocks' matrices from scratch", check="positive-number")
     min_lr: float | None = option(None, "final learning rate of the cosine decay (default lr/10)",
                                   check="non-negative-number")
     warmup_iters: int = option(25, "linear warmup steps", check="non-negative")
@@ -189,6 +190,22 @@ def apply_preset(cfg: TrainConfig, given: set[str]) -> None:
             raise CLIError(f"--preset {cfg.preset} has {name.replace('_', '-')} {value} but "
                            f"{flag(name)} {getattr(cfg, name)} was given; drop one of them")
         setattr(cfg, name, value)
+
+
+def default_lr(cfg: TrainConfig) -> float:
+    """AdamW's peak rate unless --lr is given: 4e-3, measured at the quick start's width of 128. Where AdamW trains
+    the blocks' matrices from scratch it falls as 1/width, as GPT-3's rates do (6e-4 at width 768 ... 1e-4 at 5120;
+    this gives 6.7e-4 and 1e-4): at 4e-3 a 124M body stays near letter statistics (docs/performance.md). Muon scales
+    its own updates, and the embeddings and norms it leaves to AdamW keep 4e-3 at any width (as muP's do)."""
+    return 4e-3 * 128 / cfg.n_embd if cfg.optimizer == "adamw" and cfg.init_from == "scratch" else 4e-3
+
+
+def settle_optimizer(cfg: TrainConfig) -> None:
+    """--optimizer auto: Muon is measured from scratch; fine-tuning pretrained weights keeps AdamW. Then --lr."""
+    if cfg.optimizer == "auto":
+        cfg.optimizer = "muon" if cfg.init_from == "scratch" else "adamw"
+    if cfg.lr is None:
+        cfg.lr = default_lr(cfg)
 
 
 def schedule(cfg: TrainConfig) -> Schedule:
@@ -387,8 +404,7 @@ def settle_config(cfg: TrainConfig, given: set[str], resume: dict | None, backen
     if cfg.grad_accum is None:
         cfg.grad_accum = dp_size
     cfg = backend.settle_config(cfg, given, resumed)
-    if cfg.optimizer == "auto":  # Muon is measured from scratch; fine-tuning pretrained weights keeps AdamW
-        cfg.optimizer = "muon" if cfg.init_from == "scratch" else "adamw"
+    settle_optimizer(cfg)
     check_config(cfg)
     if cfg.grad_accum % dp_size:
         raise CLIError(f"--grad-accum {cfg.grad_accum} cannot be split across {replicas_in_words(dp_size)}; "
