@@ -20,10 +20,11 @@ import torch.nn as nn
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
-def orthogonalize(update: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Approximately U V^T of update's SVD U S V^T, by Newton-Schulz iterations (in float32)."""
+def orthogonalize(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Approximately U V^T of update's SVD U S V^T, by Newton-Schulz iterations in dtype (the write-up runs them in
+    bfloat16: the iteration only pushes singular values towards 1, so rounding errors do not accumulate)."""
     a, b, c = NS_COEFFICIENTS
-    x = update.float()
+    x = update.to(dtype)
     tall = x.size(0) > x.size(1)
     if tall:  # iterate on the smaller Gram matrix
         x = x.T
@@ -38,9 +39,10 @@ class Muon(torch.optim.Optimizer):
     """Muon on groups with muon=True, AdamW on the other groups."""
 
     def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.99),
-                 momentum: float = 0.95, eps: float = 1e-8):
+                 momentum: float = 0.95, eps: float = 1e-8, ns_dtype: torch.dtype = torch.float32):
         defaults = dict(lr=lr, betas=betas, momentum=momentum, eps=eps, weight_decay=0.0, muon=False)
         super().__init__(param_groups, defaults)
+        self.ns_dtype = ns_dtype
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -52,7 +54,7 @@ class Muon(torch.optim.Optimizer):
     def muon_step(self, p: torch.Tensor, group: dict) -> None:
         buffer = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
         buffer.mul_(group["momentum"]).add_(p.grad)
-        update = orthogonalize(p.grad.add(buffer, alpha=group["momentum"]))  # Nesterov
+        update = orthogonalize(p.grad.add(buffer, alpha=group["momentum"]), dtype=self.ns_dtype)  # Nesterov
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(update, alpha=-group["lr"] * max(1, p.size(0) / p.size(1)) ** 0.5)  # the same RMS for any shape
 
@@ -81,12 +83,14 @@ def decay_groups(modules: tuple[nn.Module, ...], weight_decay: float) -> list[di
 
 
 def make_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, betas: tuple[float, float],
-                   muon_lr: float | None = None, device_type: str = "cpu") -> torch.optim.Optimizer:
+                   muon_lr: float | None = None, device_type: str = "cpu",
+                   dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
     """The optimizer of a model's trainable parameters. adamw: torch's AdamW over decay_groups (fused on CUDA,
     foreach elsewhere). muon: Muon at muon_lr (no weight decay: its updates have a fixed size, and decay at its
     rates is too strong) for the 2-D weights of the model's transformer blocks (model.transformer.h, as in GPT and
     in anything wrapping one as .body), AdamW at lr for the rest. The Muon group's lr_scale (muon_lr / lr) tells the
-    trainer to move it along the same schedule."""
+    trainer to move it along the same schedule. dtype: the run's autocast dtype; Muon's Newton-Schulz iterations run in
+    bfloat16 when the run computes in it (hardware that has it natively, or asked for), else in float32."""
     if name == "adamw":
         impl = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
         return torch.optim.AdamW(decay_groups((model,), weight_decay), lr=lr, betas=betas, **impl)
@@ -95,4 +99,5 @@ def make_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, 
     chosen = set(matrices)
     rest = [g | {"params": [p for p in g["params"] if p not in chosen]} for g in decay_groups((model,), weight_decay)]
     muon = {"params": matrices, "muon": True, "weight_decay": 0.0, "lr": muon_lr, "lr_scale": muon_lr / lr}
-    return Muon([muon, *rest], lr=lr, betas=betas)
+    ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    return Muon([muon, *rest], lr=lr, betas=betas, ns_dtype=ns_dtype)

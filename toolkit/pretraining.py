@@ -381,7 +381,7 @@ class TorchBackend:
     def start(self, model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, resume: dict | None,
               loss) -> TorchEngine:
         optimizer = make_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2),
-                                   cfg.muon_lr, device.type)
+                                   cfg.muon_lr, device.type, dtype)
         return TorchEngine(self.path, model, model, optimizer, device, dtype, loss, cfg.grad_clip, cfg.compile,
                            resume=resume)
 
