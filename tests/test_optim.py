@@ -59,8 +59,8 @@ def test_muon_update_is_orthogonal_at_muon_lr():
 
 
 def test_newton_schulz_runs_in_the_runs_dtype_where_it_is_bfloat16(tmp_path):
-    """bfloat16 iterations where the run computes in bfloat16 (about twice as fast on a CPU that has it:
-    docs/performance.md); float32 everywhere else, as a float16 run's would overflow its range."""
+    """bfloat16 iterations where the run computes in bfloat16 (faster where the hardware has it: docs/performance.md);
+    float32 everywhere else, as a float16 run's would overflow its range."""
     model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=16))
     picked = {dtype: make_optimizer(model, "muon", 1e-3, 0.1, (0.9, 0.99), muon_lr=0.05, dtype=dtype).ns_dtype
               for dtype in (torch.bfloat16, torch.float16, torch.float32)}
