@@ -1,16 +1,17 @@
-"""Score a model on the field's standard evaluations: multiple-choice files in HellaSwag's format, and
-lm-evaluation-harness tasks by name or from a task YAML.
+"""Score a model on the field's standard evaluations: multiple-choice files in HellaSwag's format,
+and lm-evaluation-harness tasks by name or from a task YAML.
 
     python eval.py --ckpt ckpt/ckpt.pt --tasks my_hellaswag.jsonl            # a local file: no extra package
     python eval.py --ckpt gpt2 --tasks hellaswag,lambada_openai --limit 500   # the harness (pip install lm_eval)
     python eval.py --ckpt ckpt/ckpt.pt --tasks my_task.yaml --output results.json
 
---ckpt is anything the toolkit reads: a ckpt.pt, a DeepSpeed checkpoint folder or its zero_to_fp32 output, an HF
-GPT-2 folder or a cached hub name (GPT-2 itself: --ckpt gpt2). The text is tokenized with the model's own
-tokenizer. A .jsonl of {ctx, endings, label} lines (or HellaSwag's own activity_label, ctx_a, ctx_b) is scored
-exactly as the harness's `hellaswag` task scores its data, so both give the same acc and acc_norm
-(toolkit/evaluation.py); the harness's own tasks go through its API (toolkit/harness.py). The last line printed is
-one JSON object {task: {metric: value}}; --output writes the full results. Formats and metrics: docs/eval.md.
+--ckpt is anything the toolkit reads: a ckpt.pt, a DeepSpeed checkpoint folder or its zero_to_fp32
+output, an HF GPT-2 folder or a cached hub name (GPT-2 itself: --ckpt gpt2). The text is tokenized
+with the model's own tokenizer. A .jsonl of {ctx, endings, label} lines (or HellaSwag's own
+activity_label, ctx_a, ctx_b) is scored exactly as the harness's `hellaswag` task scores its data,
+so both give the same acc and acc_norm (toolkit/evaluation.py); the harness's own tasks go through
+its API (toolkit/harness.py). The last line printed is one JSON object {task: {metric: value}};
+--output writes the full results. Formats and metrics: docs/eval.md.
 """
 import json
 import os
@@ -29,15 +30,17 @@ def parse_args(argv: list[str] | None):
     parser = cli.argument_parser(__doc__)
     parser.add_argument("--ckpt", default="ckpt/ckpt.pt", help="the model (default: ckpt/ckpt.pt)")
     parser.add_argument("--tasks", required=True,
-                        help="comma-separated: local .jsonl files (HellaSwag's format), task .yaml files, or "
-                             "lm-evaluation-harness task names (hellaswag, lambada_openai, arc_easy, piqa, ...)")
+                        help="comma-separated: local .jsonl files (HellaSwag's format), task .yaml "
+                             "files, or lm-evaluation-harness task names (hellaswag, "
+                             "lambada_openai, arc_easy, piqa, ...)")
     parser.add_argument("--limit", type=int, help="score only the first N items of each task")
     parser.add_argument("--batch-size", type=int, default=16,
                         help="sequences per forward pass, in each process (default: 16)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: "
+                                                         "auto)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="autocast dtype; auto = bfloat16 where the hardware computes it natively, else float32 "
-                             "(default: auto)")
+                        help="autocast dtype; auto = bfloat16 where the hardware computes it "
+                             "natively, else float32 (default: auto)")
     parser.add_argument("--output", help="write the full results as JSON (with each item's scores)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     args = parser.parse_args(argv)
@@ -46,7 +49,8 @@ def parse_args(argv: list[str] | None):
         raise CLIError("--tasks names no task")
     for name in ("limit", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise CLIError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+            raise CLIError(f"--{name.replace('_', '-')} must be at least 1, got "
+                           f"{getattr(args, name)}")
     for task in args.tasks:
         if task.endswith((".jsonl", ".yaml", ".yml")) and not os.path.isfile(task):
             raise CLIError(f"task file not found: {task}")
@@ -57,8 +61,8 @@ def parse_args(argv: list[str] | None):
 
 
 def harness_results(specs: list[str], model, tok, args, device, dtype) -> dict:
-    """The harness's results for its tasks: {task: {metric: value}} (its filters' ",none" and the stderrs left
-    out), and its full output."""
+    """The harness's results for its tasks: {task: {metric: value}} (its filters' ",none" and the
+    stderrs left out), and its full output."""
     try:
         from toolkit import harness
     except ImportError:

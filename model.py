@@ -1,20 +1,15 @@
 """
 GPT-2 in one file: the network, its loss, and sampling with a KV cache. It imports only torch.
 
-    logits, loss = model(idx, targets)                  # nanoGPT's contract; loss by F.cross_entropy
-    _, loss = model(idx, targets, chunked_loss=True)    # what training uses: never builds the full logits
-    out = model.generate(idx, max_new_tokens=100, temperature=0.8, top_k=200)
+    logits, loss = model(idx, targets)
 
-Numerics follow OpenAI's GPT-2 exactly (pre-LN blocks, LayerNorm eps 1e-5, tanh-approximated GELU,
-learned positions, tied embedding / LM head), so HF GPT-2 checkpoints load into it unchanged
-(toolkit/hf.py reads and writes that format).
+Numerics follow OpenAI's GPT-2 (pre-LN blocks, LayerNorm eps 1e-5, tanh GELU, learned positions,
+tied embedding / LM head), so HF GPT-2 checkpoints load unchanged (toolkit/hf.py).
 """
 import contextlib
-import functools
 import math
-import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -34,10 +29,9 @@ class GPTConfig:
     attn_kernel: str = "auto"  # one of ATTN_KERNELS
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameters of this shape, counted without building it. non_embedding leaves out the position
-        embeddings (the token embedding is counted because it doubles as the LM head)."""
+        """Parameters of this shape, counted without building it; non_embedding leaves out wpe."""
         C, biases = self.n_embd, int(self.bias)
-        per_layer = 12 * C * C + (9 * biases + 2 * (1 + biases)) * C  # matrices, their biases, 2 LayerNorms
+        per_layer = 12 * C * C + (9 * biases + 2 * (1 + biases)) * C  # matrices, biases, 2 LNs
         n = self.vocab_size * C + self.n_layer * per_layer + (1 + biases) * C  # + final LayerNorm
         return n if non_embedding else n + self.block_size * C
 
@@ -47,8 +41,7 @@ PRESETS: dict[str, dict] = {
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
-    # larger GPT-2s for model parallelism (GPT-3's shapes; 16b: the Megatron-DeepSpeed source design's size,
-    # 40 blocks = 5 per stage of 8, 48 heads = 12 per shard of 4)
+    # for model parallelism, GPT-3's shapes (16b: 5 blocks per stage of 8, 12 heads per shard of 4)
     "gpt2-2.7b": dict(n_layer=32, n_head=32, n_embd=2560),  # 2.65B
     "gpt2-6.7b": dict(n_layer=32, n_head=32, n_embd=4096),  # 6.65B
     "gpt2-13b": dict(n_layer=40, n_head=40, n_embd=5120),  # 12.85B
@@ -57,15 +50,11 @@ PRESETS: dict[str, dict] = {
 for _preset in PRESETS.values():
     _preset.update(block_size=1024, vocab_size=50257, bias=True)
 
-_KERNELS = {
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "math": SDPBackend.MATH,
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-}
-# "manual" is the attention written out below; "auto" uses it for bfloat16 on CPU up to MANUAL_MAX_KEYS keys,
-# else lets SDPA choose (its flash kernel wins beyond: benchmarks/bench_sdpa.py, docs/performance.md).
-ATTN_KERNELS = ("auto", "manual", *_KERNELS)
+SDPA_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
+# "manual" is manual_attention; "auto" uses it for bfloat16 on CPU up to MANUAL_MAX_KEYS keys, else
+# lets SDPA choose (docs/performance.md).
+ATTN_KERNELS = ("auto", "manual", *SDPA_KERNELS)
 MANUAL_MAX_KEYS = 512
 
 
@@ -76,57 +65,15 @@ def check_config(config: GPTConfig) -> None:
         if type(value) is not int or value < 1:
             raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
     if config.n_embd % config.n_head:
-        raise ValueError(f"model config: n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
+        raise ValueError(f"model config: n_embd ({config.n_embd}) must be divisible by "
+                         f"n_head ({config.n_head})")
     if type(config.bias) is not bool:
         raise ValueError(f"model config: bias must be true or false, got {config.bias!r}")
     if type(config.dropout) not in (int, float) or not 0 <= config.dropout < 1:
         raise ValueError(f"model config: dropout must be in [0, 1), got {config.dropout!r}")
     if config.attn_kernel not in ATTN_KERNELS:
-        raise ValueError(f"unknown attn_kernel '{config.attn_kernel}'; choose from {', '.join(ATTN_KERNELS)}")
-
-
-@functools.cache
-def _runnable_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, ...]:
-    """Kernels that can run causal attention for these inputs, found by trying each once."""
-    q = torch.zeros(1, 1, 2, head_dim, device=device, dtype=dtype)
-    runnable = ["auto", "manual"]
-    for name, backend in _KERNELS.items():
-        try:
-            with warnings.catch_warnings(), sdpa_kernel([backend]):
-                warnings.simplefilter("ignore")  # torch explains each refusal in a warning
-                F.scaled_dot_product_attention(q, q, q, is_causal=True)
-            runnable.append(name)
-        except RuntimeError:
-            pass
-    return tuple(runnable)
-
-
-class KVCache:
-    """Keys and values of one attention layer, preallocated for block_size positions.
-
-    Each step writes one position into the buffer, where torch.cat would copy the whole cache. The
-    buffers are allocated on first use, in the dtype the layer produces (so autocast works).
-    """
-
-    def __init__(self, max_len: int):
-        self.max_len = max_len
-        self.len = 0
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v of shape (B, H, T, D) after the cached positions; return all keys/values so far."""
-        if self.k is None:
-            shape = (k.size(0), k.size(1), self.max_len, k.size(3))
-            self.k = k.new_empty(shape)
-            self.v = v.new_empty(shape)
-        end = self.len + k.size(2)
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions; cannot append up to {end}")
-        self.k[:, :, self.len:end] = k
-        self.v[:, :, self.len:end] = v
-        self.len = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+        raise ValueError(f"unknown attn_kernel '{config.attn_kernel}'; "
+                         f"choose from {', '.join(ATTN_KERNELS)}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -139,10 +86,10 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: "KVCache | None" = None) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.c_attn(x)
-        heads = qkv.size(-1) // (3 * self.head_dim)  # n_head, or this rank's share when c_attn is tensor-parallel
+        heads = qkv.size(-1) // (3 * self.head_dim)  # n_head, or this rank's tensor-parallel share
         # (B, T, 3 * heads * head_dim) -> three (B, heads, T, head_dim) views
         q, k, v = qkv.view(B, T, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4)
         past = 0
@@ -151,43 +98,28 @@ class CausalSelfAttention(nn.Module):
             k, v = kv_cache.append(k, v)
         dropout_p = self.dropout if self.training else 0.0
         cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
-        if self.kernel == "manual" or (self.kernel == "auto" and cpu_bf16 and k.size(-2) <= MANUAL_MAX_KEYS):
+        auto_manual = self.kernel == "auto" and cpu_bf16 and k.size(-2) <= MANUAL_MAX_KEYS
+        if self.kernel == "manual" or auto_manual:
             y = manual_attention(q, k, v, dropout_p)
         else:
             # is_causal aligns the mask top-left, which is right only without cached keys; a single
             # new query may see every key; several new queries after cached keys need a mask.
             mask = None
             if past and T > 1:
-                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            with self._sdpa_backend(q):
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+            named = self.kernel in SDPA_KERNELS  # else SDPA chooses; toolkit/device.py checks it
+            with sdpa_kernel([SDPA_KERNELS[self.kernel]]) if named else contextlib.nullcontext():
                 y = F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal=past == 0)
         y = y.transpose(1, 2).reshape(B, T, heads * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
-    def _sdpa_backend(self, q: torch.Tensor) -> contextlib.AbstractContextManager:
-        """SDPA's own choice for "auto", else the named backend, with a clear error if it cannot run."""
-        if self.kernel == "auto":
-            return contextlib.nullcontext()
-        runnable = _runnable_kernels(q.device, q.dtype, q.size(-1))
-        if self.kernel not in runnable:
-            raise ValueError(
-                f"attn_kernel '{self.kernel}' cannot run on {q.device.type} "
-                f"({q.dtype}, head size {q.size(-1)}); available: {', '.join(runnable)}"
-            )
-        return sdpa_kernel([_KERNELS[self.kernel]])
 
-
-def manual_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Causal softmax(q k^T / sqrt(head_dim)) v with the scores held in memory, in the input dtype.
-
-    The T queries are the last T of the keys' positions (so it works with a KV cache). On CPUs
-    without AMX, SDPA's flash kernel is slow in bfloat16 while plain bfloat16 matmuls run at full
-    speed, and nothing here is recomputed in the backward pass; beyond MANUAL_MAX_KEYS keys the (T, T)
-    weights it keeps cost more than flash's recomputation, and in float32 or on GPUs the fused kernels
-    win ("auto" follows this; figures: docs/performance.md). The mask is added as -inf rather than
-    masked_fill'ed: one pass fewer over the scores.
-    """
+def manual_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
+                     ) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(head_dim)) v, the T queries at the last T keys' positions: plain
+    bfloat16 matmuls beat SDPA's flash kernel on CPUs without AMX for short contexts."""
     T, S = q.size(-2), k.size(-2)
+    # the mask is added as -inf rather than masked_fill'ed: one pass fewer over the scores
     future = torch.full((T, S), float("-inf"), dtype=q.dtype, device=q.device).triu(S - T + 1)
     att = torch.softmax((q * q.size(-1) ** -0.5) @ k.transpose(-2, -1) + future, dim=-1)
     if dropout_p:
@@ -196,14 +128,11 @@ def manual_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GPT-2's tanh-approximated GELU ("gelu_new").
-
-    Under torch.compile it is written as x * sigmoid(2u), the same function (0.5 * (1 + tanh(u)) ==
-    sigmoid(2u)), because Inductor fuses that into one exp kernel while its CPU tanh is slow; in eager
-    mode F.gelu's own kernel is the faster one (docs/performance.md).
-    """
+    """GPT-2's tanh-approximated GELU ("gelu_new")."""
     if torch.compiler.is_compiling():
-        return x * torch.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))  # 2 * sqrt(2 / pi)
+        # 0.5 * (1 + tanh(u)) == sigmoid(2u), 1.5957691216057308 == 2 * sqrt(2 / pi): Inductor
+        # fuses this into one exp kernel (its CPU tanh is slow); eager F.gelu's kernel is faster
+        return x * torch.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
     return F.gelu(x, approximate="tanh")
 
 
@@ -226,20 +155,188 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: "KVCache | None" = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache)
         return x + self.mlp(self.ln_2(x))
 
 
-# Logits per chunk of the chunked loss: 16M fp32 elements (64 MB), 333 rows of the GPT-2 vocabulary. With
-# fewer rows the weight-gradient matmul (K = rows) runs far below peak and its fp32 accumulation is
-# repeated per chunk. On CPU, glibc maps blocks this big afresh (page faults on every use) unless its
-# mmap threshold is raised, as toolkit.device.keep_freed_memory_in_heap does.
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
+        self.apply(self._init_weights)
+        # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer): each block adds two
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                chunked_loss: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits (B, T, V), mean cross-entropy or None), as nanoGPT; targets of -1 are ignored.
+        chunked_loss=True, training's path, gives (None, the same loss) without building logits."""
+        x = self.hidden_states(idx)
+        if targets is not None and chunked_loss:
+            return None, chunked_cross_entropy(x, self.lm_head.weight, targets)
+        logits = self.lm_head(x)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T, n_embd) states after the final LayerNorm, i.e. the LM head's input."""
+        self._check_shape(idx)
+        return self._trunk(idx)
+
+    def _trunk(self, idx: torch.Tensor, kv_caches: "list[KVCache] | None" = None,
+               start: int = 0) -> torch.Tensor:
+        """Final-LayerNorm states of idx placed at positions start, start+1, ... (unchecked)."""
+        pos = torch.arange(start, start + idx.size(1), device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, kv_caches[i] if kv_caches else None)
+        return self.transformer.ln_f(x)
+
+    def _check_shape(self, idx: torch.Tensor) -> None:
+        """Shape and dtype only (no device sync, no graph break); ids are checked on entry."""
+        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"idx must be a (batch, time) integer tensor, got {tuple(idx.shape)} "
+                             f"{idx.dtype}")
+        if idx.size(1) > self.config.block_size:
+            raise ValueError(f"sequence of length {idx.size(1)} is longer than block_size "
+                             f"{self.config.block_size}")
+
+    def _check_ids(self, idx: torch.Tensor) -> None:
+        vocab = self.config.vocab_size
+        if idx.numel() and (idx.min() < 0 or idx.max() >= vocab):
+            raise ValueError(f"token ids must lie in [0, {vocab}); "
+                             f"got min {idx.min().item()}, max {idx.max().item()}")
+
+    def crop_block_size(self, block_size: int) -> None:
+        """Shrink the context length, e.g. to fine-tune a pretrained model on shorter blocks."""
+        if not 0 < block_size <= self.config.block_size:
+            raise ValueError(f"block_size must be in [1, {self.config.block_size}], "
+                             f"got {block_size}")
+        self.config.block_size = block_size
+        wpe = self.transformer.wpe
+        wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
+        wpe.num_embeddings = block_size
+
+    def resize_token_embeddings(self, vocab_size: int) -> None:
+        """Grow the tied embedding / LM head, e.g. for special tokens. New rows are the mean of the
+        old (Hewitt 2021, as HF does), so a new token reads as an average one, plus noise of std 0.02
+        so that new tokens differ (docs/performance.md)."""
+        old = self.lm_head.weight
+        if vocab_size < old.size(0):
+            raise ValueError(f"vocab_size can only grow: {old.size(0)} -> {vocab_size}")
+        weight = torch.empty(vocab_size, old.size(1), device=old.device, dtype=old.dtype)
+        nn.init.normal_(weight, mean=0.0, std=0.02)
+        weight += old.detach().mean(dim=0)
+        weight[: old.size(0)] = old.detach()
+        self.lm_head.weight = nn.Parameter(weight)
+        self.transformer.wte.weight = self.lm_head.weight
+        self.lm_head.out_features = self.transformer.wte.num_embeddings = vocab_size
+        self.config.vocab_size = vocab_size
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6N for the weights plus attention scores (PaLM, appendix B)."""
+        c = self.config
+        attention = 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size
+        return 6 * self.num_params() + attention
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count, from the config (so it holds while ZeRO-3 partitions the weights)."""
+        return self.config.num_params(non_embedding)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
+        """idx (B, T) followed by up to max_new_tokens tokens; the options are generate_stream's."""
+        new = list(self.generate_stream(idx, max_new_tokens, **options))
+        return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx.clone()
+
+    def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                        top_k: int | None = None, top_p: float | None = None,
+                        eos_token: int | None = None, use_cache: bool = True) -> Iterator[torch.Tensor]:
+        """Yield the (B,) next tokens of each step after the prompts idx (B, T): greedy at
+        temperature 0, else sampled (top_k, top_p nucleus). A sequence that emitted eos_token
+        repeats it; the stream ends once all have. Positions are learned and absolute, so a KV cache
+        cannot slide: a full context keeps its last block_size // 2 tokens and the cache is rebuilt
+        by one prefill (nanoGPT recomputes block_size tokens a step); use_cache=False: same tokens."""
+        if idx.dim() != 2 or idx.size(1) == 0:
+            raise ValueError(f"prompt must be a non-empty (batch, time) tensor, "
+                             f"got shape {tuple(idx.shape)}")
+        self._check_shape(idx[:, -self.config.block_size :])
+        self._check_ids(idx)
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        check_sampling(temperature, top_k, top_p)
+        if eos_token is not None and not 0 <= eos_token < self.config.vocab_size:
+            raise ValueError(f"eos_token must be in [0, {self.config.vocab_size}), got {eos_token}")
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        return self._stream(idx, max_new_tokens, sampling, eos_token, use_cache)
+
+    @torch.no_grad()
+    def _stream(self, idx, max_new_tokens, sampling, eos_token, use_cache):
+        """The generation loop; the context is cut (and the cache rebuilt) when full."""
+        was_training = self.training
+        self.eval()
+        try:
+            block_size = self.config.block_size
+            ctx = idx[:, -block_size:]
+            caches = None  # None means: (re)build by a prefill of ctx
+            finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+            for _ in range(max_new_tokens):
+                if use_cache and caches is None:
+                    caches = [KVCache(block_size) for _ in self.transformer.h]
+                prefilled = use_cache and caches[0].len > 0
+                tok = self._next_token(ctx, caches, prefilled=prefilled, **sampling)
+                if eos_token is not None:
+                    tok = tok.masked_fill(finished, eos_token)
+                    finished |= tok == eos_token
+                yield tok
+                if eos_token is not None and finished.all():
+                    return
+                ctx = torch.cat([ctx, tok[:, None]], dim=1)
+                if ctx.size(1) > block_size:
+                    ctx = ctx[:, -max(1, block_size // 2) :]
+                    caches = None
+        finally:
+            self.train(was_training)
+
+    def _next_token(self, ctx: torch.Tensor, caches: "list[KVCache] | None", prefilled: bool,
+                    **sampling) -> torch.Tensor:
+        """The (B,) tokens after ctx; with prefilled caches only ctx's last token is run."""
+        if prefilled:
+            h = self._trunk(ctx[:, -1:], caches, start=ctx.size(1) - 1)
+        else:
+            h = self._trunk(ctx, caches)
+        return sample(self.lm_head(h[:, -1]).float(), **sampling)
+
+
+# Logits per chunk of the chunked loss: 16M fp32 elements (64 MB), 333 rows of GPT-2's vocabulary.
+# Fewer rows leave the weight-gradient matmul (K = rows) far below peak. On CPU, glibc maps blocks
+# this big afresh unless toolkit.device.keep_freed_memory_in_heap raises its mmap threshold.
 CHUNK_ELEMENTS = 16 * 2**20
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of x @ weight.T that never holds all logits; the gradients are made in forward."""
+    """Cross-entropy of x @ weight.T, a chunk of logits at a time; gradients made in forward."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, compute_dtype, need_grad_x, need_grad_w):
@@ -251,16 +348,18 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), device=x.device, dtype=torch.float32)
         need_grad = need_grad_x or need_grad_w
         grad_x = torch.empty_like(xs) if need_grad_x else None
-        grad_w = torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if need_grad_w else None
-        # in low precision each chunk's weight gradient lands in one reused buffer, then is accumulated in fp32
-        grad_w_chunk = torch.empty_like(w) if need_grad_w and compute_dtype != torch.float32 else None
+        grad_w = (torch.zeros(weight.shape, device=x.device, dtype=torch.float32)
+                  if need_grad_w else None)
+        # in low precision each chunk's weight gradient lands in one reused buffer, then in fp32
+        low_precision = compute_dtype != torch.float32
+        grad_w_chunk = torch.empty_like(w) if need_grad_w and low_precision else None
         rows = max(1, CHUNK_ELEMENTS // V)
         for s in range(0, N, rows):
             xc, tc, sc = xs[s : s + rows], tgt[s : s + rows], scale[s : s + rows]
             logits = (xc @ w.t()).float()  # softmax statistics in fp32 even under autocast
             target_logit = logits.gather(1, tc)
             top = logits.amax(dim=1, keepdim=True)
-            probs = logits.sub_(top).exp_()  # unnormalised softmax, in place: one exp pass per chunk
+            probs = logits.sub_(top).exp_()  # unnormalised softmax, in place: one exp pass
             total = probs.sum(dim=1, keepdim=True)
             loss += ((top + total.log() - target_logit) * sc).sum()
             if need_grad:
@@ -282,213 +381,39 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return *grads, None, None, None, None
 
 
-def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of the logits x @ weight.T against targets (-1 = ignored), a chunk of rows at a time.
-
-    The same value and gradients as F.cross_entropy(x @ weight.T, targets, ignore_index=-1), without ever
-    holding the (N, V) logits or their gradient: for the GPT-2 vocabulary that is most of a training step's
-    memory. Under autocast the matmuls run in the autocast dtype and the softmax statistics in fp32.
-    """
+def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+                          ) -> torch.Tensor:
+    """F.cross_entropy(x @ weight.T, targets, ignore_index=-1), value and gradients, a chunk of rows
+    at a time: the (N, V) logits, most of a training step's memory, are never held."""
     x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
     dev = x.device.type
     compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     grad = torch.is_grad_enabled()  # a frozen weight (LoRA) gets no gradient: its matmul is skipped
-    return _ChunkedCrossEntropy.apply(x, weight, targets, compute_dtype, grad and x.requires_grad,
-                                      grad and weight.requires_grad)
+    return _ChunkedCrossEntropy.apply(x, weight, targets, compute_dtype,
+                                      grad and x.requires_grad, grad and weight.requires_grad)
 
 
-class GPT(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias),
-            )
-        )
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
-        self.apply(self._init_weights)
-        # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer): each block adds two
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+class KVCache:
+    """Keys and values of one attention layer, preallocated for max_len positions (a step writes one
+    position, where torch.cat would copy the cache) in the dtype the layer produces (autocast)."""
 
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def __init__(self, max_len: int):
+        self.max_len, self.len = max_len, 0
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
 
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count (from the config, so it also holds while ZeRO-3 partitions the weights)."""
-        return self.config.num_params(non_embedding)
-
-    def _check_shape(self, idx: torch.Tensor) -> None:
-        """Shape and type only: no device sync, no graph break. Token ids are checked where they enter
-        (when data is loaded, and in generate)."""
-        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"idx must be a (batch, time) integer tensor, got {tuple(idx.shape)} {idx.dtype}")
-        if idx.size(1) > self.config.block_size:
-            raise ValueError(f"sequence of length {idx.size(1)} is longer than block_size {self.config.block_size}")
-
-    def _check_ids(self, idx: torch.Tensor) -> None:
-        vocab = self.config.vocab_size
-        if idx.numel() and (idx.min() < 0 or idx.max() >= vocab):
-            raise ValueError(f"token ids must lie in [0, {vocab}); got min {idx.min().item()}, max {idx.max().item()}")
-
-    def _trunk(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
-        """Final-LayerNorm hidden states of idx placed at positions start, start+1, ... (unchecked)."""
-        pos = torch.arange(start, start + idx.size(1), device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for i, block in enumerate(self.transformer.h):
-            x = block(x, kv_caches[i] if kv_caches else None)
-        return self.transformer.ln_f(x)
-
-    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
-        """(B, T, n_embd) states after the final LayerNorm, i.e. the LM head's input."""
-        self._check_shape(idx)
-        return self._trunk(idx)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                chunked_loss: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(logits (B, T, V), mean cross-entropy against targets or None), as nanoGPT; targets of -1 are ignored.
-
-        chunked_loss=True is training's path: (None, the same loss) by chunked_cross_entropy, which never
-        builds the logits."""
-        x = self.hidden_states(idx)
-        if targets is not None and chunked_loss:
-            return None, chunked_cross_entropy(x, self.lm_head.weight, targets)
-        logits = self.lm_head(x)
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        return logits, loss
-
-    def crop_block_size(self, block_size: int) -> None:
-        """Shrink the context length, e.g. to fine-tune a pretrained model on shorter blocks."""
-        if not 0 < block_size <= self.config.block_size:
-            raise ValueError(f"block_size must be in [1, {self.config.block_size}], got {block_size}")
-        self.config.block_size = block_size
-        wpe = self.transformer.wpe
-        wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
-        wpe.num_embeddings = block_size
-
-    def resize_token_embeddings(self, vocab_size: int) -> None:
-        """Grow the vocabulary, e.g. by fine-tuning's special tokens: the tied embedding / LM head keeps its
-        rows and gains new ones: the mean of the old rows (Hewitt 2021, "Initializing New Word Embeddings for
-        Pretrained Language Models", as HF's resize_token_embeddings does), so the network reads a new token as an
-        average one rather than as noise, plus noise of the usual 0.02, so new tokens differ from each other (rows
-        all equal slowed instruction tuning: docs/performance.md)."""
-        old = self.lm_head.weight
-        if vocab_size < old.size(0):
-            raise ValueError(f"vocab_size can only grow: {old.size(0)} -> {vocab_size}")
-        weight = torch.empty(vocab_size, old.size(1), device=old.device, dtype=old.dtype)
-        nn.init.normal_(weight, mean=0.0, std=0.02)
-        weight += old.detach().mean(dim=0)
-        weight[: old.size(0)] = old.detach()
-        self.lm_head.weight = nn.Parameter(weight)
-        self.transformer.wte.weight = self.lm_head.weight
-        self.lm_head.out_features = self.transformer.wte.num_embeddings = self.config.vocab_size = vocab_size
-
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token (forward + backward): 6N for the weights plus attention scores,
-        as in the PaLM paper (appendix B)."""
-        c = self.config
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size
-
-    # ------------------------------------------------------------------ sampling
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
-        """Extend the prompts idx (B, T) by up to max_new_tokens tokens; returns (B, T + n).
-
-        The options (temperature, top_k, top_p, eos_token, use_cache) and the context policy are
-        generate_stream's. With eos_token, n is smaller than max_new_tokens when every sequence has
-        finished early.
-        """
-        new = list(self.generate_stream(idx, max_new_tokens, **options))
-        return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx.clone()
-
-    def generate_stream(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token: int | None = None,
-        use_cache: bool = True,
-    ) -> Iterator[torch.Tensor]:
-        """Yield the (B,) next tokens of each step, sampling from the prompts idx (B, T).
-
-        temperature 0 is greedy decoding; top_k keeps the k likeliest tokens; top_p keeps the
-        smallest set of likeliest tokens whose probability reaches top_p. With eos_token, a
-        sequence that has emitted it keeps emitting it, and the stream ends once all have.
-
-        Context policy: positions are learned and absolute, so a KV cache cannot slide. A prompt
-        longer than block_size is cut to its last block_size tokens; when the context would grow
-        past block_size it is cut to its last block_size // 2 tokens and the cache is rebuilt by
-        one prefill, so the rebuild cost is amortised over block_size // 2 steps. use_cache=False
-        recomputes the same contexts from scratch, so both give identical greedy outputs.
-        (nanoGPT instead cuts to the last block_size tokens at every step.)
-
-        Runs without autograd in eval mode; the model's training mode is restored when the stream
-        ends or is closed.
-        """
-        if idx.dim() != 2 or idx.size(1) == 0:
-            raise ValueError(f"prompt must be a non-empty (batch, time) tensor, got shape {tuple(idx.shape)}")
-        self._check_shape(idx[:, -self.config.block_size :])
-        self._check_ids(idx)
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        check_sampling(temperature, top_k, top_p)
-        if eos_token is not None and not 0 <= eos_token < self.config.vocab_size:
-            raise ValueError(f"eos_token must be in [0, {self.config.vocab_size}), got {eos_token}")
-        return self._stream(idx, max_new_tokens, dict(temperature=temperature, top_k=top_k, top_p=top_p),
-                            eos_token, use_cache)
-
-    @torch.no_grad()
-    def _stream(self, idx, max_new_tokens, sampling, eos_token, use_cache):
-        """The generation loop: a next token per step, the context cut (and the cache rebuilt) when full."""
-        was_training = self.training
-        self.eval()
-        try:
-            block_size = self.config.block_size
-            ctx = idx[:, -block_size:]
-            caches = None  # None means: (re)build by a prefill of ctx
-            finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-            for _ in range(max_new_tokens):
-                if use_cache and caches is None:
-                    caches = [KVCache(block_size) for _ in self.transformer.h]
-                tok = self._next_token(ctx, caches, prefilled=use_cache and caches[0].len > 0, **sampling)
-                if eos_token is not None:
-                    tok = tok.masked_fill(finished, eos_token)
-                    finished |= tok == eos_token
-                yield tok
-                if eos_token is not None and finished.all():
-                    return
-                ctx = torch.cat([ctx, tok[:, None]], dim=1)
-                if ctx.size(1) > block_size:
-                    ctx = ctx[:, -max(1, block_size // 2) :]
-                    caches = None
-        finally:
-            self.train(was_training)
-
-    def _next_token(self, ctx: torch.Tensor, caches: list[KVCache] | None, prefilled: bool,
-                    **sampling) -> torch.Tensor:
-        """One forward pass and one draw: the (B,) tokens that follow ctx. With caches already prefilled, only
-        ctx's last token is run, at its position."""
-        if prefilled:
-            h = self._trunk(ctx[:, -1:], caches, start=ctx.size(1) - 1)
-        else:
-            h = self._trunk(ctx, caches)
-        return sample(self.lm_head(h[:, -1]).float(), **sampling)
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, H, T, D) after the cached positions; return all keys/values so far."""
+        if self.k is None:
+            shape = (k.size(0), k.size(1), self.max_len, k.size(3))
+            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+        end = self.len + k.size(2)
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; cannot append up to {end}")
+        self.k[:, :, self.len:end] = k
+        self.v[:, :, self.len:end] = v
+        self.len = end
+        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -501,9 +426,10 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
-    """Draw one token per row of (B, V) fp32 logits: greedy at temperature 0, else from the softmax of
-    logits / temperature restricted to the top_k likeliest and to the top_p nucleus."""
+def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None
+           ) -> torch.Tensor:
+    """One token per row of (B, V) fp32 logits: greedy at temperature 0, else drawn from the
+    softmax of logits / temperature restricted to the top_k likeliest and the top_p nucleus."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / temperature

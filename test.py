@@ -1,10 +1,12 @@
 """Sample text from a trained GPT, or export it as an HF GPT-2 folder.
 
-Reads any model the toolkit reads (default ckpt/ckpt.pt; the tokenizer is stored in it): a checkpoint of train.py,
-train_ddp.py or finetune.py, a DeepSpeed checkpoint folder, or an HF GPT-2 folder or cached name. Prints samples
-as they are generated, writes Megatron-style JSONL with --genfile, or reads prompts with --interactive. The options
-and the printing are toolkit/sampling.py's, the generation loop model.py's. --export-hf DIR writes a folder that
-transformers (AutoModelForCausalLM, AutoTokenizer) and lm-eval's `hf` model load alone, offline (toolkit/hf.py).
+Reads any model the toolkit reads (default ckpt/ckpt.pt; the tokenizer is stored in it): a
+checkpoint of train.py, train_ddp.py or finetune.py, a DeepSpeed checkpoint folder, or an HF GPT-2
+folder or cached name. Prints samples as they are generated, writes Megatron-style JSONL with
+--genfile, or reads prompts with --interactive. The options and the printing are
+toolkit/sampling.py's, the generation loop model.py's. --export-hf DIR writes a folder that
+transformers (AutoModelForCausalLM, AutoTokenizer) and lm-eval's `hf` model load alone, offline
+(toolkit/hf.py).
 """
 from toolkit import cli
 from toolkit.files import check_output
@@ -17,9 +19,11 @@ from toolkit.tokenizers import load_tokenizer
 def main(argv: list[str] | None = None) -> None:
     parser = cli.argument_parser(__doc__)
     parser.add_argument("--ckpt", default="ckpt/ckpt.pt",
-                        help="checkpoint file or folder, or an HF GPT-2 folder / cached name (default: ckpt/ckpt.pt)")
+                        help="checkpoint file or folder, or an HF GPT-2 folder / cached name "
+                             "(default: ckpt/ckpt.pt)")
     parser.add_argument("--export-hf", metavar="DIR",
-                        help="write the model as an HF GPT-2 folder (weights, config, tokenizer files) and exit")
+                        help="write the model as an HF GPT-2 folder (weights, config, tokenizer "
+                             "files) and exit")
     add_sampling_arguments(parser)
     args = parser.parse_args(argv)
     check_sampling_args(args, [args.ckpt])

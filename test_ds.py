@@ -1,5 +1,6 @@
-"""Sample text from a model trained by train_ds.py (any layout: ZeRO, pipeline or tensor parallel), or export it
-as a plain ckpt.pt (--export-ckpt, what test.py and train.py read) or an HF GPT-2 folder (--export-hf).
+"""Sample text from a model trained by train_ds.py (any layout: ZeRO, pipeline or tensor parallel),
+or export it as a plain ckpt.pt (--export-ckpt, what test.py and train.py read) or an HF GPT-2
+folder (--export-hf).
 
 --ckpt is either
   * the DeepSpeed checkpoint folder itself (OUT_DIR/ds): the weights of its `latest` checkpoint (or --tag)
@@ -7,10 +8,11 @@ as a plain ckpt.pt (--export-ckpt, what test.py and train.py read) or an HF GPT-
     universal checkpoint, in a temporary folder, for pipeline or tensor parallel); or
   * the output of DeepSpeed's converter, as in `cd ckpt/ds && python zero_to_fp32.py . ckpt_ds.pt`
     (a folder holding pytorch_model.bin, shards with an index, or model.safetensors; or one such file).
-The default is ckpt/ds/ckpt_ds.pt when it was converted from the newest checkpoint, else ckpt/ds. The model
-config and the tokenizer come from the checkpoint folder (train_state.json, written by train_ds.py; for a
-converted output, the folder above it or --ds-dir), so no training flags need repeating. The line printed
-first names the weights actually loaded. Sampling options are those of test.py (toolkit/sampling.py).
+The default is ckpt/ds/ckpt_ds.pt when it was converted from the newest checkpoint, else ckpt/ds.
+The model config and the tokenizer come from the checkpoint folder (train_state.json, written by
+train_ds.py; for a converted output, the folder above it or --ds-dir), so no training flags need
+repeating. The line printed first names the weights actually loaded. Sampling options are those of
+test.py (toolkit/sampling.py).
 """
 import os
 import sys
@@ -38,10 +40,11 @@ def main(argv: list[str] | None = None) -> None:
                              "output stored elsewhere (default: the folder above it)")
     parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step2000 (default: latest)")
     parser.add_argument("--export-hf", metavar="DIR", default=None,
-                        help="write the model as an HF GPT-2 folder (weights, config, tokenizer files) and exit")
+                        help="write the model as an HF GPT-2 folder (weights, config, tokenizer "
+                             "files) and exit")
     parser.add_argument("--export-ckpt", metavar="PATH", default=None,
-                        help="write the model as a plain ckpt.pt (weights, configs, tokenizer; no optimizer state) "
-                             "for test.py, and exit")
+                        help="write the model as a plain ckpt.pt (weights, configs, tokenizer; no "
+                             "optimizer state) for test.py, and exit")
     add_sampling_arguments(parser)
     args = parser.parse_args(argv)
     check_sampling_args(args, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir])
@@ -55,8 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     facts = state["tokenizer"]
     if args.export_ckpt:
         save_checkpoint(make_checkpoint(state, model, None, None, {}), args.export_ckpt)
-        print(f"wrote {args.export_ckpt} (iteration {state['iter_num']}); sample it with `python test.py --ckpt "
-              f"{args.export_ckpt}`", flush=True)
+        print(f"wrote {args.export_ckpt} (iteration {state['iter_num']}); sample it with `python "
+              f"test.py --ckpt {args.export_ckpt}`", flush=True)
     if args.export_hf:
         print(save_gpt2(model, args.export_hf, facts), flush=True)
     if args.export_ckpt or args.export_hf:

@@ -1,5 +1,6 @@
 """
-Prepare token data for training: text in, token ids out (nanoGPT train.bin/val.bin or Megatron .bin/.idx).
+Prepare token data for training: text in, token ids out (nanoGPT train.bin/val.bin or Megatron
+.bin/.idx).
 
     python tokenizer.py                                  # default corpus: Python's pydoc topics, char-level
     python tokenizer.py --install-gpt2-vocab             # once: the GPT-2 vocabulary for offline use
@@ -7,9 +8,9 @@ Prepare token data for training: text in, token ids out (nanoGPT train.bin/val.b
     python tokenizer.py --input oscar-1GB.jsonl.xz --tokenizer gpt2 --append-eod --workers 4 \\
         --format megatron --output-prefix data/oscar     # -> data/oscar_text_document.bin/.idx/.json
 
-One plain text file is one document, one JSON line is one document. This is the command; the tokenizers are
-toolkit/tokenizers.py, the readers toolkit/documents.py, the parallel encoder and the default corpus
-toolkit/prepare.py, the on-disk formats toolkit/data.py.
+One plain text file is one document, one JSON line is one document. This is the command; the
+tokenizers are toolkit/tokenizers.py, the readers toolkit/documents.py, the parallel encoder and the
+default corpus toolkit/prepare.py, the on-disk formats toolkit/data.py.
 """
 import argparse
 import os
@@ -21,12 +22,13 @@ from tqdm import tqdm
 
 from toolkit import cli, gpt2_vocab
 from toolkit.cli import CLIError
-from toolkit.data import NANOGPT_FILES, MegatronWriter, NanoGPTWriter, megatron_document_prefix, output_dtype
+from toolkit.data import NANOGPT_FILES, megatron_document_prefix
 from toolkit.documents import ReadStats, input_files, read_documents, without_compression
 from toolkit.files import refuse_existing, write_error
-from toolkit.prepare import DEFAULT_CORPUS_DIR, chunks_of, describe_default_corpus, encode_in_order, \
-    prepare_default_corpus
+from toolkit.prepare import (DEFAULT_CORPUS_DIR, chunks_of, describe_default_corpus,
+                             encode_in_order, prepare_default_corpus)
 from toolkit.tokenizers import Tokenizer
+from toolkit.writers import MegatronWriter, NanoGPTWriter, output_dtype
 
 
 @dataclass
@@ -79,7 +81,8 @@ def prepare(args: argparse.Namespace) -> dict:
                 tokens += len(chunk_tokens)
                 nbytes += size
                 bar.update(size)
-                bar.set_postfix_str(f"{documents / max(time.time() - start, 1e-9):,.0f} docs/s", refresh=False)
+                bar.set_postfix_str(f"{documents / max(time.time() - start, 1e-9):,.0f} "
+                                    "docs/s", refresh=False)
         if documents == 0:
             raise CLIError(f"no non-empty documents in the input ({len(files)} file(s)); nothing to write")
         meta = writer.finish({**tokenizer.facts(), "append_eod": args.append_eod})
@@ -107,19 +110,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--merge-file", help="gpt2-merges.txt, with a gpt2-vocab.json --vocab-file")
     p.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
     p.add_argument("--format", choices=["nanogpt", "megatron"],
-                   help="nanogpt: DIR/train.bin, val.bin, meta.json; megatron: PREFIX_text_document.bin/.idx/.json "
-                        "(default: megatron with --output-prefix or --dataset-impl, else nanogpt)")
+                   help="nanogpt: DIR/train.bin, val.bin, meta.json; megatron: "
+                        "PREFIX_text_document.bin/.idx/.json (default: megatron with "
+                        "--output-prefix or --dataset-impl, else nanogpt)")
     p.add_argument("--output-dir", help=f"output folder (--format nanogpt; default corpus: {DEFAULT_CORPUS_DIR})")
     p.add_argument("--output-prefix", help="output path prefix (--format megatron)")
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="share of documents for val.bin (default: %(default)s)")
     p.add_argument("--seed", type=int, default=1337, help="seed of the train/val document split (default: %(default)s)")
     p.add_argument("--dtype", choices=["auto", "uint16", "uint32", "int32"], default="auto",
-                   help="token id type on disk; auto = uint16 when the vocabulary fits (default: %(default)s)")
+                   help="token id type on disk; auto = uint16 when the vocabulary fits (default: "
+                        "%(default)s)")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: %(default)s)")
     p.add_argument("--chunk-mb", type=float, default=4.0, help="input MB per unit of work (default: %(default)s)")
     p.add_argument("--errors", choices=["strict", "replace"], default="strict",
-                   help="invalid UTF-8: stop (strict) or use U+FFFD (replace) (default: %(default)s)")
+                   help="invalid UTF-8: stop (strict) or use U+FFFD (replace) (default: "
+                        "%(default)s)")
     p.add_argument("--skip-bad-lines", action="store_true",
                    help="skip (and count) invalid JSON lines instead of stopping")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
@@ -138,12 +144,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> None:
     megatron_flags = args.dataset_impl or args.output_prefix
     if args.format == "nanogpt" and args.dataset_impl:
-        raise CLIError("--dataset-impl mmap writes Megatron's format; it cannot be combined with --format nanogpt")
+        raise CLIError("--dataset-impl mmap writes Megatron's format; it cannot be combined with "
+                       "--format nanogpt")
     args.format = args.format or ("megatron" if megatron_flags else "nanogpt")
     if args.tokenizer_type:
         if args.tokenizer not in (None, "gpt2"):
-            raise CLIError(f"--tokenizer-type {args.tokenizer_type} is GPT-2's BPE; it cannot be combined with "
-                           f"--tokenizer {args.tokenizer}")
+            raise CLIError(f"--tokenizer-type {args.tokenizer_type} is GPT-2's BPE; it cannot be "
+                           f"combined with --tokenizer {args.tokenizer}")
         args.tokenizer = "gpt2"
     if not args.input:
         needs_input = {"--tokenizer": args.tokenizer not in (None, "char"), "--format": args.format != "nanogpt",
@@ -151,7 +158,8 @@ def check_args(args: argparse.Namespace) -> None:
                        "--merge-file": args.merge_file, "--append-eod": args.append_eod}
         for flag, given in needs_input.items():
             if given:
-                raise CLIError(f"{flag} needs --input (without --input, tokenizer.py prepares the default char corpus)")
+                raise CLIError(f"{flag} needs --input (without --input, tokenizer.py prepares the "
+                               "default char corpus)")
         return
     args.tokenizer = args.tokenizer or "gpt2"
     if args.format == "nanogpt" and not args.output_dir:
@@ -165,10 +173,11 @@ def check_args(args: argparse.Namespace) -> None:
     if args.vocab_file and args.vocab_file.endswith(".json") and not args.merge_file:
         raise CLIError("a .json --vocab-file needs --merge-file (gpt2-merges.txt)")
     if not 0 < args.val_fraction < 1:
-        raise CLIError(f"--val-fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
+        raise CLIError("--val-fraction must be between 0 and 1 (exclusive), got "
+                       f"{args.val_fraction}")
     if args.workers < 1 or not 0 < args.chunk_mb <= 1024:
-        raise CLIError(f"--workers must be >= 1 and --chunk-mb between 0 and 1024, got {args.workers} and "
-                       f"{args.chunk_mb}")
+        raise CLIError("--workers must be >= 1 and --chunk-mb between 0 and 1024, got "
+                       f"{args.workers} and {args.chunk_mb}")
 
 
 def main(argv: list[str] | None = None) -> None:

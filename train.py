@@ -1,17 +1,25 @@
 """Train a GPT on one device: the CPU, one CUDA GPU or Apple MPS.
 
-With no arguments it prepares the embedded default corpus (Python's own documentation, character level) and
-trains a small model on it in about a minute on a laptop CPU; then `python test.py` samples from ckpt/ckpt.pt.
-Every option is listed by --help; README.md has recipes. The loop is toolkit/training.py, the setup (options,
-resume, data, model) toolkit/pretraining.py, the network model.py.
+With no arguments it prepares the embedded default corpus (Python's own documentation, character
+level) and trains a small model on it in about a minute on a laptop CPU; then `python test.py`
+samples from ckpt/ckpt.pt. Every option is listed by --help; README.md has recipes. The setup
+(options, resume, data, model) is toolkit/pretraining.py, the loop and its step toolkit/training.py,
+the network and its loss model.py.
 """
-from toolkit import cli
-from toolkit.pretraining import TorchBackend, parse_config, train
+import os
+
+from toolkit import cli, distributed
+from toolkit.checkpoint import CHECKPOINT_FILE
+from toolkit.megatron import tracking_emissions
+from toolkit.pretraining import parse_config, setup
+from toolkit.training import TorchEngine
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg, given, _ = parse_config(argv, description=__doc__)
-    train(cfg, given, TorchBackend(cfg.out_dir))
+    trainer = setup(cfg, given, TorchEngine(os.path.join(cfg.out_dir, CHECKPOINT_FILE)))
+    with tracking_emissions(trainer.cfg, master=distributed.rank() == 0):
+        trainer.fit()
 
 
 if __name__ == "__main__":

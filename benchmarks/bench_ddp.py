@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from toolkit import cli  # noqa: E402
+from toolkit import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP = re.compile(r"^iter (\d+): .*?, ([\d.]+) ms,", re.MULTILINE)

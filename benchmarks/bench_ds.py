@@ -26,9 +26,9 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from toolkit import cli  # noqa: E402
-from toolkit.distributed import free_port  # noqa: E402
-from toolkit.files import read_json, write_json  # noqa: E402
+from toolkit import cli
+from toolkit.distributed import free_port
+from toolkit.files import read_json, write_json
 
 STEP_LINE = re.compile(r"^iter (\d+): loss ([\d.naninf]+), lr \S+, ([\d.]+) ms", re.M)
 MODES = ("single", "ddp", "zero2", "zero3_offload", "zero3")
@@ -40,7 +40,8 @@ def prepare(tmp: str) -> tuple[str, dict]:
     zero3["zero_optimization"].pop("offload_optimizer")
     zero3["zero_optimization"].pop("offload_param")
     zero3["optimizer"]["params"]["torch_adam"] = True  # no fused_adam build on CPU
-    configs = {"zero2": os.path.join(ROOT, "ds_config_zero2.json"), "zero3_offload": os.path.join(ROOT, "ds_config.json"),
+    configs = {"zero2": os.path.join(ROOT, "ds_config_zero2.json"),
+               "zero3_offload": os.path.join(ROOT, "ds_config.json"),
                "zero3": os.path.join(tmp, "ds_config_zero3_no_offload.json")}
     write_json(configs["zero3"], zero3)
     with open(os.path.join(tmp, "hostfile"), "w") as f:
@@ -122,7 +123,8 @@ def steps(args, tmp, data, configs) -> None:
     for repeat in range(args.repeats):  # interleaved: a busy neighbour slows every mode alike
         for mode in args.modes:
             out_dir = os.path.join(tmp, f"out_{mode}_{repeat}")
-            out, peak, seconds = run(command(mode, tmp, configs, [*flags, "--out-dir", out_dir]), tmp, None, args.timeout)
+            cmd = command(mode, tmp, configs, [*flags, "--out-dir", out_dir])
+            out, peak, seconds = run(cmd, tmp, None, args.timeout)
             times = [float(ms) for _, _, ms in STEP_LINE.findall(out)][args.skip:]
             losses = [float(loss) for _, loss, _ in STEP_LINE.findall(out)]
             if not times:

@@ -27,9 +27,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from toolkit import cli  # noqa: E402
-from toolkit.embedding import encode, top_k  # noqa: E402
-from model import GPT, GPTConfig, PRESETS  # noqa: E402
+from model import GPT, PRESETS, GPTConfig
+from toolkit import cli
+from toolkit.embedding import encode, top_k
 
 MODELS = {"4 x 128, char vocab": dict(n_layer=4, n_head=4, n_embd=128, block_size=256, vocab_size=103),
           "GPT-2 124M shape": PRESETS["gpt2"]}

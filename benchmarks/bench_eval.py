@@ -21,16 +21,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
-from model import GPT, PRESETS, GPTConfig  # noqa: E402
-from toolkit import cli  # noqa: E402
-from toolkit.device import cpu_kind  # noqa: E402
-from toolkit.evaluation import ChoiceTask, gpt_logits_at  # noqa: E402
-from toolkit.gpt2_vocab import GPT2_FACTS  # noqa: E402
-from toolkit.hf import save_gpt2  # noqa: E402
-from toolkit.prepare import default_corpus_documents  # noqa: E402
-from toolkit.tokenizers import load_tokenizer  # noqa: E402
+from model import GPT, PRESETS, GPTConfig
+from toolkit import cli
+from toolkit.device import cpu_kind
+from toolkit.evaluation import ChoiceTask, gpt_logits_at
+from toolkit.gpt2_vocab import GPT2_FACTS
+from toolkit.hf import save_gpt2
+from toolkit.prepare import default_corpus_documents
+from toolkit.tokenizers import load_tokenizer
 
 
 def write_items(path: str, n: int) -> None:

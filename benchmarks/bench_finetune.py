@@ -32,9 +32,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from toolkit import cli  # noqa: E402
-from toolkit.device import describe, resolve_device  # noqa: E402
-from toolkit.prepare import DEFAULT_CORPUS_DIR, default_corpus_documents, ensure_default_corpus  # noqa: E402
+from toolkit import cli
+from toolkit.device import describe, resolve_device
+from toolkit.prepare import DEFAULT_CORPUS_DIR, default_corpus_documents, ensure_default_corpus
 
 GPT2_BRIEFLY = ["--preset", "gpt2", "--block-size", "128", "--batch-size", "16", "--max-iters", "150",
                 "--eval-interval", "150", "--eval-iters", "5"]

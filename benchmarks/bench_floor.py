@@ -19,10 +19,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from toolkit import cli  # noqa: E402
-from benchmarks.bench_sdpa import time_ms  # noqa: E402
-from toolkit.device import DTYPES, describe, keep_freed_memory_in_heap, resolve_device  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from benchmarks.bench_sdpa import time_ms
+from model import GPT, GPTConfig
+from toolkit import cli
+from toolkit.device import DTYPES, describe, keep_freed_memory_in_heap, resolve_device
 
 
 def linear_products(model: GPT, tokens: int, dtype: torch.dtype, device: torch.device):

@@ -18,9 +18,9 @@ import torch
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from toolkit import cli  # noqa: E402
-from toolkit.device import DTYPES, autocast, resolve_device  # noqa: E402
-from model import GPT, GPTConfig, PRESETS  # noqa: E402
+from model import GPT, PRESETS, GPTConfig
+from toolkit import cli
+from toolkit.device import DTYPES, autocast, resolve_device
 
 
 @torch.no_grad()

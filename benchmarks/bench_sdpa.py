@@ -27,9 +27,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from toolkit import cli  # noqa: E402
-from toolkit.device import DTYPES, describe, resolve_device  # noqa: E402
-from model import manual_attention  # noqa: E402
+from model import manual_attention
+from toolkit import cli
+from toolkit.device import DTYPES, describe, resolve_device
 
 SDPA = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "cudnn": SDPBackend.CUDNN_ATTENTION}

@@ -30,18 +30,19 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
-from model import GPT, PRESETS, GPTConfig  # noqa: E402
-from toolkit import cli, lora  # noqa: E402
-from toolkit.chat import add_chat_tokens, chat_prompt  # noqa: E402
-from toolkit.device import cpu_kind  # noqa: E402
-from toolkit.gpt2_vocab import GPT2_FACTS  # noqa: E402
-from toolkit.hf import save_gpt2  # noqa: E402
-from toolkit.load import load_model  # noqa: E402
-from toolkit.sampling import Sampler  # noqa: E402
-from toolkit.tokenizers import load_tokenizer  # noqa: E402
-from toolkit.training import TorchEngine  # noqa: E402
+from model import GPT, PRESETS, GPTConfig
+from toolkit import cli, lora
+from toolkit.chat import add_chat_tokens, chat_prompt
+from toolkit.device import cpu_kind
+from toolkit.finetuning import FinetuneConfig
+from toolkit.gpt2_vocab import GPT2_FACTS
+from toolkit.hf import save_gpt2
+from toolkit.load import load_model
+from toolkit.sampling import Sampler
+from toolkit.tokenizers import load_tokenizer
+from toolkit.training import TorchEngine
 
 
 def header() -> str:
@@ -93,10 +94,9 @@ def lora_step(mode: str, steps: int) -> dict:
     model = GPT(GPTConfig(**{**PRESETS["gpt2"], "block_size": 256}))
     if mode == "lora":
         lora.add_lora(model, 8, 16.0, 0.05, "all", model.config.vocab_size)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
-    engine = TorchEngine("unused", model, model, optimizer, torch.device("cpu"), torch.float32,
-                         lambda m, batch: m(*batch, chunked_loss=True)[1], grad_clip=1.0)
+    engine = TorchEngine("unused")  # finetune.py's AdamW and gradient clipping, at lr 1e-4
+    engine.start(model, FinetuneConfig(lr=1e-4), torch.device("cpu"), torch.float32,
+                 lambda m, batch: m(*batch, chunked_loss=True)[1])
     idx = torch.randint(0, model.config.vocab_size, (4, 257))
     batch = [((idx[:, :-1], idx[:, 1:]), 1.0)]
     times = []
@@ -106,7 +106,7 @@ def lora_step(mode: str, steps: int) -> dict:
         if step >= 2:
             times.append(time.perf_counter() - start)
     return {"mode": mode, "ms_per_step": 1000 * statistics.median(times),
-            "trainable": sum(p.numel() for p in trainable),
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 

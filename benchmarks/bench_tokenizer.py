@@ -18,16 +18,15 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pydoc_data.topics import topics
 
 import psutil
 import tiktoken
-from pydoc_data.topics import topics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from toolkit import cli  # noqa: E402
-from toolkit import gpt2_vocab  # noqa: E402
-from toolkit.files import atomic_write  # noqa: E402
+from toolkit import cli, gpt2_vocab
+from toolkit.files import atomic_write
 
 
 def make_document(rng: random.Random, paragraphs: list[str]) -> str:
@@ -136,7 +135,8 @@ def main() -> None:
             print(f"workers {workers} (load average {load:.1f} -> {os.getloadavg()[0]:.1f})\n"
                   f"  raw tiktoken, 1 process: {raw:.1f} MB/s (encode_ordinary_batch 1 thread {batch_rate:.1f}, "
                   f"encode_to_numpy {numpy_rate:.1f}; {cpu_rate:.1f} MB per CPU second)\n"
-                  f"  tokenizer.py: {r.seconds:.1f} s, {rate:.1f} MB/s = {rate / (raw * workers):.0%} of raw x {workers}; "
+                  f"  tokenizer.py: {r.seconds:.1f} s, {rate:.1f} MB/s = {rate / (raw * workers):.0%} of raw "
+                  f"x {workers}; "
                   f"{size_mb / r.cpu_seconds:.1f} MB per CPU second = {size_mb / r.cpu_seconds / cpu_rate:.0%} of raw\n"
                   f"  peak RSS: process tree {r.peak_tree_mib:.0f} MiB, largest process {r.peak_process_mib:.0f} MiB\n"
                   f"  {r.summary}", flush=True)

@@ -21,9 +21,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from toolkit import cli  # noqa: E402
-from toolkit import prepare  # noqa: E402
-from toolkit.device import cpu_kind  # noqa: E402
+from toolkit import cli, prepare
+from toolkit.device import cpu_kind
 
 SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=256, batch_size=16)
 # Runs a command and reports its peak resident memory (the max over the process and its children).

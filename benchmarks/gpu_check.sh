@@ -82,7 +82,7 @@ with open(sys.argv[2], "a") as f:
 EOF
 
 echo "== data: random GPT-2-vocabulary tokens"
-python -c "import sys, numpy as np; sys.path.insert(0, '.'); from toolkit.data import write_nanogpt; \
+python -c "import sys, numpy as np; sys.path.insert(0, '.'); from toolkit.writers import write_nanogpt; \
 from toolkit.gpt2_vocab import GPT2_FACTS; ids = np.random.default_rng(0).integers(0, 50257, 2_000_000, dtype=np.uint16); \
 write_nanogpt('$WORK/data', ids[:1_900_000], ids[1_900_000:], dict(GPT2_FACTS))"
 

@@ -31,10 +31,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from toolkit import cli  # noqa: E402
-from toolkit.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
-from toolkit.device import cpu_kind  # noqa: E402
-from toolkit.prepare import DEFAULT_CORPUS_DIR, ensure_default_corpus  # noqa: E402
+from toolkit import cli
+from toolkit.checkpoint import load_checkpoint, model_from_checkpoint
+from toolkit.device import cpu_kind
+from toolkit.prepare import DEFAULT_CORPUS_DIR, ensure_default_corpus
 
 NANOGPT_RECIPE = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
                   "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--max_iters=2000",

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import re
-
 from pydoc_data.topics import topics
 
 ANSWER_CHARS = 48  # "How does ... begin?" is answered with the first words of the topic's first paragraph

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from toolkit import gpt2_vocab
+# One thread for the tiny models of the tests, in this process and in the processes it starts: they run faster
+# on one, and two OpenMP threads that wait for each other while DeepSpeed's ops compile on the other core (a
+# fresh machine, ds_ops_build) made single tests up to 30 times slower.
+os.environ["OMP_NUM_THREADS"] = "1"
+import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads once)
+
+from toolkit import gpt2_vocab  # noqa: E402
+
+torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent.parent
 DS_OPS = ("deepspeed_shm_comm", "cpu_adam")  # the build folders of the DeepSpeed ops the tests build (ds_ops_build)
@@ -81,17 +89,24 @@ def gpt2_vocabulary() -> str:
     return gpt2_vocab.install()
 
 
+# DeepSpeed's C++ ops for the CPU, built or loaded from ~/.cache/torch_extensions; shm_comm first: every DeepSpeed
+# launch loads it, and it builds in a fraction of cpu_adam's time
+BUILD_DS_OPS = ("from deepspeed.accelerator import get_accelerator as g; "
+                "[g().create_op_builder(n).load() for n in ('ShareMemCommBuilder', 'CPUAdamBuilder')]")
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # pytest-xdist's name of this worker
+
+
 @pytest.fixture(scope="session", autouse=True)
-def ds_ops_build() -> subprocess.Popen:
-    """DeepSpeed's C++ ops for the CPU (shm_comm, cpu_adam) built, or loaded from ~/.cache/torch_extensions, in
-    the background from the start of the session and at the lowest priority: on a fresh machine the compiler
-    then uses the core the first tests leave idle, instead of making the first DeepSpeed test wait for it.
-    shm_comm first: every DeepSpeed launch loads it, and it builds in a fraction of cpu_adam's time."""
-    code = ("from deepspeed.accelerator import get_accelerator as g; "
-            "[g().create_op_builder(n).load() for n in ('ShareMemCommBuilder', 'CPUAdamBuilder')]")
-    proc = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", code], text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env={**os.environ, "DS_ACCELERATOR": "cpu"},
-                            start_new_session=True)
+def ds_ops_build() -> subprocess.Popen | None:
+    """The ops built in the background by the first worker from the start of the session, at the lowest
+    priority: on a fresh machine the compiler then uses what the first tests leave idle, instead of making the
+    first DeepSpeed test wait for all of it."""
+    if WORKER != "gw0":
+        yield None
+        return
+    proc = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", BUILD_DS_OPS], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "DS_ACCELERATOR": "cpu"}, start_new_session=True)
     yield proc
     if proc.poll() is None:  # a session that needed no DeepSpeed: stop the build, its compilers included
         os.killpg(proc.pid, signal.SIGKILL)
@@ -110,7 +125,12 @@ def remove_build_locks(names: tuple[str, ...]) -> None:
 
 @pytest.fixture(scope="session")
 def ds_ops(ds_ops_build):
-    """The ops built, before parallel ranks need them."""
+    """The ops built, before parallel ranks need them (another worker waits on torch's build lock)."""
+    if ds_ops_build is None:
+        build = subprocess.run([sys.executable, "-c", BUILD_DS_OPS], capture_output=True, text=True, timeout=900,
+                               env={**os.environ, "DS_ACCELERATOR": "cpu"})
+        assert build.returncode == 0, build.stdout + build.stderr
+        return
     output = ds_ops_build.communicate(timeout=900)[0]
     assert ds_ops_build.returncode == 0, output
 
@@ -120,7 +140,9 @@ def fake_deepspeed_folder(ds_dir: Path, tag: str = "global_step4", payload=None,
     """A DeepSpeed checkpoint folder laid out as train_ds.py writes it (one process, ZeRO-3), whose model-states
     file also holds `payload`."""
     import json
+
     import torch
+
     from model import GPT, GPTConfig
     (ds_dir / tag).mkdir(parents=True)
     (ds_dir / "latest").write_text(tag)

@@ -15,9 +15,9 @@ from model import GPT, GPTConfig
 from toolkit import ds_checkpoint
 from toolkit.checkpoint import load_checkpoint, model_from_checkpoint, read_weights, save_checkpoint
 from toolkit.cli import CLIError
-from toolkit.data import write_nanogpt
 from toolkit.hf import save_gpt2
 from toolkit.load import load_model
+from toolkit.writers import write_nanogpt
 
 OLD_CHECKPOINT = ROOT / "tests" / "data" / "ckpt_a684da2.pt"  # written by train.py at commit a684da2 (3 steps)
 OLD_GREEDY = "def  TT\u2013\u2013\u2013000" + "\u201c" * 21  # what test.py printed from it at that commit

@@ -80,7 +80,8 @@ def test_load_megatron_every_way_of_naming_it(tmp_path):
 
 
 @pytest.mark.parametrize("n_docs, split, train_docs, val_docs", [
-    (1000, "969,30,1", 969, 30), (2, "969,30,1", 1, 1), (10, "969,30,1", 9, 1), (10, "80,20", 8, 2), (10, "8/1/1", 8, 1)])
+    (1000, "969,30,1", 969, 30), (2, "969,30,1", 1, 1), (10, "969,30,1", 9, 1), (10, "80,20", 8, 2),
+    (10, "8/1/1", 8, 1)])
 def test_megatron_split_by_documents(tmp_path, n_docs, split, train_docs, val_docs):
     corpus = load_corpus(write_megatron(str(tmp_path / "m"), documents(n_docs)), split=split)
     assert np.array_equal(corpus.train, np.concatenate(documents(n_docs)[:train_docs]))

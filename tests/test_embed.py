@@ -1,4 +1,5 @@
-"""embed.py and embedding.py: pooling, padding, chunks, the index, exact search, contrastive tuning, bad input.
+"""embed.py, embedding.py and index.py: pooling, padding, chunks, the index, exact search, contrastive tuning,
+the files written, bad input.
 
 The encoder is a tiny byte-level GPT with random weights. The retrieval set is built from a synonym map: the
 documents say "the cat eats the fish", the queries "a kitty devours some trout", so a query shares meaning but
@@ -17,11 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-import embed
 from conftest import ROOT, assert_one_line_error, run_main, tensorboard_scalars
 from model import GPT, GPTConfig
+from toolkit import files
 from toolkit.checkpoint import load_checkpoint, save_checkpoint
-from toolkit.embedding import POOLINGS, encode, pooling_weights, top_k
+from toolkit.embedding import POOLINGS, chunk_spans, encode, pooling_weights, top_k
+from toolkit.index import Index, retrieval_metrics
 
 BYTES = {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256}
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # for a process of its own: tiny models run fastest on one thread
@@ -102,7 +104,7 @@ def test_poolings_weigh_positions_as_documented():
     (10, 4, 1, [(0, 4), (3, 7), (6, 10)]), (4, 4, 1, [(0, 4)]), (5, 4, 1, [(0, 4), (3, 5)]), (3, 8, 0, [(0, 3)]),
 ])
 def test_chunks_cover_the_text_with_the_overlap_asked(n, chunk, overlap, spans):
-    assert embed.chunk_spans(n, chunk, overlap) == spans
+    assert chunk_spans(n, chunk, overlap) == spans
 
 
 def test_encode_writes_unit_vectors_and_one_row_per_chunk_whatever_the_batch(tmp_path):
@@ -174,15 +176,44 @@ def test_search_ranks_documents_not_chunks(tmp_path):
     write_model(tmp_path / "ckpt.pt", block_size=16)
     texts = ["the cat eats the fish " * 4, "the cat eats the fish " * 3 + "and more", "a dog", "bread and apples"]
     (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
-    embed.main(["index", "--ckpt", str(tmp_path / "ckpt.pt"), "--input", str(tmp_path / "texts.txt"), "--out",
-                str(tmp_path / "index"), "--overlap", "0", *DEVICE])
-    index = embed.Index(str(tmp_path / "index"))
+    result = embed_py("index", "--ckpt", tmp_path / "ckpt.pt", "--input", tmp_path / "texts.txt", "--out",
+                      tmp_path / "index", "--overlap", "0", *DEVICE)
+    assert result.returncode == 0, result.stderr
+    index = Index(str(tmp_path / "index"))
     assert index.meta["max_chunks"] == 6 and index.meta["rows"] == 6 + 5 + 1 + 1
     query = torch.from_numpy(index.vectors[[0]].copy())  # the first chunk of document 1
     hits = index.search(query, 3)[0]  # documents 1 and 2 both begin with that chunk; their other chunks come next
     numbers = [number for number, _, _ in hits]
     assert sorted(numbers[:2]) == [0, 1] and numbers[2] in (2, 3)
     assert hits[0][1] == pytest.approx(1, abs=1e-5) and hits[1][1] == pytest.approx(1, abs=1e-5)
+
+
+def test_an_index_records_its_encoder_by_its_fingerprint(corpus):
+    encoder = Index(str(corpus / "index")).meta["encoder"]
+    assert encoder == {"path": str(corpus / "ckpt.pt"), "sha256": files.fingerprint(str(corpus / "ckpt.pt"))}
+
+
+def test_metrics_count_the_relevant_document_in_the_first_ten_hits():
+    hits = [[(number, 1.0, number) for number in found] for found in ([7, 1, 2], [1, 7], range(20), [3])]
+    metrics = retrieval_metrics(hits, [7, 7, 15, 7])  # ranks 0 and 1; then 15, past ten; then none
+    assert metrics == {"recall@1": 0.25, "recall@5": 0.5, "recall@10": 0.5, "mrr@10": 1.5 / 4, "queries": 4}
+
+
+def test_json_lines_offsets_find_each_line_and_arrays_are_saved_whole(tmp_path):
+    records = [{"id": "é", "text": "two\nlines"}, {}, {"n": 3}]
+    offsets = files.write_jsonl(str(tmp_path / "records.jsonl"), records)
+    data = (tmp_path / "records.jsonl").read_bytes()
+    assert offsets.dtype == np.int64 and offsets[0] == 0 and offsets[-1] == len(data)
+    assert [json.loads(data[start:end]) for start, end in zip(offsets[:-1], offsets[1:])] == records
+    files.save_array(str(tmp_path / "offsets.npy"), offsets)
+    assert np.array_equal(np.load(tmp_path / "offsets.npy", mmap_mode="r"), offsets)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["offsets.npy", "records.jsonl"]  # no temporary left
+
+
+def test_every_command_that_encodes_offers_the_dtypes_of_the_other_scripts():
+    for command in ("encode", "index", "tune"):
+        help_text = embed_py(command, "--help")
+        assert help_text.returncode == 0 and "{auto,float32,bfloat16,float16}" in help_text.stdout
 
 
 # ----- contrastive tuning -----
@@ -285,8 +316,9 @@ def test_bad_input_is_one_line_and_writes_nothing(corpus, bad, tmp_path, command
 
 def test_an_encoder_changed_since_indexing_is_refused(corpus, tmp_path):
     write_model(tmp_path / "ckpt.pt")
-    embed.main(["index", "--ckpt", str(tmp_path / "ckpt.pt"), "--input", str(corpus / "docs.jsonl"), "--out",
-                str(tmp_path / "index"), *DEVICE])
+    result = embed_py("index", "--ckpt", tmp_path / "ckpt.pt", "--input", corpus / "docs.jsonl", "--out",
+                      tmp_path / "index", *DEVICE)
+    assert result.returncode == 0, result.stderr
     write_model(tmp_path / "ckpt.pt", seed=1)  # e.g. training went on in the same --out-dir
     result = embed_py("search", "--index", tmp_path / "index", "--query", "cat", *DEVICE)
     assert_one_line_error(result, "changed since the index", "rebuild the index")

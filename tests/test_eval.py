@@ -80,6 +80,7 @@ def metrics(result) -> dict:
 
 def test_the_export_loads_alone_in_transformers_and_encodes_as_the_toolkit(gpt2_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from toolkit.tokenizers import load_tokenizer
     folder = gpt2_model / "hf"
     assert {"config.json", "model.safetensors", "generation_config.json", "vocab.json", "merges.txt",
@@ -116,6 +117,7 @@ def test_a_local_file_and_a_task_yaml_score_as_lm_evals_own_hf_model(gpt2_model,
     pytest.importorskip("lm_eval")
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
+
     from toolkit.harness import GPTHarness, task_manager
     from toolkit.load import load_model
     from toolkit.tokenizers import load_tokenizer

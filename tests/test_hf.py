@@ -38,7 +38,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def random_hf_model():
     cfg = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+        vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0
     )
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(cfg)

@@ -18,8 +18,8 @@ import torch
 
 from conftest import ROOT, TINY_MODEL, assert_one_line_error, fake_deepspeed_folder, run_main, run_script
 from model import GPT, GPTConfig
-from toolkit.data import write_nanogpt
 from toolkit.hf import save_gpt2
+from toolkit.writers import write_nanogpt
 
 
 class Exploit:

@@ -87,3 +87,34 @@ def test_the_top_level_holds_the_scripts_and_every_module_says_what_it_owns():
 def test_the_cycle_finder_finds_cycles():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_module_is_over_450_lines():
+    for path in [*ROOT.glob("*.py"), *(ROOT / PACKAGE).glob("*.py")]:
+        assert len(path.read_text().splitlines()) <= 450, path.name
+
+
+def test_engines_and_objectives_implement_the_declared_parts():
+    """Every engine and objective has each method of its Protocol (toolkit/training.py), taking its parameters
+    (an objective may name its batch for what it holds)."""
+    import inspect
+
+    from toolkit.sft import ChatObjective
+    from toolkit.deepspeed_engine import DeepSpeedEngine
+    from toolkit.embedding import Contrastive
+    from toolkit.finetuning import TaskObjective
+    from toolkit.training import Engine, LanguageModeling, Objective, TorchEngine
+
+    def parameters(function) -> list[str]:
+        return [name for name in inspect.signature(function).parameters if name != "self"]
+
+    for protocol, classes in ((Engine, (TorchEngine, DeepSpeedEngine)),
+                              (Objective, (LanguageModeling, TaskObjective, ChatObjective, Contrastive))):
+        declared = {name: parameters(member) for name, member in vars(protocol).items()
+                    if inspect.isfunction(member) and not name.startswith("_")}
+        assert len(declared) >= 6
+        for cls in classes:
+            for name, wanted in declared.items():
+                assert callable(getattr(cls, name, None)), f"{cls.__name__} has no {name}"
+                found = parameters(getattr(cls, name))
+                assert len(found) >= len(wanted) and found[:1] == wanted[:1], (cls.__name__, name, found)

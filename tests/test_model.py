@@ -1,12 +1,12 @@
+"""model.py: the network, nanoGPT's (logits, loss) contract and the chunked loss, attention kernels, the KV cache
+and sampling. HF numerics are tests/test_hf.py's."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-"""model.py: the network, nanoGPT's (logits, loss) contract and the chunked loss, attention kernels, the KV cache
-and sampling. HF numerics are tests/test_hf.py's."""
 import model
 from model import GPT, PRESETS, GPTConfig
-from toolkit.device import check_memory
+from toolkit.device import check_attn_kernel, check_memory
 from toolkit.optim import make_optimizer
 
 VOCAB = 211
@@ -66,10 +66,11 @@ def test_attention_kernels_agree_on_cpu():
         m = GPT(tiny_config(attn_kernel=kernel)).eval()
         m.load_state_dict(ref.state_dict())
         assert torch.allclose(m(idx)[0], ref(idx)[0], atol=1e-5)
-    for kernel in ("efficient", "cudnn"):
+    for kernel in ("efficient", "cudnn"):  # checked where a script meets the device (toolkit/device.py)
         m = GPT(tiny_config(attn_kernel=kernel))
-        with pytest.raises(ValueError, match=f"attn_kernel '{kernel}' cannot run on cpu.*available: auto, manual, flash, math"):
-            m(idx)
+        with pytest.raises(ValueError,
+                           match=f"attn_kernel '{kernel}' cannot run on cpu.*available: auto, manual, flash, math"):
+            check_attn_kernel(m, torch.device("cpu"), torch.float32)
 
 
 @torch.no_grad()
@@ -112,7 +113,8 @@ def test_kv_cache_forward_matches_full_forward(kernel):
     idx = torch.randint(0, VOCAB, (2, 20))
     full = m.hidden_states(idx)
     caches = [model.KVCache(32) for _ in m.transformer.h]
-    parts = [m._trunk(idx[:, :7], caches), m._trunk(idx[:, 7:8], caches, start=7), m._trunk(idx[:, 8:], caches, start=8)]
+    parts = [m._trunk(idx[:, :7], caches), m._trunk(idx[:, 7:8], caches, start=7),
+             m._trunk(idx[:, 8:], caches, start=8)]
     assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
 
 

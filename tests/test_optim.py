@@ -6,7 +6,8 @@ from conftest import TINY_MODEL, assert_one_line_error, run_main
 from model import GPT, GPTConfig
 from toolkit.checkpoint import load_checkpoint
 from toolkit.optim import Muon, make_optimizer, orthogonalize
-from toolkit.pretraining import TorchBackend, TrainConfig, apply_preset, parse_config, settle_optimizer
+from toolkit.pretraining import TrainConfig, apply_preset, parse_config, settle_optimizer
+from toolkit.training import TorchEngine
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -66,7 +67,8 @@ def test_newton_schulz_runs_in_the_runs_dtype_where_it_is_bfloat16(tmp_path):
               for dtype in (torch.bfloat16, torch.float16, torch.float32)}
     assert picked == {torch.bfloat16: torch.bfloat16, torch.float16: torch.float32, torch.float32: torch.float32}
     cfg = settled("--dtype", "bfloat16")  # train.py hands its dtype on
-    engine = TorchBackend(str(tmp_path)).start(model, cfg, torch.device("cpu"), torch.bfloat16, None, None)
+    engine = TorchEngine(str(tmp_path / "ckpt.pt"))
+    engine.start(model, cfg, torch.device("cpu"), torch.bfloat16, loss=None)
     assert engine.optimizer.ns_dtype == torch.bfloat16
 
 

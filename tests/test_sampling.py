@@ -90,6 +90,7 @@ def test_samples_from_hf_gpt2_directory(tmp_path):
     (["--prompt", "\u4e2d\u6587"], "not in the char vocabulary"),
     (["--prompt", "FILE:/nonexistent/prompt.txt"], "--prompt FILE: not found: /nonexistent/prompt.txt"),
     (["--top-k", "x"], "--top-k: invalid int value: 'x'"),
+    (["--attn-kernel", "efficient"], "attn_kernel 'efficient' cannot run on cpu"),  # SDPA's needs CUDA
 ])
 def test_bad_sampling_input(char_ckpt, args, fragment):
     assert_one_line_error(run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, *args), fragment)

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 import torch
+from test_tokenizer import data_gym_files, read_megatron, write_jsonl
 
 from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main
-from test_tokenizer import data_gym_files, read_megatron, write_jsonl
 from toolkit.distributed import free_port
 
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -245,7 +245,7 @@ def test_a_bad_layout_is_one_line_from_the_launched_job(ds_ops, char_data, tmp_p
 def test_16b_memory_estimate_without_allocating():
     """The source design's 16B on 32 nodes x 4 devices, TP 4 x PP 8, ZeRO-1, float32: nothing is allocated (its
     float32 weights alone would be 65 GB), and no process group is needed."""
-    from model import GPTConfig, PRESETS
+    from model import PRESETS, GPTConfig
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = run_main("train_ds.py", "--estimate-memory", "--preset", "gpt2-16b", "--seq-length", "1024",
                       "--tp-size", "4", "--pipeline-stages", "8", "--num-nodes", "32", "--num-gpus", "4",
@@ -307,7 +307,8 @@ def test_mpirun_example_trains_tensor_parallel_and_saves(ds_ops, char_data, tmp_
     env = {"NODES": "1", "GPUS_PER_NODE": "2", "HOSTFILE": str(hostfile), "MASTER_PORT": str(free_port()),
            "MPIRUN_ARGS": "--allow-run-as-root --oversubscribe -x DS_ACCELERATOR -x OMP_NUM_THREADS",
            "DS_CONFIG": str(ROOT / "ds_config_zero1.json"), "DATA_PATH": str(char_data),
-           "CHECKPOINT_PATH": str(tmp_path / "ckpt"), "MODEL": "--num-layers 1 --hidden-size 32 --num-attention-heads 2",
+           "CHECKPOINT_PATH": str(tmp_path / "ckpt"),
+           "MODEL": "--num-layers 1 --hidden-size 32 --num-attention-heads 2",
            "SEQ_LEN": "32", "TP_SIZE": "2", "MICRO_BATCH_SIZE": "4", "GLOBAL_BATCH_SIZE": "8", "TRAIN_SAMPLES": "24",
            "EVAL_ITERS": "2"}
     if importlib.util.find_spec("codecarbon"):

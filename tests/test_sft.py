@@ -14,10 +14,11 @@ import transformers
 from conftest import ROOT, assert_one_line_error, run_main, run_script
 from model import GPT, GPTConfig
 from toolkit import lora
-from toolkit.chat import (CHAT_TOKENS, add_chat_tokens, chat_prompt, encode_conversation, encode_conversations,
-                          fit_history, pad_conversations)
+from toolkit.chat import (CHAT_TOKENS, add_chat_tokens, chat_prompt, encode_conversation,
+                          encode_conversations, fit_history, pad_conversations)
 from toolkit.checkpoint import load_checkpoint
 from toolkit.distributed import free_port
+from toolkit.files import fingerprint
 from toolkit.finetuning import FinetuneConfig, setup
 from toolkit.gpt2_vocab import GPT2_FACTS
 from toolkit.hf import save_gpt2
@@ -148,7 +149,7 @@ def test_lora_trains_only_the_adapters_and_merges_to_the_same_model(pretrained, 
 
     adapter_ckpt = tmp_path / "lora" / "ckpt.pt"
     saved = load_checkpoint(str(adapter_ckpt))
-    assert "model" not in saved and saved["lora"]["base"]["sha256"] == lora.fingerprint(pretrained)
+    assert "model" not in saved and saved["lora"]["base"]["sha256"] == fingerprint(pretrained)
     # the adapters as trained (unmerged), read back merged, and merged into a full checkpoint: one function
     idx = torch.randint(0, body.config.vocab_size, (2, 40))
     body.eval()

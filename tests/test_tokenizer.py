@@ -19,9 +19,10 @@ import tiktoken
 import conftest
 from toolkit import gpt2_vocab, prepare
 from toolkit.cli import CLIError
-from toolkit.data import is_val_document, load_corpus
+from toolkit.data import load_corpus
 from toolkit.files import write_error
 from toolkit.tokenizers import Tokenizer, load_tokenizer
+from toolkit.writers import is_val_document
 
 SCRIPT = str(conftest.ROOT / "tokenizer.py")
 SAMPLE = "Hello world! The café's naïve 123 tokens\n\n\tdon't  break — 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 <|endoftext|> ok"
@@ -176,7 +177,9 @@ def test_byte_round_trip_and_invalid_bytes():
 
 
 def test_facts_round_trip(r50k):
-    for tok in (Tokenizer("gpt2"), Tokenizer("byte"), Tokenizer("char", chars="ab\n"), Tokenizer("char", chars="xy", char_eot=True)):
+    tokenizers = (Tokenizer("gpt2"), Tokenizer("byte"), Tokenizer("char", chars="ab\n"),
+                  Tokenizer("char", chars="xy", char_eot=True))
+    for tok in tokenizers:
         facts = json.loads(json.dumps(tok.facts()))
         rebuilt = load_tokenizer(facts)
         assert rebuilt.facts() == facts
@@ -204,7 +207,8 @@ def test_special_tokens_count_in_the_vocabulary_and_decode_to_nothing(r50k):
 def test_megatron_output_is_tiktoken_plus_eot_per_document(r50k, tmp_path):
     docs = ["Hello world", "", "The second document.\nTwo lines.", "   ", "<|endoftext|> as text"]
     src = write_jsonl(tmp_path / "in.jsonl", docs)
-    result = run_script("--input", src, "--append-eod", "--format", "megatron", "--output-prefix", str(tmp_path / "gpt"))
+    result = run_script("--input", src, "--append-eod", "--format", "megatron",
+                        "--output-prefix", str(tmp_path / "gpt"))
     assert result.returncode == 0, result.stderr
     code, read_back = read_megatron(str(tmp_path / "gpt_text_document"))
     expected = [r50k.encode_ordinary(d) + [50256] for d in docs if d]  # the empty document is dropped
@@ -237,7 +241,8 @@ def test_workers_give_identical_bytes(r50k, big_input, tmp_path, fmt):
         _, read_back = read_megatron(str(tmp_path / "w1/p_text_document"))
         expected = [r50k.encode_ordinary(d) + [50256] for d in documents_text(400) if d]
         assert [list(d) for d in read_back] == expected
-        assert np.concatenate([corpus.train, corpus.val]).tolist() == sum(expected, [])[:len(corpus.train) + len(corpus.val)]
+        both = np.concatenate([corpus.train, corpus.val]).tolist()
+        assert both == sum(expected, [])[:len(both)]
     else:
         meta = json.loads(outputs[1]["meta.json"])
         assert meta["documents"] == meta["train_documents"] + meta["val_documents"] == 376
@@ -268,9 +273,11 @@ def test_gz_text_folder_char_level(tmp_path):
 def test_large_vocabulary_needs_32_bits(tmp_path):
     text = "".join(chr(c) for c in range(0x4E00, 0x4E00 + 70_000) if not 0xD800 <= c < 0xE000)
     src = write_jsonl(tmp_path / "wide.jsonl", [text[:35_000], text[35_000:]])
-    refused = run_script("--input", src, "--tokenizer", "char", "--dtype", "uint16", "--output-dir", str(tmp_path / "a"))
+    refused = run_script("--input", src, "--tokenizer", "char", "--dtype", "uint16",
+                         "--output-dir", str(tmp_path / "a"))
     assert_one_error_line(refused, "does not fit")
-    result = run_script("--input", src, "--tokenizer", "char", "--format", "megatron", "--output-prefix", str(tmp_path / "w"))
+    result = run_script("--input", src, "--tokenizer", "char", "--format", "megatron",
+                        "--output-prefix", str(tmp_path / "w"))
     assert result.returncode == 0, result.stderr
     code, read_back = read_megatron(str(tmp_path / "w_text_document"))
     assert code == 4 and len(read_back) == 2 and read_back[1].max() == len(text) - 1
@@ -282,7 +289,8 @@ def test_default_corpus(tmp_path):
     folder = tmp_path / "data" / "pydoc_char"
     meta = json.load(open(folder / "meta.json"))
     train, val = np.fromfile(folder / "train.bin", np.uint16), np.fromfile(folder / "val.bin", np.uint16)
-    assert (meta["format"], meta["tokenizer"], meta["documents"]) == ("nanogpt", "char", len(prepare.default_corpus_documents()))
+    documents = len(prepare.default_corpus_documents())
+    assert (meta["format"], meta["tokenizer"], meta["documents"]) == ("nanogpt", "char", documents)
     assert 80 <= meta["vocab_size"] <= 130 and meta["vocab_size"] == len(meta["chars"])
     assert 0.09 < len(val) / (len(train) + len(val)) < 0.11
     assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
@@ -347,7 +355,8 @@ def test_existing_output_and_missing_output_dir(tmp_path):
     out = str(tmp_path / "out")
     assert run_script("--input", src, "--tokenizer", "byte", "--output-dir", out).returncode == 0
     before = open(os.path.join(out, "meta.json")).read()
-    assert_one_error_line(run_script("--input", src, "--tokenizer", "char", "--output-dir", out), "already exists", "--overwrite")
+    assert_one_error_line(run_script("--input", src, "--tokenizer", "char", "--output-dir", out), "already exists",
+                          "--overwrite")
     assert open(os.path.join(out, "meta.json")).read() == before
     assert run_script("--input", src, "--tokenizer", "char", "--output-dir", out, "--overwrite").returncode == 0
     assert json.load(open(os.path.join(out, "meta.json")))["tokenizer"] == "char"

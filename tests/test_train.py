@@ -12,9 +12,11 @@ import torch
 from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main, tensorboard_scalars
 from model import GPT, GPTConfig
 from toolkit.checkpoint import load_checkpoint, model_from_checkpoint
-from toolkit.data import load_corpus, write_nanogpt
+from toolkit.data import load_corpus
 from toolkit.hf import save_gpt2
-from toolkit.pretraining import TrainConfig, evaluation_windows, parse_config, schedule
+from toolkit.pretraining import TrainConfig, parse_config, schedule
+from toolkit.training import evaluation_windows
+from toolkit.writers import write_nanogpt
 
 
 def train(char_data, out_dir, *extra):
@@ -82,7 +84,8 @@ MMAP_PROBE = """
 import ctypes, torch
 from toolkit import device
 class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split())]
+    _fields_ = [(name, ctypes.c_size_t)
+                for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
 def mmapped_during_alloc():
@@ -278,7 +281,8 @@ def test_a_small_validation_split_is_scored_whole(tmp_path):
     assert evaluation_windows(100, 32, 8, seed=0, stream=2).tolist() == [0, 32, 64]
     assert len(evaluation_windows(10_000, 32, 8, seed=0, stream=2)) == 8
     ids = np.random.default_rng(0).integers(0, 257, 6000).astype(np.uint16)
-    write_nanogpt(str(tmp_path / "data"), ids[:5900], ids[5900:], {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256})
+    write_nanogpt(str(tmp_path / "data"), ids[:5900], ids[5900:],
+                  {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256})
     ckpt = train(tmp_path / "data", tmp_path / "out", "--max-iters", "3", "--eval-interval", "3")
     model = model_from_checkpoint(ckpt).eval()
     val = load_corpus(str(tmp_path / "data")).val

@@ -16,7 +16,8 @@ from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main, tensorbo
 from toolkit import flags
 from toolkit.checkpoint import load_checkpoint
 from toolkit.distributed import add_distributed_flags, free_port
-from toolkit.pretraining import ALIASES, TrainConfig
+from toolkit.megatron import ALIASES
+from toolkit.pretraining import TrainConfig
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds worker processes in /proc")
 

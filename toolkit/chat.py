@@ -1,15 +1,18 @@
-"""Conversations: the file schema of instruction tuning, the chat template, and the loss mask.
+"""Conversations: the file schema of instruction tuning, the chat template, the loss mask, and the
+history of a chat. Instruction tuning's objective is toolkit/sft.py's.
 
-The template gives each role a token and ends every turn with one more, all four new rows of the token
-embedding (as GPT-1's tasks add theirs, toolkit/tasks.py), so no text a user types can forge a turn:
+The template gives each role a token and ends every turn with one more, all four new rows of the
+token embedding (as GPT-1's tasks add theirs, toolkit/tasks.py), so no text a user types can forge a
+turn:
 
-    <|system|> You answer briefly. <|end|> <|user|> What is a tuple? <|end|> <|assistant|> An immutable ... <|end|>
+    <|system|> Answer briefly. <|end|> <|user|> What is a tuple? <|end|> <|assistant|> A ... <|end|>
 
-Instruction tuning (finetune.py --task sft) sees one conversation as one sequence and learns only the assistant
-turns: the loss covers each assistant turn's content tokens and its <|end|> (so the model learns to answer and to
-stop), never a system or user token or a role token. A conversation longer than the block size plus one token is
-cut at its end (its later tokens are lost); one left with no assistant token is left out; both are counted.
-Chat (test.py --chat) prompts with the history followed by <|assistant|> and reads the reply up to <|end|>.
+Instruction tuning (finetune.py --task sft) sees one conversation as one sequence
+and learns only the assistant turns: the loss covers each assistant turn's content tokens and its
+<|end|> (so the model learns to answer and to stop), never a system or user token or a role token.
+A conversation longer than the block size plus one token is cut at its end (its later tokens are
+lost); one left with no assistant token is left out; both are counted. Chat (test.py --chat)
+prompts with the history followed by <|assistant|> and reads the reply up to <|end|>.
 """
 from dataclasses import dataclass
 
@@ -33,7 +36,8 @@ class Conversation:
 
 
 def add_chat_tokens(model: GPT, tokenizer: Tokenizer) -> dict[str, int]:
-    """The template's four tokens as new rows of the model's (tied) embedding and ids of the tokenizer."""
+    """The template's four tokens as new rows of the model's (tied) embedding and ids of the
+    tokenizer."""
     return add_tokens(model, tokenizer, CHAT_TOKENS)
 
 
@@ -44,19 +48,24 @@ def is_chat_tokenizer(tokenizer: Tokenizer) -> bool:
 # ----- files -----
 
 def messages_of(record) -> list[dict]:
-    """The messages of one line: {"messages": [{"role", "content"}, ...]} or the shorthand {"prompt", "response"}
-    (a user turn and the assistant's answer); a problem is a ValueError saying what is wrong."""
-    if isinstance(record, dict) and "messages" not in record and {"prompt", "response"} <= record.keys():
+    """The messages of one line: {"messages": [{"role", "content"}, ...]} or the shorthand
+    {"prompt", "response"} (a user turn and the assistant's answer); a problem is a ValueError
+    saying what is wrong."""
+    is_object = isinstance(record, dict)
+    if is_object and "messages" not in record and {"prompt", "response"} <= record.keys():
         record = {"messages": [{"role": "user", "content": record["prompt"]},
                                {"role": "assistant", "content": record["response"]}]}
-    if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
-        raise ValueError('expected {"messages": [{"role": ..., "content": ...}, ...]} or {"prompt": ..., '
-                         '"response": ...}')
+    has_messages = is_object and isinstance(record.get("messages"), list) and record["messages"]
+    if not has_messages:
+        raise ValueError('expected {"messages": [{"role": ..., "content": ...}, ...]} or '
+                         '{"prompt": ..., "response": ...}')
     for i, message in enumerate(record["messages"]):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        is_message = isinstance(message, dict) and {"role", "content"} <= message.keys()
+        if not is_message:
             raise ValueError(f"message {i} is not an object with role and content")
         if message["role"] not in ROLES:
-            raise ValueError(f"message {i} has the unknown role {message['role']!r} (roles: {', '.join(ROLES)})")
+            raise ValueError(f"message {i} has the unknown role {message['role']!r} (roles: "
+                             f"{', '.join(ROLES)})")
         if not isinstance(message["content"], str):
             raise ValueError(f"message {i} ({message['role']}) has content that is not a string")
     if not any(m["role"] == "assistant" for m in record["messages"]):
@@ -65,7 +74,8 @@ def messages_of(record) -> list[dict]:
 
 
 def read_conversations(path: str) -> list[tuple[int, list[dict]]]:
-    """(line number, messages) of each non-blank line of a JSON-lines file; a problem names the file and line."""
+    """(line number, messages) of each non-blank line of a JSON-lines file; a problem names the file
+    and line."""
     conversations = []
     for number, record in json_lines(path):
         try:
@@ -85,28 +95,32 @@ def turn_ids(message: dict, tokenizer: Tokenizer) -> list[int]:
     return [special[f"<|{message['role']}|>"], *tokenizer.encode(message["content"]), special[END]]
 
 
-def encode_conversation(messages: list[dict], tokenizer: Tokenizer, block_size: int) -> Conversation:
+def encode_conversation(messages: list[dict], tokenizer: Tokenizer,
+                        block_size: int) -> Conversation:
     ids, trained = [], []
     for message in messages:
         turn = turn_ids(message, tokenizer)
         ids += turn
         learnt = message["role"] == "assistant"
-        trained += [False] + [learnt] * (len(turn) - 1)  # the role token is given, the content and end are learnt
+        trained += [False] + [learnt] * (len(turn) - 1)  # the role token is given, the rest learnt
     keep = block_size + 1  # block_size inputs, each with the next token as its target
     return Conversation(ids[:keep], trained[:keep], len(ids) > keep)
 
 
 def encode_conversations(conversations: list[tuple[int, list[dict]]], tokenizer: Tokenizer,
                          block_size: int) -> tuple[list[Conversation], int]:
-    """The encoded conversations that still hold an assistant token after the cut, and how many were left out."""
-    encoded = [encode_conversation(messages, tokenizer, block_size) for _, messages in conversations]
+    """The encoded conversations that still hold an assistant token after the cut, and how many were
+    left out."""
+    encoded = [encode_conversation(messages, tokenizer, block_size)
+               for _, messages in conversations]
     kept = [c for c in encoded if any(c.trained[1:])]
     return kept, len(encoded) - len(kept)
 
 
-def pad_conversations(conversations: list[Conversation], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(idx, targets) right-padded to the longest: each position's target is the next token where that token is
-    learnt, else -1 (ignored by the loss), padding included."""
+def pad_conversations(conversations: list[Conversation],
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(idx, targets) right-padded to the longest: each position's target is the next token where
+    that token is learnt, else -1 (ignored by the loss), padding included."""
     width = max(len(c.ids) for c in conversations) - 1
     idx = torch.zeros(len(conversations), width, dtype=torch.long)
     targets = torch.full_like(idx, -1)
@@ -122,14 +136,15 @@ def trained_tokens(conversations: list[Conversation]) -> int:
 
 
 def chat_prompt(history: list[dict], tokenizer: Tokenizer) -> list[int]:
-    """The tokens that ask for the next assistant turn: every turn of the history, then <|assistant|>."""
+    """The tokens that ask for the next assistant turn: every turn of the history, then
+    <|assistant|>."""
     ids = [token for message in history for token in turn_ids(message, tokenizer)]
     return ids + [tokenizer.special_tokens["<|assistant|>"]]
 
 
 def fit_history(history: list[dict], tokenizer: Tokenizer, room: int) -> tuple[list[dict], int]:
-    """The history without its oldest turns (a system turn at the start stays) until its prompt takes at most
-    room tokens; and how many turns were dropped."""
+    """The history without its oldest turns (a system turn at the start stays) until its prompt
+    takes at most room tokens; and how many turns were dropped."""
     system = history[:1] if history and history[0]["role"] == "system" else []
     turns = history[len(system):]
     dropped = 0

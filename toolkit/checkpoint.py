@@ -1,4 +1,5 @@
-"""The ckpt.pt format and weight files: written atomically, read without running code, checked before use.
+"""The ckpt.pt format and weight files: written atomically, read without running code, checked
+before use.
 
 `ckpt.pt` (train.py, train_ddp.py) is a plain dict saved with torch.save:
     model          the weights: a plain state dict without torch.compile's `_orig_mod.` prefix (nanoGPT's layout)
@@ -9,16 +10,17 @@
     best_val_loss, history (the loss curve)
     optimizer, scaler, rng   what exact resume needs (scaler is None unless float16)
 
-Fine-tuned checkpoints add `head` (the task head's weights) and `finetune` (the task's facts). A LoRA checkpoint
-has `lora` and `adapters` in place of `model` (toolkit/lora.py: the weights are its base's plus the adapters).
-Weight files are what HF folders and DeepSpeed's zero_to_fp32 write: pytorch_model.bin, model.safetensors,
-sharded folders.
-DeepSpeed's own folder is toolkit/ds_checkpoint.py's; toolkit/load.py reads any of them.
+Fine-tuned checkpoints add `head` (the task head's weights) and `finetune` (the task's facts). A
+LoRA checkpoint has `lora` and `adapters` in place of `model` (toolkit/lora.py: the weights are its
+base's plus the adapters). Weight files are what HF folders and DeepSpeed's zero_to_fp32 write:
+pytorch_model.bin, model.safetensors, sharded folders. DeepSpeed's own folder is
+toolkit/ds_checkpoint.py's; toolkit/load.py reads any of them.
 """
 import os
 import pickle
 import warnings
 import zipfile
+from dataclasses import asdict
 
 import torch
 
@@ -62,12 +64,18 @@ def restore_rng(rng: dict, device: torch.device) -> None:
 
 def make_checkpoint(state: dict, model: torch.nn.Module, optimizer: dict | None, scaler: dict | None,
                     rng: dict) -> dict:
-    """The ckpt.pt dict: the training state (STATE_KEYS, and what else a trainer keeps, e.g. a task head) plus
-    the weights, optimizer, scaler and RNG states."""
+    """The ckpt.pt dict: the training state (STATE_KEYS, and what else a trainer keeps, e.g. a task
+    head) plus the weights, optimizer, scaler and RNG states."""
     missing = [k for k in STATE_KEYS if k not in state]
     assert not missing, missing
     weights = {} if "adapters" in state else {"model": clean_state_dict(model.state_dict())}
     return {**state, **weights, "optimizer": optimizer, "scaler": scaler, "rng": rng}
+
+
+def run_state(model: GPT, cfg, tokenizer: dict) -> dict:
+    """What every checkpoint holds besides the weights and the loop's state: the model's shape, the
+    run's options and the tokenizer facts."""
+    return {"model_config": asdict(model.config), "train_config": asdict(cfg), "tokenizer": tokenizer}
 
 
 def save_checkpoint(checkpoint: dict, path: str) -> None:
@@ -82,20 +90,22 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict
     checkpoint = load_plain(path, map_location)
     if not isinstance(checkpoint, dict) or "model_config" not in checkpoint or not ("model" in checkpoint or
                                                                                     "adapters" in checkpoint):
-        raise CLIError(f"{path} is not a checkpoint of this toolkit (needs keys model_config and model, or "
-                       f"adapters)")
+        raise CLIError(f"{path} is not a checkpoint of this toolkit (needs keys model_config and "
+                       "model, or adapters)")
     return checkpoint
 
 
 def load_plain(path: str, map_location="cpu", allowed: tuple = ()):
-    """torch.load(weights_only=True): tensors and plain data (plus the `allowed` classes), or a CLIError."""
+    """torch.load(weights_only=True): tensors and plain data (plus the `allowed` classes), or a
+    CLIError."""
     try:
         with warnings.catch_warnings(), torch.serialization.safe_globals(list(allowed)):
             warnings.simplefilter("ignore")  # e.g. about the pickle protocol of files torch.save did not write
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
-        raise CLIError(f"{path} holds Python objects other than tensors and plain data, which are never "
-                       f"unpickled; it is not a checkpoint this toolkit can read safely") from None
+        raise CLIError(f"{path} holds Python objects other than tensors and plain data, which are "
+                       "never unpickled; it is not a checkpoint this toolkit can read "
+                       "safely") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
         raise CLIError(f"{path} is truncated or corrupt ({type(e).__name__})") from None
 
@@ -110,11 +120,13 @@ def load_weights(model: GPT, weights: dict, source: str) -> None:
     try:
         model.load_state_dict({k: v.float() for k, v in weights.items()})
     except (RuntimeError, AttributeError) as e:
-        raise CLIError(f"the weights in {source} do not fit its model config: {str(e).splitlines()[0]}") from None
+        raise CLIError(f"the weights in {source} do not fit its model config: "
+                       f"{str(e).splitlines()[0]}") from None
 
 
 def model_from_weights(model_config: dict, weights: dict, source: str, **overrides) -> GPT:
-    """A GPT of model_config with the given weights; overrides change e.g. attn_kernel or dropout."""
+    """A GPT of model_config with the given weights; overrides change e.g. attn_kernel or
+    dropout."""
     try:
         config = GPTConfig(**{**model_config, **overrides})
         check_memory(config)
@@ -128,8 +140,8 @@ def model_from_weights(model_config: dict, weights: dict, source: str, **overrid
 def model_from_checkpoint(checkpoint: dict, source: str = "checkpoint", **overrides) -> GPT:
     """Build a GPT from a ckpt.pt dict's config and weights."""
     if "model" not in checkpoint:
-        raise CLIError(f"{source} holds LoRA adapters, not full weights; read it with toolkit.load.load_model, or "
-                       f"merge it first (finetune.py --merge-lora)")
+        raise CLIError(f"{source} holds LoRA adapters, not full weights; read it with "
+                       "toolkit.load.load_model, or merge it first (finetune.py --merge-lora)")
     return model_from_weights(checkpoint["model_config"], checkpoint["model"], source, **overrides)
 
 
@@ -143,7 +155,8 @@ def read_weights_file(path: str) -> dict[str, torch.Tensor]:
         try:
             state = load_file(path)
         except (SafetensorError, OSError) as e:
-            raise CLIError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]})") from None
+            raise CLIError(f"{path} is not a readable safetensors file "
+                           f"({str(e).splitlines()[0]})") from None
     else:
         state = load_plain(path)
     if isinstance(state, dict) and isinstance(state.get("module"), dict):
@@ -154,7 +167,8 @@ def read_weights_file(path: str) -> dict[str, torch.Tensor]:
 
 
 def read_weights(path: str) -> dict[str, torch.Tensor]:
-    """A weights file, or a folder holding one (or shards listed in an index), as HF and zero_to_fp32 write."""
+    """A weights file, or a folder holding one (or shards listed in an index), as HF and
+    zero_to_fp32 write."""
     if os.path.isfile(path):
         return read_weights_file(path)
     for index_name in INDEX_FILES:

@@ -1,4 +1,5 @@
-"""How a script meets its user: argument parsers, and bad input as one line on stderr, never a traceback.
+"""How a script meets its user: argument parsers, and bad input as one line on stderr, never a
+traceback.
 
     if __name__ == "__main__":
         cli.run(main)              # one process: `error: ...` and exit 1 on bad input
@@ -11,14 +12,14 @@ import os
 import signal
 import sys
 import time
-from typing import Callable
-
+from collections.abc import Callable
 
 _at_end: list[Callable[[], None]] = []  # what run() does when main() ends, however it ends
 
 
 class CLIError(Exception):
-    """A problem with the user's input or files; printed as `error: <message>` with exit status 1."""
+    """A problem with the user's input or files; printed as `error: <message>` with exit status
+    1."""
 
 
 def at_end(action: Callable[[], None]) -> None:
@@ -28,22 +29,23 @@ def at_end(action: Callable[[], None]) -> None:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser, whose usage errors are one line too: `error: ... (see --help)`, exit status 2."""
+    """argparse's parser, whose usage errors are one line too: `error: ... (see --help)`, exit
+    status 2."""
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def argument_parser(description: str | None) -> ArgumentParser:
-    """A parser that keeps the description's layout and takes no abbreviations: with prefix matching, Megatron's
-    --save would be read as a prefix of --save-interval."""
+    """A parser that keeps the description's layout and takes no abbreviations: with prefix
+    matching, Megatron's --save would be read as a prefix of --save-interval."""
     return ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                           allow_abbrev=False)
 
 
 def error_message(error: Exception) -> str:
-    """The one line a user sees for an error: its text, or for an operating-system error the file and the cause in
-    words (`data/x: no such file or directory`), never `[Errno N]`."""
+    """The one line a user sees for an error: its text, or for an operating-system error the file
+    and the cause in words (`data/x: no such file or directory`), never `[Errno N]`."""
     if isinstance(error, OSError) and error.strerror:
         cause = error.strerror.lower()
         if error.errno == errno.ENOSPC:
@@ -53,8 +55,9 @@ def error_message(error: Exception) -> str:
 
 
 def run(main: Callable[[], None]) -> None:
-    """Run a script's main(); user-facing errors (CLIError, ValueError, OSError) print one line and exit 1.
-    SIGTERM interrupts like Ctrl-C, so the script's cleanup (temporary files) runs either way."""
+    """Run a script's main(); user-facing errors (CLIError, ValueError, OSError) print one line and
+    exit 1. SIGTERM interrupts like Ctrl-C, so the script's cleanup (temporary files) runs either
+    way."""
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         main()
@@ -75,8 +78,9 @@ def _interrupt(signum, frame):
 
 
 def report_distributed_error(message: str) -> None:
-    """In a process group: rank 0 prints the error; another rank prints its own only when rank 0 did not
-    report the same one (e.g. data missing on one node only), found through the group's key-value store."""
+    """In a process group: rank 0 prints the error; another rank prints its own only when rank 0 did
+    not report the same one (e.g. data missing on one node only), found through the group's
+    key-value store."""
     import torch.distributed as dist
     rank = int(os.environ.get("RANK", "0"))
     key = "cli_error/0"
@@ -99,8 +103,9 @@ def report_distributed_error(message: str) -> None:
 
 
 def stop_torchrun_restarts() -> None:
-    """torchrun restarts failed workers while --max-restarts allows, and a bad input would fail (and print) the
-    same way each time: after reporting it, local rank 0 asks its torchrun agent to stop the job instead."""
+    """torchrun restarts failed workers while --max-restarts allows, and a bad input would fail (and
+    print) the same way each time: after reporting it, local rank 0 asks its torchrun agent to stop
+    the job instead."""
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
         return
     if os.environ.get("LOCAL_RANK") == "0":
@@ -110,8 +115,9 @@ def stop_torchrun_restarts() -> None:
 
 
 def run_distributed(main: Callable[[], None]) -> None:
-    """run()'s contract in every rank of a launcher (torchrun, deepspeed, mpirun): user errors are one line from
-    rank 0, a lost peer is one line, and the process group is always destroyed before the non-zero exit."""
+    """run()'s contract in every rank of a launcher (torchrun, deepspeed, mpirun): user errors are
+    one line from rank 0, a lost peer is one line, and the process group is always destroyed before
+    the non-zero exit."""
     import torch.distributed as dist
     status = 0
     try:
@@ -125,7 +131,8 @@ def run_distributed(main: Callable[[], None]) -> None:
             raise
         if int(os.environ.get("RANK", "0")) == 0:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"error: lost contact with another process ({first})", file=sys.stderr, flush=True)
+            print("error: lost contact with another process "
+                  f"({first})", file=sys.stderr, flush=True)
         status = 1
     except KeyboardInterrupt:  # a second SIGINT/SIGTERM while saving
         if int(os.environ.get("RANK", "0")) == 0:

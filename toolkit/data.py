@@ -1,7 +1,8 @@
 """
-The on-disk token formats, both ways, and batches of random windows for training.
+The token formats on disk as the trainers read them, and batches: random windows for pretraining,
+epochs of examples for fine-tuning. toolkit/writers.py writes the formats (tokenizer.py).
 
-Formats (tokenizer.py writes them, the trainers read them):
+Formats:
   * nanoGPT: a folder with train.bin and val.bin (raw token ids, uint16 or uint32, no header) and
     meta.json (tokenizer facts, dtype and token counts).
   * Megatron-LM's MMapIndexedDataset: PREFIX.bin (token ids of all documents) + PREFIX.idx (34-byte
@@ -13,10 +14,9 @@ Formats (tokenizer.py writes them, the trainers read them):
     offsets = window_offsets(len(corpus.train), block_size, batch_size, seed, step=iter_num)
     x, y = get_batch(corpus.train, offsets, block_size, device)
 
-Windows are drawn from (seed, step, stream) alone, so every run and every DDP rank sees the same global
-draw; each rank takes its own slice of it.
+Windows are drawn from (seed, step, stream) alone, so every run and every DDP rank sees the same
+global draw; each rank takes its own slice of it.
 """
-import hashlib
 import os
 import struct
 import sys
@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from toolkit import distributed
 from toolkit.cli import CLIError
-from toolkit.files import atomic_write, make_folder, read_json, temporary_name, write_json
+from toolkit.files import read_json
 from toolkit.gpt2_vocab import GPT2_FACTS
 
 
@@ -45,7 +46,8 @@ MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int6
 
 
 def megatron_document_prefix(output_prefix: str, json_key: str = "text") -> str:
-    """The file prefix Megatron's preprocess_data.py writes for --output-prefix: PREFIX_text_document."""
+    """The file prefix Megatron's preprocess_data.py writes for --output-prefix:
+    PREFIX_text_document."""
     return f"{output_prefix}_{json_key}_document"
 
 
@@ -54,13 +56,14 @@ def megatron_document_prefix(output_prefix: str, json_key: str = "text") -> str:
 
 
 def load_corpus(path: str, split: str = "969,30,1") -> Corpus:
-    """Memory-map a prepared corpus: a nanoGPT folder, or a Megatron prefix (P, P.bin, P.idx, or a folder holding one
-    pair).
+    """Memory-map a prepared corpus: a nanoGPT folder, or a Megatron prefix (P, P.bin, P.idx, or a
+    folder holding one pair).
 
-    nanoGPT data comes split already (train.bin / val.bin). Megatron data is one stream of documents, split like
-    Megatron's --split "969,30,1": the first 96.9% of the documents train, the next 3% are val (the last 0.1%, test,
-    is not used here). Counts are rounded as Megatron does; val gets at least one document (taken from the end of
-    train) when there are two or more. Both parts are contiguous token ranges of the .bin (found via the .idx).
+    nanoGPT data comes split already (train.bin / val.bin). Megatron data is one stream of
+    documents, split like Megatron's --split "969,30,1": the first 96.9% of the documents train, the
+    next 3% are val (the last 0.1%, test, is not used here). Counts are rounded as Megatron does;
+    val gets at least one document (taken from the end of train) when there are two or more. Both
+    parts are contiguous token ranges of the .bin (found via the .idx).
     """
     if os.path.isdir(path):
         if any(os.path.exists(os.path.join(path, name)) for name in NANOGPT_FILES):
@@ -69,15 +72,16 @@ def load_corpus(path: str, split: str = "969,30,1") -> Corpus:
                           if name.endswith(".idx") and os.path.exists(os.path.join(path, name[:-4] + ".bin")))
         if len(prefixes) != 1:
             found = f"{len(prefixes)} Megatron .bin/.idx pairs ({', '.join(prefixes)})" if prefixes else "neither"
-            raise CLIError(f"{path} should hold train.bin/val.bin/meta.json or one Megatron .bin/.idx pair; "
-                           f"found {found}")
+            raise CLIError(f"{path} should hold train.bin/val.bin/meta.json or one Megatron "
+                           f".bin/.idx pair; found {found}")
         return load_megatron(os.path.join(path, prefixes[0]), split)
     prefix = path[:-4] if path.endswith((".bin", ".idx")) else path
     if os.path.exists(prefix + ".idx") or os.path.exists(prefix + ".bin"):
         return load_megatron(prefix, split)
     if os.path.exists(megatron_document_prefix(prefix) + ".idx"):  # the --output-prefix given to tokenizer.py
         return load_megatron(megatron_document_prefix(prefix), split)
-    raise CLIError(f"data not found: {path} (expected a folder with train.bin/val.bin/meta.json or a Megatron prefix)")
+    raise CLIError(f"data not found: {path} (expected a folder with train.bin/val.bin/meta.json or "
+                   "a Megatron prefix)")
 
 
 def read_meta(path: str) -> dict:
@@ -101,7 +105,8 @@ def memmap_tokens(path: str, dtype: np.dtype) -> np.ndarray:
 def load_nanogpt(folder: str) -> Corpus:
     for name in NANOGPT_FILES:
         if not os.path.isfile(os.path.join(folder, name)):
-            raise CLIError(f"{os.path.join(folder, name)} is missing (prepare the data with tokenizer.py)")
+            raise CLIError(f"{os.path.join(folder, name)} is missing (prepare the data with "
+                           "tokenizer.py)")
     meta = read_meta(os.path.join(folder, "meta.json"))
     dtype = meta.get("dtype", "uint16")
     if dtype not in ("uint16", "uint32"):
@@ -112,8 +117,8 @@ def load_nanogpt(folder: str) -> Corpus:
         splits[split] = check_token_ids(memmap_tokens(path, np.dtype(dtype)), meta["vocab_size"], path)
         expected = meta.get(f"{split}_tokens")
         if expected is not None and expected != len(splits[split]):
-            raise CLIError(f"{path} holds {len(splits[split]):,} tokens but meta.json records {expected:,} "
-                           f"(truncated or replaced); prepare the data again")
+            raise CLIError(f"{path} holds {len(splits[split]):,} tokens but meta.json records "
+                           f"{expected:,} (truncated or replaced); prepare the data again")
     return Corpus(train=splits["train"], val=splits["val"], meta=meta)
 
 
@@ -121,18 +126,20 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, path: str) -> np.ndarra
     """Every id below vocab_size (checked once here, not in every forward pass)."""
     largest = max((int(tokens[i:i + 2**26].max()) for i in range(0, len(tokens), 2**26)), default=0)
     if largest >= vocab_size or (tokens.dtype.kind == "i" and len(tokens) and int(tokens.min()) < 0):
-        raise CLIError(f"{path} holds token ids outside the vocabulary of {vocab_size} (largest {largest}); "
-                       f"the data and its metadata do not belong together")
+        raise CLIError(f"{path} holds token ids outside the vocabulary of {vocab_size} (largest "
+                       f"{largest}); the data and its metadata do not belong together")
     return tokens
 
 
 def read_megatron_index(idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
-    """(dtype, sizes, pointers, doc_idx) of a Megatron MMapIndexedDataset .idx, checked for consistency."""
+    """(dtype, sizes, pointers, doc_idx) of a Megatron MMapIndexedDataset .idx, checked for
+    consistency."""
     file_size = os.path.getsize(idx_path)
     with open(idx_path, "rb") as f:
         header = f.read(MEGATRON_HEADER.size)
     if len(header) < MEGATRON_HEADER.size or not header.startswith(MEGATRON_MAGIC):
-        raise CLIError(f"{idx_path} is not a Megatron index (bad magic or shorter than its 34-byte header)")
+        raise CLIError(f"{idx_path} is not a Megatron index (bad magic or shorter than its 34-byte "
+                       "header)")
     _, version, code, n, doc_count = MEGATRON_HEADER.unpack(header)
     if version != 1:
         raise CLIError(f"{idx_path}: unsupported index version {version} (expected 1)")
@@ -156,17 +163,19 @@ def read_megatron_index(idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray
 
 
 def megatron_split(n_docs: int, split: str) -> tuple[int, int]:
-    """Document boundaries (end of train, end of val) for Megatron's --split weights, e.g. "969,30,1"."""
+    """Document boundaries (end of train, end of val) for Megatron's --split weights, e.g.
+    "969,30,1"."""
     try:
         weights = [float(w) for w in split.replace("/", ",").split(",")]
     except ValueError:
-        raise CLIError(f"split {split!r} is not comma-separated numbers like 969,30,1")
+        raise CLIError(f"split {split!r} is not comma-separated numbers like 969,30,1") from None
     weights = (weights + [0.0, 0.0])[:3]
     if min(weights) < 0 or sum(weights) <= 0:
         raise CLIError(f"split {split!r} needs non-negative weights with a positive sum")
     if n_docs < 2:
         raise CLIError(f"need at least 2 documents to split into train and val, got {n_docs}")
-    # Megatron's get_train_valid_test_split_: rounded cumulative counts, rounding error taken off every boundary
+    # Megatron's get_train_valid_test_split_: rounded cumulative counts, rounding error taken off every
+    # boundary
     bounds = [0]
     for w in weights:
         bounds.append(bounds[-1] + int(round(w / sum(weights) * n_docs)))
@@ -188,7 +197,8 @@ def load_megatron(prefix: str, split: str) -> Corpus:
     bin_size = os.path.getsize(prefix + ".bin")
     end = pointers[-1] + sizes[-1] * dtype.itemsize if len(pointers) else 0
     if bin_size != n_tokens * dtype.itemsize or (len(pointers) and end != bin_size):
-        raise CLIError(f"{prefix}.bin has {bin_size} bytes but {prefix}.idx describes {n_tokens} {dtype.name} tokens")
+        raise CLIError(f"{prefix}.bin has {bin_size} bytes but {prefix}.idx describes {n_tokens} "
+                       f"{dtype.name} tokens")
     tokens = memmap_tokens(prefix + ".bin", dtype)
     train_end, val_end = megatron_split(len(doc_idx) - 1, split)
 
@@ -201,7 +211,8 @@ def load_megatron(prefix: str, split: str) -> Corpus:
     else:
         if dtype != np.uint16:
             raise CLIError(f"{prefix}.json (tokenizer facts) is missing and {dtype.name} tokens are not GPT-2's")
-        print(f"warning: {prefix}.json is missing; assuming the GPT-2 tokenizer (Megatron's preprocess_data.py)",
+        print(f"warning: {prefix}.json is missing; assuming the GPT-2 tokenizer (Megatron's "
+              "preprocess_data.py)",
               file=sys.stderr)
         meta = dict(GPT2_FACTS)
     check_token_ids(tokens, meta["vocab_size"], prefix + ".bin")
@@ -217,19 +228,19 @@ def load_megatron(prefix: str, split: str) -> Corpus:
 
 
 def window_offsets(n_tokens: int, block_size: int, count: int, seed: int, step: int, stream: int = 0) -> np.ndarray:
-    """Start offsets of count random windows of block_size+1 tokens; the same for a given (seed, step, stream)
-    everywhere."""
+    """Start offsets of count random windows of block_size+1 tokens; the same for a given (seed,
+    step, stream) everywhere."""
     if n_tokens < block_size + 1:
-        raise CLIError(f"data has {n_tokens} tokens, shorter than one window of block_size+1 = {block_size + 1} "
-                       f"tokens; use a smaller --block-size")
+        raise CLIError(f"data has {n_tokens} tokens, shorter than one window of block_size+1 = "
+                       f"{block_size + 1} tokens; use a smaller --block-size")
     rng = np.random.Generator(np.random.PCG64([seed, step, stream]))
     return rng.integers(0, n_tokens - block_size, size=count, dtype=np.int64)
 
 
 def get_batch(tokens: np.ndarray, offsets: np.ndarray, block_size: int,
               device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs x = tokens[o:o+T] and targets y = tokens[o+1:o+T+1] per offset, int64 tensors of shape (B, T) on
-    device."""
+    """Inputs x = tokens[o:o+T] and targets y = tokens[o+1:o+T+1] per offset, int64 tensors of shape
+    (B, T) on device."""
     # one gather of every window (B, T+1) from the memmap, far cheaper than nanoGPT's per-row torch.stack;
     # x and y are two views of it
     windows = torch.from_numpy(tokens[np.asarray(offsets)[:, None] + np.arange(block_size + 1)].astype(np.int64))
@@ -239,152 +250,24 @@ def get_batch(tokens: np.ndarray, offsets: np.ndarray, block_size: int,
     return x.to(device), y.to(device)
 
 
-# -----------------------------------------------------------------------------
-# Writing: temporary files next to the outputs, renamed to the final names only on success
+def epoch_batches(n: int, global_batch: int, micro_batches: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """Fine-tuning's global batches of an epoch of n examples, in an order drawn from (seed, epoch)
+    alone, so every rank and every run sees the same; a last batch with fewer examples than
+    micro-batches is left out."""
+    order = np.random.Generator(np.random.PCG64([seed, epoch])).permutation(n)
+    batches = [order[i : i + global_batch] for i in range(0, n, global_batch)]
+    return batches if len(batches[-1]) >= micro_batches else batches[:-1]
 
 
-def write_nanogpt(folder: str, train: np.ndarray, val: np.ndarray, meta: dict) -> dict:
-    """A nanoGPT folder from two token arrays (already split); returns the meta.json written."""
-    make_folder(folder)
-    meta = {"format": "nanogpt", **meta, "dtype": train.dtype.name, "train_tokens": len(train), "val_tokens": len(val)}
-    for name, ids in (("train.bin", train), ("val.bin", val)):
-        atomic_write(os.path.join(folder, name), ids.tofile)
-    write_json(os.path.join(folder, "meta.json"), meta)  # last: its presence means complete
-    return meta
+def step_batches(step: int, n: int, cfg, steps_per_epoch: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(the example indices of a step's global batch, this rank's micro-batches of it); cfg gives
+    batch_size, grad_accum and seed."""
+    epoch, index = divmod(step, steps_per_epoch)
+    batch = epoch_batches(n, cfg.batch_size * cfg.grad_accum, cfg.grad_accum, cfg.seed, epoch)[index]
+    micro_steps = cfg.grad_accum // distributed.world_size()
+    return batch, np.array_split(batch, cfg.grad_accum)[distributed.rank() * micro_steps:][:micro_steps]
 
 
-def output_dtype(vocab_size: int, requested: str, fmt: str) -> np.dtype:
-    """uint16 when every id fits, else 32 bits (uint32 for nanoGPT; int32 for Megatron, which has no uint32 code)."""
-    wide = "int32" if fmt == "megatron" else "uint32"
-    name = requested if requested != "auto" else ("uint16" if vocab_size <= 2**16 else wide)
-    if name not in ("uint16", wide):
-        raise CLIError(f"--dtype {name} is not available for --format {fmt} (use uint16 or {wide})")
-    if vocab_size - 1 > np.iinfo(name).max:
-        raise CLIError(f"vocabulary of {vocab_size} ids does not fit --dtype {name}; use --dtype {wide} or auto")
-    return np.dtype(name)
-
-
-def is_val_document(seed: int, index: int, val_fraction: float) -> bool:
-    """Deterministic per (seed, document index), so the split streams and does not depend on --workers."""
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < val_fraction * 2**64
-
-
-class NanoGPTWriter:
-    """train.bin / val.bin (raw token ids) and meta.json in one folder; documents are split by is_val_document.
-    `where` names the output in errors."""
-
-    def __init__(self, out_dir: str, dtype: np.dtype, val_fraction: float, seed: int):
-        make_folder(out_dir, "--output-dir")
-        self.where = out_dir
-        self.final = {name: os.path.join(out_dir, name) for name in NANOGPT_FILES}
-        self.tmp = {name: temporary_name(self.final[name]) for name in ("train.bin", "val.bin")}
-        self.files = {split: open(self.tmp[f"{split}.bin"], "wb+") for split in ("train", "val")}
-        self.dtype, self.val_fraction, self.seed = dtype, val_fraction, seed
-        self.documents = {"train": 0, "val": 0}
-        self.tokens = {"train": 0, "val": 0}
-        self.last_length = {"train": 0, "val": 0}  # tokens of each split's last document
-
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        lengths = lengths[lengths > 0]  # empty documents are dropped
-        first = self.documents["train"] + self.documents["val"]
-        is_val = np.array([is_val_document(self.seed, first + i, self.val_fraction) for i in range(len(lengths))], bool)
-        token_is_val = np.repeat(is_val, lengths)
-        for split, doc_mask, token_mask in (("train", ~is_val, ~token_is_val), ("val", is_val, token_is_val)):
-            if doc_mask.any():
-                self.files[split].write(tokens[token_mask].tobytes())
-                self.documents[split] += int(doc_mask.sum())
-                self.tokens[split] += int(lengths[doc_mask].sum())
-                self.last_length[split] = int(lengths[doc_mask][-1])
-
-    def move_tail(self, source: str, target: str, n: int, documents: int) -> None:
-        """Move the last n tokens (the last `documents` documents) from one split's file to the other's."""
-        f = self.files[source]
-        f.seek(-n * self.dtype.itemsize, os.SEEK_END)
-        self.files[target].write(f.read())
-        f.seek(-n * self.dtype.itemsize, os.SEEK_END)
-        f.truncate()
-        self.documents[source] -= documents
-        self.documents[target] += documents
-        self.tokens[source] -= n
-        self.tokens[target] += n
-
-    def finish(self, meta: dict) -> dict:
-        total = self.documents["train"] + self.documents["val"]
-        if total == 1:  # one text file (e.g. shakespeare's input.txt): its last val_fraction becomes val
-            if self.documents["val"]:  # it was drawn for val: swap the files so it is train's
-                for d in (self.files, self.documents, self.tokens):
-                    d["train"], d["val"] = d["val"], d["train"]
-                self.tmp["train.bin"], self.tmp["val.bin"] = self.tmp["val.bin"], self.tmp["train.bin"]
-            self.move_tail("train", "val", max(1, int(self.tokens["train"] * self.val_fraction)), documents=0)
-        else:
-            for empty, full in (("val", "train"), ("train", "val")):
-                if self.documents[empty] == 0:  # give the empty split one whole document
-                    self.move_tail(full, empty, self.last_length[full], documents=1)
-        meta = {"format": "nanogpt", **meta, "dtype": self.dtype.name, "documents": total,
-                "train_documents": self.documents["train"], "val_documents": self.documents["val"],
-                "train_tokens": self.tokens["train"], "val_tokens": self.tokens["val"],
-                "val_fraction": self.val_fraction, "seed": self.seed}
-        for f in self.files.values():
-            f.close()
-        for name in ("train.bin", "val.bin"):
-            os.replace(self.tmp[name], self.final[name])
-        write_json(self.final["meta.json"], meta)  # last: its presence means complete
-        return meta
-
-    def discard(self) -> None:
-        for f in self.files.values():
-            f.close()
-        for path in self.tmp.values():
-            if os.path.exists(path):
-                os.remove(path)
-
-
-def write_megatron_index(path: str, dtype: np.dtype, sizes: np.ndarray) -> None:
-    """MMapIndexedDataset .idx: header, sizes, byte pointers, doc_idx (one item per document)."""
-    sizes = sizes.astype("<i4")
-    pointers = np.zeros(len(sizes), dtype="<i8")
-    np.cumsum(sizes[:-1].astype("<i8") * dtype.itemsize, out=pointers[1:])
-    doc_idx = np.arange(len(sizes) + 1, dtype="<i8")
-    code = next(c for c, t in MEGATRON_DTYPES.items() if np.dtype(t) == dtype)
-    with open(path, "wb") as f:
-        f.write(MEGATRON_HEADER.pack(MEGATRON_MAGIC, 1, code, len(sizes), len(doc_idx)))
-        f.write(sizes.tobytes())
-        f.write(pointers.tobytes())
-        f.write(doc_idx.tobytes())
-
-
-class MegatronWriter:
-    """{prefix}.bin (token ids) + {prefix}.idx (Megatron MMapIndexedDataset) + {prefix}.json (tokenizer facts)."""
-
-    def __init__(self, prefix: str, dtype: np.dtype):
-        if os.path.dirname(prefix):
-            make_folder(os.path.dirname(prefix), "--output-prefix")
-        self.where = prefix + ".bin"
-        self.final = {ext: prefix + ext for ext in MEGATRON_EXTENSIONS}
-        self.tmp = {ext: temporary_name(self.final[ext]) for ext in (".bin", ".idx")}
-        self.file = open(self.tmp[".bin"], "wb")
-        self.dtype = dtype
-        self.sizes = []  # one int32 array per chunk: the .idx needs all sizes before the pointers
-        self.tokens = 0
-
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        self.file.write(tokens.tobytes())
-        self.sizes.append(lengths[lengths > 0].astype(np.int32))  # empty documents are dropped
-        self.tokens += len(tokens)
-
-    def finish(self, meta: dict) -> dict:
-        sizes = np.concatenate(self.sizes) if self.sizes else np.zeros(0, np.int32)
-        self.file.close()
-        meta = {"format": "megatron", **meta, "dtype": self.dtype.name, "documents": len(sizes), "tokens": self.tokens}
-        write_megatron_index(self.tmp[".idx"], self.dtype, sizes)
-        for ext in (".bin", ".idx"):
-            os.replace(self.tmp[ext], self.final[ext])
-        write_json(self.final[".json"], meta)  # last: its presence means complete
-        return meta
-
-    def discard(self) -> None:
-        self.file.close()
-        for path in self.tmp.values():
-            if os.path.exists(path):
-                os.remove(path)
+def rank_share(n: int) -> np.ndarray:
+    """The indices of this process's contiguous share of n items."""
+    return np.array_split(np.arange(n), distributed.world_size())[distributed.rank()]

@@ -1,12 +1,13 @@
-"""DeepSpeed as a training engine: ds_config.json reconciled with the flags, the ZeRO / pipeline / AutoTP engine
-the loop runs, its checkpoints, and joining the process group of the deepspeed launcher, torchrun or mpirun.
+"""DeepSpeed as the loop's engine (toolkit/training.py's Engine): ds_config.json reconciled with the
+flags, the ZeRO / pipeline / AutoTP engine, its checkpoints in OUT_DIR/ds, and joining the process
+group of the deepspeed launcher, torchrun or mpirun.
 
     init_distributed(cfg, args)
-    trainer = pretraining.setup(cfg, given, DeepSpeedBackend(ds, ds_path, cfg.out_dir, ...))
+    trainer = pretraining.setup(cfg, given, DeepSpeedEngine(ds, ds_path, cfg.out_dir, keep_checkpoints))
+    trainer.fit()
 
-DeepSpeedBackend follows toolkit/pretraining.py's backend protocol; its start() returns itself, an engine with
-train_step, eval_loss, weights_finite and save (toolkit/training.py). Forward, backward, the ZeRO optimizer step
-and the checkpoints in OUT_DIR/ds go through DeepSpeed; the learning rate comes from the loop's schedule.
+Forward, backward and the ZeRO optimizer step go through DeepSpeed; the learning rate comes from the
+loop's schedule.
 """
 import copy
 import datetime
@@ -19,25 +20,25 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from model import GPT, GPTConfig
+from toolkit import distributed
 from toolkit.checkpoint import capture_rng, restore_rng
 from toolkit.cli import CLIError
-from toolkit import distributed
 from toolkit.device import resolve_device, resolve_dtype, set_job_threads
 from toolkit.distributed import free_port
-from toolkit.ds_checkpoint import check_deepspeed_files, prune_deepspeed_tags, read_train_state, to_universal, \
-    write_train_state
+from toolkit.ds_checkpoint import (check_deepspeed_files, prune_deepspeed_tags, read_train_state,
+                                   to_universal, write_train_state)
 from toolkit.optim import decay_groups
 from toolkit.parallel import Layout, autotp_config, check_layout, pipeline_module
 from toolkit.pretraining import TrainConfig, settle_optimizer
 
-# Values that both the flags and the DeepSpeed config can set: (flags, config key, the config value the flags
-# give for W processes, the flag values a config value gives). --grad-accum counts micro-batches over all
-# processes, DeepSpeed's gradient_accumulation_steps those of one process.
+# Values that both the flags and the DeepSpeed config can set: (flags, config key, the config value
+# the flags give for W processes, the flag values a config value gives). --grad-accum counts
+# micro-batches over all processes, DeepSpeed's gradient_accumulation_steps those of one process.
 SHARED_SETTINGS = [
     (("batch_size",), "train_micro_batch_size_per_gpu",
      lambda c, w: c.batch_size, lambda v, w: {"batch_size": int(v)}),
-    (("grad_accum",), "gradient_accumulation_steps",
-     lambda c, w: c.grad_accum / w, lambda v, w: {"grad_accum": int(v) * w}),
+    (("grad_accum",), "gradient_accumulation_steps",  # unset: one micro-batch per process
+     lambda c, w: (c.grad_accum or w) / w, lambda v, w: {"grad_accum": int(v) * w}),
     (("grad_clip",), "gradient_clipping",
      lambda c, w: c.grad_clip, lambda v, w: {"grad_clip": float(v)}),
     (("lr",), "optimizer.params.lr",
@@ -63,7 +64,8 @@ def set_key(ds: dict, key: str, value) -> None:
 
 
 def config_precision(ds: dict) -> str | None:
-    """float32 / bfloat16 / float16 as the config's bf16 and fp16 sections set it; None when it has neither."""
+    """float32 / bfloat16 / float16 as the config's bf16 and fp16 sections set it; None when it has
+    neither."""
     bf16 = ds.get("bf16", ds.get("bfloat16"))
     fp16 = ds.get("fp16")
     if bf16 is None and fp16 is None:
@@ -77,14 +79,15 @@ def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size
               resumed: set[str] = frozenset()) -> tuple[TrainConfig, dict]:
     """Settle every value that both the flags and the DeepSpeed config can set.
 
-    `given` names the flags set on purpose (command line, --config file, or a resumed checkpoint). A value set
-    in only one place is used and copied to the other; set in both and different it is a CLIError. Returns the
-    updated TrainConfig and the complete DeepSpeed config to pass to deepspeed.initialize."""
+    `given` names the flags set on purpose (command line, --config file, or a resumed checkpoint). A
+    value set in only one place is used and copied to the other; set in both and different it is a
+    CLIError. Returns the updated TrainConfig and the complete DeepSpeed config to pass to
+    deepspeed.initialize."""
     cfg, ds = copy.deepcopy(cfg), copy.deepcopy(ds)
     name = os.path.basename(path)
     if ds.get("scheduler"):
-        raise CLIError(f"{name} has a scheduler section; the learning-rate schedule comes from the flags "
-                       f"(--lr, --min-lr, --warmup-iters, --lr-decay-iters): remove it")
+        raise CLIError(f"{name} has a scheduler section; the learning-rate schedule comes from the "
+                       "flags (--lr, --min-lr, --warmup-iters, --lr-decay-iters): remove it")
     ds.setdefault("optimizer", {"type": "AdamW"})
     for flags, key, to_config, from_config in SHARED_SETTINGS:
         value = get_key(ds, key)
@@ -96,18 +99,19 @@ def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size
             if "grad_accum" in mine:
                 shown += f" (micro-batches over all {world_size} processes)"
             if set(mine) <= resumed:
-                raise CLIError(f"{name} sets {key} {value} but the checkpoint was trained with {shown}; give the "
-                               f"flag to change it, or change the config")
-            raise CLIError(f"{name} sets {key} {value} but {shown} was given; they must agree: change one of them "
-                           f"or drop the flag")
+                raise CLIError(f"{name} sets {key} {value} but the checkpoint was trained with "
+                               f"{shown}; give the flag to change it, or change the config")
+            raise CLIError(f"{name} sets {key} {value} but {shown} was given; they must agree: "
+                           "change one of them or drop the flag")
         for flag, flag_value in from_config(value, world_size).items():
             setattr(cfg, flag, flag_value)
-    if cfg.grad_accum % world_size:
-        raise CLIError(f"--grad-accum {cfg.grad_accum} cannot be split across {world_size} processes; "
-                       f"use a multiple of {world_size}")
-    if ds.get("train_batch_size") is not None and ds["train_batch_size"] != cfg.batch_size * cfg.grad_accum:
+    if cfg.grad_accum is not None and cfg.grad_accum % world_size:
+        raise CLIError(f"--grad-accum {cfg.grad_accum} cannot be split across {world_size} "
+                       f"processes; use a multiple of {world_size}")
+    global_batch = cfg.batch_size * (cfg.grad_accum or world_size)
+    if ds.get("train_batch_size") is not None and ds["train_batch_size"] != global_batch:
         raise CLIError(f"{name} sets train_batch_size {ds['train_batch_size']} but the global batch is "
-                       f"{cfg.batch_size} x {cfg.grad_accum} = {cfg.batch_size * cfg.grad_accum}; "
+                       f"{cfg.batch_size} x {cfg.grad_accum or world_size} = {global_batch}; "
                        f"remove train_batch_size (it is derived)")
     for _, key, to_config, _ in SHARED_SETTINGS:  # the flags' values, written into the config DeepSpeed gets
         value = to_config(cfg, world_size)
@@ -115,8 +119,9 @@ def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size
 
     ds_dtype = config_precision(ds)
     if ds_dtype is not None and "dtype" in given and cfg.dtype not in ("auto", ds_dtype):
-        raise CLIError(f"{name} sets precision {ds_dtype} (its bf16/fp16 sections) but --dtype {cfg.dtype} "
-                       f"was given; they must agree: change one of them or drop the flag")
+        raise CLIError(f"{name} sets precision {ds_dtype} (its bf16/fp16 sections) but --dtype "
+                       f"{cfg.dtype} was given; they must agree: change one of them or drop the "
+                       "flag")
     cfg.dtype = ds_dtype or str(resolve_dtype(cfg.dtype, device)).removeprefix("torch.")
     resolve_dtype(cfg.dtype, device)  # a clear error where the CPU has no float16
     ds["bf16"] = {**(ds.pop("bfloat16", None) or ds.get("bf16") or {}), "enabled": cfg.dtype == "bfloat16"}
@@ -130,8 +135,9 @@ def zero_stage(ds: dict) -> int:
 
 
 class DeepSpeedEngine:
-    """Pretraining's backend and, once started, the loop's engine on a DeepSpeed engine: forward, backward, the ZeRO
-    optimizer step and the checkpoints in OUT_DIR/ds go through DeepSpeed."""
+    """The Engine of train_ds.py: made from the DeepSpeed config and the layout, it reads what a run
+    resumes from and settles the options the config also sets; started with the model, it runs
+    DeepSpeed's engine."""
 
     def __init__(self, ds: dict, ds_path: str, out_dir: str, keep_checkpoints: int, pipeline_stages: int = 1,
                  tp_size: int = 1, world_size: int | None = None):
@@ -149,25 +155,27 @@ class DeepSpeedEngine:
         return self.layout.data_parallel_rank(distributed.rank()), self.layout.data_parallel
 
     def read_resume(self) -> dict:
-        """The newest tag's training state. Another number of data-parallel processes resumes through DeepSpeed's
-        universal checkpoint (self.universal); another pipeline or tensor-parallel layout starts anew from the
-        exported weights."""
+        """The newest tag's training state. Another number of data-parallel processes resumes
+        through DeepSpeed's universal checkpoint (self.universal); another pipeline or
+        tensor-parallel layout starts anew from the exported weights."""
         state = read_train_state(self.path)
         saved = (state.get("pipeline_stages", 1), state.get("tp_size", 1))
         if saved != (self.layout.pipeline_stages, self.layout.tp_size):
-            raise CLIError(f"{self.path} was trained with --pipeline-stages {saved[0]} --tp-size {saved[1]}; resume "
-                           f"with the same layout, or start a new run from its weights: python test_ds.py --ckpt "
-                           f"{self.path} --export-hf DIR, then --init-from DIR")
+            raise CLIError(f"{self.path} was trained with --pipeline-stages {saved[0]} --tp-size "
+                           f"{saved[1]}; resume with the same layout, or start a new run from its "
+                           f"weights: python test_ds.py --ckpt {self.path} --export-hf DIR, then "
+                           "--init-from DIR")
         self.universal = state["world_size"] != self.world_size
         if self.universal and (zero_stage(self.ds_input) == 0 or self.layout.model_parallel > 1):
-            raise CLIError(f"{self.path} was written by {state['world_size']} processes but this run has "
-                           f"{self.world_size}; DeepSpeed's universal checkpoint resumes ZeRO stage 1-3 data "
-                           f"parallel only: launch {state['world_size']} processes, or start a new run from its "
-                           f"weights: python test_ds.py --ckpt {self.path} --export-hf DIR, then --init-from DIR")
+            raise CLIError(f"{self.path} was written by {state['world_size']} processes but this "
+                           f"run has {self.world_size}; DeepSpeed's universal checkpoint resumes "
+                           f"ZeRO stage 1-3 data parallel only: launch {state['world_size']} "
+                           "processes, or start a new run from its weights: python test_ds.py "
+                           f"--ckpt {self.path} --export-hf DIR, then --init-from DIR")
         if state.get("zero_stage") != zero_stage(self.ds_input):
             raise CLIError(f"{self.path} was written with ZeRO stage {state.get('zero_stage')} but "
-                           f"{os.path.basename(self.ds_path)} has stage {zero_stage(self.ds_input)}; "
-                           f"resume with the same stage")
+                           f"{os.path.basename(self.ds_path)} has stage "
+                           f"{zero_stage(self.ds_input)}; resume with the same stage")
         check_deepspeed_files(self.path, state["tag"])  # before DeepSpeed unpickles them
         return state
 
@@ -175,8 +183,9 @@ class DeepSpeedEngine:
         cfg.optimizer = "adamw"  # the DeepSpeed config's (train_ds.py offers no other)
         settle_optimizer(cfg)  # --lr, which the config may also set
         if cfg.eval_tasks and self.pipelined:
-            raise CLIError("--eval-tasks needs the model's logits, which a pipeline keeps on its last stage; score "
-                           "an exported checkpoint with eval.py instead (python test_ds.py --export-ckpt PATH)")
+            raise CLIError("--eval-tasks needs the model's logits, which a pipeline keeps on its "
+                           "last stage; score an exported checkpoint with eval.py instead (python "
+                           "test_ds.py --export-ckpt PATH)")
         if "dtype" in resumed:  # the checkpoint's precision stands unless the config says otherwise
             given = given - {"dtype"}
         device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
@@ -192,15 +201,17 @@ class DeepSpeedEngine:
         if self.layout.tp_size > 1:
             given_tp = self.ds_config.get("tensor_parallel", {}).get("autotp_size")
             if given_tp not in (None, self.layout.tp_size):
-                raise CLIError(f"{os.path.basename(self.ds_path)} sets tensor_parallel.autotp_size {given_tp} but "
-                               f"--tp-size {self.layout.tp_size} was given; they must agree")
+                raise CLIError(f"{os.path.basename(self.ds_path)} sets tensor_parallel.autotp_size "
+                               f"{given_tp} but --tp-size {self.layout.tp_size} was given; they "
+                               "must agree")
             self.ds_config["tensor_parallel"] = autotp_config(self.layout.tp_size)
         return cfg
 
-    def start(self, model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, resume: dict | None,
-              loss=None) -> "DeepSpeedEngine":
-        """deepspeed.initialize with the settled config (and the checkpoint's state on resume); the loss is always
-        the model's own (its chunked cross-entropy), as DeepSpeed calls the module itself."""
+    def start(self, model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, loss,
+              resume: dict | None) -> None:
+        """deepspeed.initialize with the settled config (and the checkpoint's state on resume); the
+        loss is always the model's own (its chunked cross-entropy), as DeepSpeed calls the module
+        itself."""
         self.device, self.dtype = device, dtype
         module = pipeline_module(model, self.layout.pipeline_stages) if self.pipelined else model
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
@@ -219,7 +230,6 @@ class DeepSpeedEngine:
                   f"config {self.ds_path}", flush=True)
         if resume is not None:
             self.load(resume["tag"])
-        return self
 
     def load(self, tag: str) -> None:
         from deepspeed.runtime.zero.utils import ZeRORuntimeException
@@ -227,19 +237,21 @@ class DeepSpeedEngine:
         if self.universal:  # rank 0 converts (to OUT_DIR/ds/universal, removed once loaded)
             folder = os.path.join(self.path, "universal")
             if self.master:
-                print(f"resuming on {self.world_size} processes through DeepSpeed's universal checkpoint", flush=True)
+                print(f"resuming on {self.world_size} processes through DeepSpeed's universal "
+                      "checkpoint", flush=True)
                 to_universal(self.path, tag, folder)
             dist.barrier()
         decays = [group.get("weight_decay") for group in self.engine.optimizer.param_groups]
         try:
             path, client_state = self.engine.load_checkpoint(folder, tag=tag)
         except ZeRORuntimeException as e:
-            raise CLIError(f"cannot resume from {self.path}: {str(e).strip().splitlines()[0]}") from None
+            raise CLIError(f"cannot resume from {self.path}: "
+                           f"{str(e).strip().splitlines()[0]}") from None
         if path is None:
             raise CLIError(f"cannot resume: no DeepSpeed checkpoint {tag} in {self.path}")
         restore_rng((client_state or {}).get("rng") or {}, self.device)
-        # DeepSpeed's universal loader (ZeRO-3) gives every param group the first one's settings, which would decay
-        # the biases and LayerNorm gains too: each group keeps its own weight decay
+        # DeepSpeed's universal loader (ZeRO-3) gives every param group the first one's settings, which would
+        # decay the biases and LayerNorm gains too: each group keeps its own weight decay
         for group, decay in zip(self.engine.optimizer.param_groups, decays):
             group["weight_decay"] = decay
         if folder != self.path:
@@ -252,9 +264,9 @@ class DeepSpeedEngine:
         return self.layout.pipeline_stages > 1
 
     def train_step(self, batches: list[tuple[tuple[torch.Tensor, torch.Tensor], float]], lr: float) -> float:
-        """One optimizer step over this process's micro-batches (their weights are equal: DeepSpeed divides by
-        gradient_accumulation_steps itself and averages over the data-parallel ranks); returns this process's share
-        of the step's loss."""
+        """One optimizer step over this process's micro-batches (their weights are equal: DeepSpeed
+        divides by gradient_accumulation_steps itself and averages over the data-parallel ranks);
+        returns this process's share of the step's loss."""
         for group in self.engine.optimizer.param_groups:  # the loop's schedule
             group["lr"] = lr
         share = sum(weight for _, weight in batches)
@@ -265,7 +277,8 @@ class DeepSpeedEngine:
             _, loss = self.engine(x, y, chunked_loss=True)
             self.engine.backward(loss)
             if self.engine.is_gradient_accumulation_boundary() != (i == len(batches) - 1):
-                raise RuntimeError("DeepSpeed's accumulation boundary is out of step with the micro-batches")
+                raise RuntimeError("DeepSpeed's accumulation boundary is out of step with the "
+                                   "micro-batches")
             self.engine.step()  # the optimizer steps (and zeroes the gradients) only at the boundary
             total += loss.detach().float() * weight
         return total.item()
@@ -276,18 +289,21 @@ class DeepSpeedEngine:
         return self.engine(x, y, chunked_loss=True)[1]  # no autocast: DeepSpeed's config owns the precision
 
     def logits_at(self, idx: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """The logits at some positions of a batch: every rank of a replica takes part (ZeRO-3 gathers, AutoTP
-        all-reduces)."""
+        """The logits at some positions of a batch: every rank of a replica takes part (ZeRO-3
+        gathers, AutoTP all-reduces)."""
         return self.engine(idx)[0][rows, cols].float()
 
     def weights_finite(self) -> bool:
-        """This process's share of the weights (its ZeRO-3 partition) holds no NaN or inf, in every process."""
+        """This process's share of the weights (its ZeRO-3 partition) holds no NaN or inf, in every
+        process."""
         local = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in self.engine.module.parameters())
         flag = torch.tensor([float(local)])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    def save(self, state: dict) -> None:
+    def save(self, state: dict, path: str | None = None, resumable: bool | None = None) -> None:
+        """A tag folder global_stepN in path (default: OUT_DIR/ds); always resumable."""
+        folder = path or self.path
         tag = f"global_step{state['iter_num']}"
         state = {**state, "world_size": self.world_size, "zero_stage": zero_stage(self.ds_config),
                  "pipeline_stages": self.layout.pipeline_stages, "tp_size": self.layout.tp_size,
@@ -295,12 +311,12 @@ class DeepSpeedEngine:
         if state["best_val_loss"] == float("inf"):
             state["best_val_loss"] = None  # JSON has no infinity
         if self.master:  # before DeepSpeed writes `latest`, so `latest` never names a folder without it
-            write_train_state(self.path, tag, state)
+            write_train_state(folder, tag, state)
         dist.barrier()
-        self.engine.save_checkpoint(self.path, tag=tag, client_state={**state, "rng": capture_rng(self.device)})
+        self.engine.save_checkpoint(folder, tag=tag, client_state={**state, "rng": capture_rng(self.device)})
         dist.barrier()
         if self.master:
-            prune_deepspeed_tags(self.path, self.keep_checkpoints)
+            prune_deepspeed_tags(folder, self.keep_checkpoints)
 
 
 # what mpirun (OpenMPI, MPICH/Hydra, MVAPICH) sets in each process it starts
@@ -309,22 +325,23 @@ MPI_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COM
 
 
 def discover_mpi() -> None:
-    """Under mpirun: RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR from DeepSpeed's MPI discovery (mpi4py), at
-    MASTER_PORT or 29500; LOCAL_WORLD_SIZE from MPI, for the CPU threads of each process."""
+    """Under mpirun: RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR from DeepSpeed's MPI discovery
+    (mpi4py), at MASTER_PORT or 29500; LOCAL_WORLD_SIZE from MPI, for the CPU threads of each
+    process."""
     try:
         from deepspeed.comm.comm import mpi_discovery
         mpi_discovery(distributed_port=int(os.environ.get("MASTER_PORT", 29500)), verbose=False)
     except ImportError:
-        raise CLIError("started by mpirun, but mpi4py is not installed (DeepSpeed finds the ranks through it): "
-                       "pip install mpi4py") from None
+        raise CLIError("started by mpirun, but mpi4py is not installed (DeepSpeed finds the ranks "
+                       "through it): pip install mpi4py") from None
     local = next((os.environ[v] for v in MPI_LOCAL_SIZE_VARS if v in os.environ), None)
     if local is not None:
         os.environ.setdefault("LOCAL_WORLD_SIZE", local)
 
 
 def init_distributed(cfg: TrainConfig, args) -> None:
-    """Join the process group the launcher describes: the deepspeed launcher or torchrun (RANK, WORLD_SIZE),
-    mpirun (found through MPI), or else a single process (plain python)."""
+    """Join the process group the launcher describes: the deepspeed launcher or torchrun (RANK,
+    WORLD_SIZE), mpirun (found through MPI), or else a single process (plain python)."""
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         if any(v in os.environ for v in MPI_VARS):
             discover_mpi()
@@ -351,9 +368,10 @@ def init_distributed(cfg: TrainConfig, args) -> None:
 
 
 def release_shm_buffer() -> None:
-    """On CPU, DeepSpeed's shared-memory all-reduce creates /dev/shm/deepspeed_allreduce_buffer_* (tens of MB per rank)
-    and never removes it: every run would leak that much RAM until reboot. Once every rank has mapped every
-    buffer (done inside init_distributed), the names can go; the memory is freed when the processes exit."""
+    """On CPU, DeepSpeed's shared-memory all-reduce creates /dev/shm/deepspeed_allreduce_buffer_*
+    (tens of MB per rank) and never removes it: every run would leak that much RAM until reboot.
+    Once every rank has mapped every buffer (done inside init_distributed), the names can go; the
+    memory is freed when the processes exit."""
     dist.barrier()
     name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
             f"{os.environ.get('MASTER_PORT')}_{dist.get_rank()}")

@@ -1,15 +1,20 @@
-"""Where and how the math runs: device, dtype, autocast, CPU kind, threads and allocator, memory, peak FLOP/s.
+"""Where and how the math runs: device, dtype, autocast, CPU kind, threads and allocator, memory,
+peak FLOP/s.
 
 Shared by sampling, the trainers and the benchmarks, so every script makes the same choices.
 """
 import contextlib
 import ctypes
+import functools
 import os
 import sys
+import warnings
 
 import torch
+from torch.nn import functional as F
+from torch.nn.attention import sdpa_kernel
 
-from model import GPTConfig
+from model import GPT, SDPA_KERNELS, GPTConfig
 from toolkit.cli import CLIError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,8 +38,10 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 def cpu_kind() -> str:
-    """The CPU's vector extensions as torch uses them: AMX, AVX512-BF16, AVX512, AVX2 or DEFAULT. torch's
-    capability honours ATEN_CPU_CAPABILITY, so a run restricted to AVX2 on an AVX512 CPU says AVX2."""
+    """The CPU's vector extensions as torch uses them: AMX, AVX512-BF16, AVX512, AVX2 or DEFAULT.
+    torch's capability honours ATEN_CPU_CAPABILITY, so a run restricted to AVX2 on an AVX512 CPU
+    says AVX2.
+    """
     capability = torch.backends.cpu.get_cpu_capability()
     if capability == "AVX512" and torch.cpu._is_amx_tile_supported():
         return "AMX"
@@ -44,7 +51,8 @@ def cpu_kind() -> str:
 
 
 def describe(device: torch.device) -> str:
-    """The device in words for run headers, e.g. 'cpu (AVX512-BF16, 2 threads)' or 'cuda:0 (NVIDIA H200)'."""
+    """The device in words for run headers, e.g. 'cpu (AVX512-BF16, 2 threads)' or 'cuda:0 (NVIDIA
+    H200)'."""
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     if device.type == "cpu":
@@ -53,7 +61,8 @@ def describe(device: torch.device) -> str:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto = bfloat16 where the hardware computes it natively (CUDA Ampere+, AVX512-BF16/AMX CPUs)."""
+    """auto = bfloat16 where the hardware computes it natively (CUDA Ampere+, AVX512-BF16/AMX
+    CPUs)."""
     if name == "auto":
         if device.type == "cuda":
             name = "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
@@ -66,6 +75,31 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+@functools.cache
+def runnable_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, ...]:
+    """The attention kernels that run causal attention for these inputs, found by trying each once."""
+    q = torch.zeros(1, 1, 2, head_dim, device=device, dtype=dtype)
+    runnable = ["auto", "manual"]
+    for name, backend in SDPA_KERNELS.items():
+        try:
+            with warnings.catch_warnings(), sdpa_kernel([backend]):
+                warnings.simplefilter("ignore")  # torch explains each refusal in a warning
+                F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            runnable.append(name)
+        except RuntimeError:
+            pass
+    return tuple(runnable)
+
+
+def check_attn_kernel(model: GPT, device: torch.device, dtype: torch.dtype) -> None:
+    """The model's --attn-kernel runs on this device and dtype (ValueError naming those that do)."""
+    c = model.config
+    runnable = runnable_kernels(device, dtype, c.n_embd // c.n_head)
+    if c.attn_kernel not in runnable:
+        raise ValueError(f"attn_kernel '{c.attn_kernel}' cannot run on {device.type} ({dtype}, head size "
+                         f"{c.n_embd // c.n_head}); available: {', '.join(runnable)}")
+
+
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """Mixed precision context: weights stay float32, matmuls run in dtype."""
     if dtype == torch.float32:
@@ -74,9 +108,10 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
 
 
 def set_job_threads() -> None:
-    """CPU threads of one process in a multi-process job: OMP_NUM_THREADS when set, else the cores shared
-    out over this machine's processes (torchrun sets OMP_NUM_THREADS=1; the deepspeed launcher sets
-    nothing, and N processes that each use every core slow each other down many times over)."""
+    """CPU threads of one process in a multi-process job: OMP_NUM_THREADS when set, else the cores
+    shared out over this machine's processes (torchrun sets OMP_NUM_THREADS=1; the deepspeed
+    launcher sets nothing, and N processes that each use every core slow each other down many times
+    over)."""
     if "OMP_NUM_THREADS" in os.environ:
         threads = int(os.environ["OMP_NUM_THREADS"] or 1)
     else:
@@ -90,8 +125,8 @@ def keep_freed_memory_in_heap() -> None:
 
     By default glibc serves blocks above 32 MB with fresh mmaps that are zero-filled page by page on
     first touch, and gives the heap top back on free; a CPU step that allocates the same big
-    temporaries every time (the GPT-2-vocabulary logits chunks) pays those page faults at every step.
-    Only called for CPU training; no-op off glibc.
+    temporaries every time (the GPT-2-vocabulary logits chunks) pays those page faults at every
+    step. Only called for CPU training; no-op off glibc.
     """
     if not sys.platform.startswith("linux"):
         return
@@ -127,8 +162,10 @@ def available_memory() -> int | None:
 
 
 def check_memory(config: GPTConfig) -> None:
-    """Refuse (ValueError) a model whose float32 weights alone exceed the memory available, before it is built."""
+    """Refuse (ValueError) a model whose float32 weights alone exceed the memory available, before
+    it is built."""
     n, available = config.num_params(non_embedding=False), available_memory()
     if available is not None and 4 * n > available:
-        raise ValueError(f"model config: {n:,} parameters need {4 * n / 2**30:,.1f} GiB for their float32 weights "
-                         f"alone, more than the {available / 2**30:,.1f} GiB of memory available")
+        raise ValueError(f"model config: {n:,} parameters need {4 * n / 2**30:,.1f} GiB for their "
+                         f"float32 weights alone, more than the {available / 2**30:,.1f} GiB of "
+                         "memory available")

@@ -1,4 +1,5 @@
-"""Process groups: joining the one torchrun starts, this process's place in it, and the all-reduce the loop uses.
+"""Process groups: joining the one torchrun starts, this process's place in it, and the all-reduce
+the loop uses.
 
 Everything here also works in a single process (rank 0 of 1), so callers need no special case.
 """
@@ -55,8 +56,8 @@ def add_distributed_flags(parser: argparse.ArgumentParser, backend: bool = True)
         parser.add_argument("--backend", choices=["nccl", "gloo"], default=None,
                             help="process group backend (default: nccl on CUDA, gloo otherwise)")
     parser.add_argument("--timeout", type=float, default=300,
-                        help="seconds a process waits for the others at start-up or in any collective "
-                             "(e.g. while rank 0 saves) before failing (default: 300)")
+                        help="seconds a process waits for the others at start-up or in any "
+                             "collective (e.g. while rank 0 saves) before failing (default: 300)")
 
 
 def launched_by_torchrun() -> bool:
@@ -64,8 +65,8 @@ def launched_by_torchrun() -> bool:
 
 
 def init_torchrun(device_name: str, backend: str | None, timeout: float) -> torch.device:
-    """Check the environment torchrun provides, pick this process's device and the backend, join the process
-    group; returns the device."""
+    """Check the environment torchrun provides, pick this process's device and the backend, join the
+    process group; returns the device."""
     missing = [name for name in TORCHRUN_VARS if name not in os.environ]
     if missing:
         raise CLIError(f"{' '.join(missing)} not set: launch with torchrun --nproc_per_node N ... "
@@ -73,7 +74,8 @@ def init_torchrun(device_name: str, backend: str | None, timeout: float) -> torc
     device = resolve_device(device_name, local_rank())
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
-        raise CLIError(f"--backend nccl needs CUDA devices, but the device is {device}; use --backend gloo")
+        raise CLIError(f"--backend nccl needs CUDA devices, but the device is {device}; use "
+                       "--backend gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:

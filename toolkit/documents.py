@@ -1,5 +1,6 @@
-"""Reading documents: a plain text file is one document, a JSON line is one document; folders are walked in a
-fixed order; .gz, .bz2 and .xz files are decompressed on the fly. tokenizer.py and embed.py read their inputs here.
+"""Reading documents: a plain text file is one document, a JSON line is one document; folders are
+walked in a fixed order; .gz, .bz2 and .xz files are decompressed on the fly. tokenizer.py streams
+its input from here (read_documents); embed.py reads a corpus of texts with ids (read_corpus).
 """
 import bz2
 import fnmatch
@@ -8,8 +9,8 @@ import json
 import lzma
 import os
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from toolkit.cli import CLIError
 
@@ -23,7 +24,8 @@ class ReadStats:
 
 
 def input_files(paths: list[str], pattern: str) -> list[str]:
-    """The files to read, in a fixed order: files as given, directories walked recursively (sorted, glob-filtered)."""
+    """The files to read, in a fixed order: files as given, directories walked recursively (sorted,
+    glob-filtered)."""
     files = []
     for path in paths:
         if os.path.isfile(path):
@@ -60,9 +62,9 @@ def decode_utf8(data: bytes, path: str, offset: int, errors: str, where: str = "
     try:
         return data.decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:
-        raise CLIError(f"{path}{where}: invalid UTF-8 at byte offset {offset + e.start}"
-                       f"{' (after decompression)' if os.path.splitext(path)[1] in COMPRESSED else ''}; "
-                       f"use --errors replace to go on")
+        compressed = " (after decompression)" if os.path.splitext(path)[1] in COMPRESSED else ""
+        raise CLIError(f"{path}{where}: invalid UTF-8 at byte offset {offset + e.start}{compressed}; "
+                       "use --errors replace to go on") from None
 
 
 def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
@@ -100,12 +102,29 @@ def read_documents(files: list[str], key: str = "text", errors: str = "strict", 
                 with open_binary(path) as f:
                     data = f.read()
                 yield decode_utf8(data, path, 0, errors), len(data)
-        except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:  # e.g. a corrupt or truncated .gz/.bz2/.xz
-            raise CLIError(f"cannot read {path}: {e}")
+        except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:  # a corrupt or truncated .gz/.bz2/.xz
+            raise CLIError(f"cannot read {path}: {e}") from None
+
+
+def read_text(path: str, what: str = "file") -> str:
+    """A whole UTF-8 text file (.gz/.bz2/.xz decompressed), or a one-line CLIError naming it
+    (missing, a folder, unreadable, corrupt, not UTF-8)."""
+    if not os.path.isfile(path):
+        raise CLIError(f"{what} not found: {path}")
+    try:
+        with open_binary(path) as f:
+            data = f.read()
+    except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:
+        raise CLIError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CLIError(f"{path} is not UTF-8 text (byte offset {e.start})") from None
 
 
 def read_lines(path: str) -> Iterator[tuple[int, str]]:
-    """(line number, line without its newline) of a text or JSON-lines file, .gz/.bz2/.xz decompressed."""
+    """(line number, line without its newline) of a text or JSON-lines file, .gz/.bz2/.xz
+    decompressed."""
     if not os.path.isfile(path):
         raise CLIError(f"file not found: {path}")
     with open_binary(path) as f:
@@ -117,11 +136,69 @@ def read_lines(path: str) -> Iterator[tuple[int, str]]:
 
 
 def json_lines(path: str) -> Iterator[tuple[int, object]]:
-    """(line number, value) of every non-blank line of a JSON-lines file; a line that is not JSON is a one-line
-    error naming the file and the line."""
+    """(line number, value) of every non-blank line of a JSON-lines file; a line that is not JSON is
+    a one-line error naming the file and the line."""
     for number, line in read_lines(path):
         if line.strip():
             try:
                 yield number, json.loads(line)
             except json.JSONDecodeError as e:
                 raise CLIError(f"{path} line {number}: invalid JSON ({e.msg})") from None
+
+
+# ----- a corpus of texts with ids (embed.py) -----
+
+@dataclass
+class Document:
+    id: str
+    text: str
+    source: str
+    line: int | None  # None: the whole file is the text
+
+    def where(self) -> str:
+        return self.source if self.line is None else f"{self.source} line {self.line}"
+
+
+def json_records(path: str, keys: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) of every non-blank line, each with a string under each key, or a
+    one-line error naming file and line."""
+    for number, record in json_lines(path):
+        if not isinstance(record, dict):
+            raise CLIError(f"{path} line {number}: expected a JSON object")
+        for key in keys:
+            if not isinstance(record.get(key), str):
+                raise CLIError(f"{path} line {number}: no string {key!r} key")
+        yield number, record
+
+
+def record_id(path: str, number: int, value) -> str:
+    """Ids are compared as text, so 7 and "7" name the same document."""
+    if type(value) not in (str, int):
+        raise CLIError(f"{path} line {number}: the id must be a string or an integer, "
+                       f"got {value!r}")
+    return str(value)
+
+
+def read_corpus(path: str, json_key: str, id_key: str, glob: str) -> list[Document]:
+    """The non-blank texts of a text file (one per line), a JSON-lines file (one per line) or a
+    folder (one per file), each with a unique id: a JSON line's id_key, else its line number; a
+    file's path in the folder."""
+    if os.path.isdir(path):
+        documents = [Document(os.path.relpath(file, path), read_text(file), file, None)
+                     for file in input_files([path], glob)]
+    elif is_json_lines(path):
+        documents = []
+        for number, record in json_records(path, (json_key,)):
+            doc_id = record_id(path, number, record[id_key]) if id_key in record else str(number)
+            documents.append(Document(doc_id, record[json_key], path, number))
+    else:
+        documents = [Document(str(number), line, path, number) for number, line in read_lines(path)]
+    documents = [d for d in documents if d.text.strip()]
+    if not documents:
+        raise CLIError(f"no texts in {path}; nothing to encode")
+    first_use = {}
+    for d in documents:
+        if d.id in first_use:
+            raise CLIError(f"{d.where()}: id {d.id!r} is already used by {first_use[d.id]}")
+        first_use[d.id] = d.where()
+    return documents

@@ -1,10 +1,12 @@
-"""DeepSpeed checkpoint folders (train_ds.py's OUT_DIR/ds): read safely, gathered into whole weights in memory.
+"""DeepSpeed checkpoint folders (train_ds.py's OUT_DIR/ds): read safely, gathered into whole weights
+in memory.
 
-The layout is DeepSpeed's own (`latest`, `global_stepN/` with one model-state and one optimizer-state file per
-process, `zero_to_fp32.py`), plus `global_stepN/train_state.json`: the same facts as ckpt.pt without the weights,
-optimizer and rng (DeepSpeed saves those), plus world_size, zero_stage, pipeline_stages, tp_size,
-deepspeed_version and tag. DeepSpeed unpickles its files without restrictions, so every file in a tag folder is
-checked to hold only tensors, plain data and DeepSpeed's own plain types before DeepSpeed is given the folder.
+The layout is DeepSpeed's own (`latest`, `global_stepN/` with one model-state and one
+optimizer-state file per process, `zero_to_fp32.py`), plus `global_stepN/train_state.json`: the same
+facts as ckpt.pt without the weights, optimizer and rng (DeepSpeed saves those), plus world_size,
+zero_stage, pipeline_stages, tp_size, deepspeed_version and tag. DeepSpeed unpickles its files
+without restrictions, so every file in a tag folder is checked to hold only tensors, plain data and
+DeepSpeed's own plain types before DeepSpeed is given the folder.
 """
 import argparse
 import contextlib
@@ -37,10 +39,12 @@ def deepspeed_tags(ds_dir: str) -> list[str]:
 
 
 def latest_tag(ds_dir: str) -> str:
-    """The tag DeepSpeed's `latest` file names (written last by a save, so it names a complete one)."""
+    """The tag DeepSpeed's `latest` file names (written last by a save, so it names a complete
+    one)."""
     path = os.path.join(ds_dir, "latest")
     if not os.path.isfile(path):
-        raise CLIError(f"{ds_dir} has no 'latest' file: not a complete DeepSpeed checkpoint folder of train_ds.py")
+        raise CLIError(f"{ds_dir} has no 'latest' file: not a complete DeepSpeed checkpoint folder "
+                       "of train_ds.py")
     with open(path) as f:
         return f.read().strip()
 
@@ -56,7 +60,8 @@ def read_train_state(ds_dir: str, tag: str | None = None) -> dict:
     tag = tag or latest_tag(ds_dir)
     if not TAG.fullmatch(tag) or not os.path.isdir(os.path.join(ds_dir, tag)):
         tags = deepspeed_tags(ds_dir)
-        raise CLIError(f"{ds_dir} has no checkpoint {tag}; it holds {', '.join(tags) if tags else 'none'}")
+        raise CLIError(f"{ds_dir} has no checkpoint {tag}; it holds "
+                       f"{', '.join(tags) if tags else 'none'}")
     path = os.path.join(ds_dir, tag, STATE_FILE)
     if not os.path.isfile(path):
         raise CLIError(f"{path} not found: {ds_dir}/{tag} was not written by train_ds.py")
@@ -71,8 +76,8 @@ def read_train_state(ds_dir: str, tag: str | None = None) -> dict:
 
 def check_deepspeed_files(ds_dir: str, tag: str) -> None:
     """Refuse (CLIError) a tag folder with any .pt file that holds more than tensors, plain data and
-    DeepSpeed's plain types: DeepSpeed loads these files with weights_only=False, so a crafted file would
-    otherwise run code. Called before DeepSpeed or zero_to_fp32 is given the folder."""
+    DeepSpeed's plain types: DeepSpeed loads these files with weights_only=False, so a crafted file
+    would otherwise run code. Called before DeepSpeed or zero_to_fp32 is given the folder."""
     if not torch.cuda.is_available():  # reading needs no accelerator; skips DeepSpeed's detection warning
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
@@ -85,9 +90,10 @@ def check_deepspeed_files(ds_dir: str, tag: str) -> None:
 
 
 def to_universal(ds_dir: str, tag: str, out_root: str) -> str:
-    """DeepSpeed's universal checkpoint of ds_dir/tag written to out_root/tag (returned): every parameter whole, in
-    float32, with its optimizer state, whatever the ZeRO stage, pipeline stages and tensor-parallel shards were.
-    load_universal resumes from it on any number of processes. The tag's files are checked first."""
+    """DeepSpeed's universal checkpoint of ds_dir/tag written to out_root/tag (returned): every
+    parameter whole, in float32, with its optimizer state, whatever the ZeRO stage, pipeline stages
+    and tensor-parallel shards were. load_universal resumes from it on any number of processes. The
+    tag's files are checked first."""
     check_deepspeed_files(ds_dir, tag)
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
     out = os.path.join(out_root, tag)
@@ -98,12 +104,14 @@ def to_universal(ds_dir: str, tag: str, out_root: str) -> str:
             ds_to_universal(args)
     except (ValueError, FileNotFoundError, AssertionError, KeyError, RuntimeError, NotImplementedError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CLIError(f"DeepSpeed cannot convert {ds_dir}/{tag} to a universal checkpoint: {first}") from None
+        raise CLIError(f"DeepSpeed cannot convert {ds_dir}/{tag} to a universal checkpoint: "
+                       f"{first}") from None
     return out
 
 
 def read_universal_weights(universal_dir: str) -> dict[str, torch.Tensor]:
-    """{parameter name: float32 tensor} from a universal checkpoint (its zero/NAME/fp32.pt files)."""
+    """{parameter name: float32 tensor} from a universal checkpoint (its zero/NAME/fp32.pt
+    files)."""
     zero = os.path.join(universal_dir, "zero")
     weights = {}
     for name in sorted(os.listdir(zero)):
@@ -118,9 +126,10 @@ def read_universal_weights(universal_dir: str) -> dict[str, torch.Tensor]:
 
 def gather_deepspeed_weights(ds_dir: str, tag: str, pipeline_stages: int = 1,
                              tp_size: int = 1) -> dict[str, torch.Tensor]:
-    """The full float32 weights of a DeepSpeed checkpoint, consolidated in memory: by DeepSpeed's zero_to_fp32 for
-    ZeRO data parallel, through its universal checkpoint (to a temporary folder) for pipeline or tensor parallel,
-    which zero_to_fp32 cannot read; pipeline layer names become GPT's."""
+    """The full float32 weights of a DeepSpeed checkpoint, consolidated in memory: by DeepSpeed's
+    zero_to_fp32 for ZeRO data parallel, through its universal checkpoint (to a temporary folder)
+    for pipeline or tensor parallel, which zero_to_fp32 cannot read; pipeline layer names become
+    GPT's."""
     if pipeline_stages > 1 or tp_size > 1:
         with tempfile.TemporaryDirectory(prefix="universal-") as tmp:
             weights = read_universal_weights(to_universal(ds_dir, tag, tmp))
@@ -150,8 +159,8 @@ def newest_mtime(path: str) -> float:
 
 
 def converted_from(converted: str, ds_dir: str) -> str | None:
-    """The newest tag that was complete before a zero_to_fp32 output was written: the one it was converted
-    from (None when it is older than every tag still in the folder)."""
+    """The newest tag that was complete before a zero_to_fp32 output was written: the one it was
+    converted from (None when it is older than every tag still in the folder)."""
     written = newest_mtime(converted)
     done = [t for t in deepspeed_tags(ds_dir) if newest_mtime(os.path.join(ds_dir, t)) <= written]
     return done[-1] if done else None
@@ -159,10 +168,10 @@ def converted_from(converted: str, ds_dir: str) -> str | None:
 
 def load_deepspeed_model(path: str, ds_dir: str | None = None, tag: str | None = None,
                          **overrides) -> tuple[GPT, dict, str]:
-    """(model, training state, what was loaded in words) from a DeepSpeed checkpoint folder (its `latest` tag or
-    `tag`, gathered in memory), or from a zero_to_fp32 output whose model config is in ds_dir (default: the
-    folder above it). A converted output older than the folder's newest tag is used only when named, and the
-    words say so. Dropout is off unless overrides set it."""
+    """(model, training state, what was loaded in words) from a DeepSpeed checkpoint folder (its
+    `latest` tag or `tag`, gathered in memory), or from a zero_to_fp32 output whose model config is
+    in ds_dir (default: the folder above it). A converted output older than the folder's newest tag
+    is used only when named, and the words say so. Dropout is off unless overrides set it."""
     if not os.path.exists(path):
         raise CLIError(f"checkpoint not found: {path}")
     if is_deepspeed_folder(os.path.join(path, "ds")):  # OUT_DIR given instead of OUT_DIR/ds
@@ -178,8 +187,9 @@ def load_deepspeed_model(path: str, ds_dir: str | None = None, tag: str | None =
     else:
         ds_dir = ds_dir or parent
         if not is_deepspeed_folder(ds_dir):
-            raise CLIError(f"{path} is not a DeepSpeed checkpoint folder, and {ds_dir} (where its model config "
-                           f"is looked for) is not one either; pass --ds-dir OUT_DIR/ds")
+            raise CLIError(f"{path} is not a DeepSpeed checkpoint folder, and {ds_dir} (where its "
+                           "model config is looked for) is not one either; pass --ds-dir "
+                           "OUT_DIR/ds")
         newest, source = latest_tag(ds_dir), tag or converted_from(path, ds_dir)
         state = read_train_state(ds_dir, source or newest)
         weights = read_weights(path)
@@ -192,8 +202,8 @@ def load_deepspeed_model(path: str, ds_dir: str | None = None, tag: str | None =
 
 
 def default_deepspeed_source(ds_dir: str, converted_name: str) -> str:
-    """What to sample by default: the seed's converted file (ds_dir/ckpt_ds.pt) when it is at least as new as
-    the newest tag, else the folder itself (its newest tag, gathered in memory)."""
+    """What to sample by default: the seed's converted file (ds_dir/ckpt_ds.pt) when it is at least
+    as new as the newest tag, else the folder itself (its newest tag, gathered in memory)."""
     converted = os.path.join(ds_dir, converted_name)
     if os.path.exists(converted) and is_deepspeed_folder(ds_dir):
         if converted_from(converted, ds_dir) == latest_tag(ds_dir):

@@ -1,13 +1,18 @@
-"""Text embeddings from a GPT: pooling of its last hidden states, the contrastive loss that tunes it, and exact
-top-k search over the vectors. embed.py is the command line around it.
+"""Text embeddings from a GPT: pooling of its last hidden states, texts cut into token chunks, the
+encoder's identity, exact top-k search over the vectors, and contrastive tuning (InfoNCE) of the GPT
+as an encoder. embed.py is the command line around it; toolkit/index.py is the index that search
+reads.
 
-Pooling follows SGPT (Muennighoff 2022, arXiv:2202.08904). In a causal model only the last position has seen
-the whole text, so SGPT's position-weighted mean gives position t (1..n) the weight t / sum(1..n): later
-positions, which summarise more of the text, count more. "mean" (equal weights) and "last" (the last token's
-state) are the usual alternatives. Texts of a batch are right-padded: the model is causal, so real positions
-never see the padding, and pooling reads real positions only; a text's vector does not depend on its batch.
+Pooling follows SGPT (Muennighoff 2022, arXiv:2202.08904). In a causal model only the last position
+has seen the whole text, so SGPT's position-weighted mean gives position t (1..n) the weight
+t/sum(1..n): later positions, which summarise more of the text, count more. "mean" (equal weights)
+and "last" (the last token's state) are the usual alternatives. Texts of a batch are right-padded:
+the model is causal, so real positions never see the padding, and pooling reads real positions only;
+a text's vector does not depend on its batch.
 """
+import os
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,10 +20,22 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from model import GPT
-from toolkit.device import autocast
+from toolkit import flags
+from toolkit.checkpoint import CHECKPOINT_FILE, run_state
+from toolkit.cli import CLIError
+from toolkit.device import autocast, describe
+from toolkit.documents import Document, json_records
+from toolkit.files import check_output, fingerprint, refuse_existing
+from toolkit.flags import option
+from toolkit.hf import find_model_dir
+from toolkit.load import is_hf_source, load_model
+from toolkit.optim import Schedule
+from toolkit.run import RunConfig, claim_out_dir, prepare_run
+from toolkit.tokenizers import Tokenizer, load_tokenizer
+from toolkit.training import Engine, LoopConfig, TorchEngine, Trainer
 
 POOLINGS = ("weighted-mean", "mean", "last")
-SEARCH_BLOCK_BYTES = 64 * 2**20  # vectors scored per matrix product: bounded memory whatever the index size
+SEARCH_BLOCK_BYTES = 64 * 2**20  # vectors scored per product: memory bounded whatever the index
 
 
 def pad(token_lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +51,8 @@ def pad(token_lists: list[list[int]], device: torch.device) -> tuple[torch.Tenso
 
 def pooling_weights(lengths: torch.Tensor, T: int, pooling: str) -> torch.Tensor:
     """(B, T) weights over positions, each row summing to 1; padding positions weigh 0."""
-    position = torch.arange(1, T + 1, device=lengths.device, dtype=torch.float32).expand(len(lengths), T)
+    position = torch.arange(1, T + 1, device=lengths.device, dtype=torch.float32)
+    position = position.expand(len(lengths), T)
     real = position <= lengths[:, None]
     if pooling == "weighted-mean":
         weights = position * real
@@ -47,54 +65,135 @@ def pooling_weights(lengths: torch.Tensor, T: int, pooling: str) -> torch.Tensor
     return weights / weights.sum(dim=1, keepdim=True)
 
 
-def embed(model: GPT, token_lists: list[list[int]], pooling: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(B, n_embd) float32 unit vectors of the texts, differentiable when autograd is on. The model runs under
-    autocast in dtype; pooling and normalisation run in float32."""
+def embed(model: GPT, token_lists: list[list[int]], pooling: str,
+          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(B, n_embd) float32 unit vectors of the texts, differentiable when autograd is on. The model
+    runs under autocast in dtype; pooling and normalisation run in float32."""
     device = next(model.parameters()).device
     ids, lengths = pad(token_lists, device)
     with autocast(device, dtype):
         hidden = model.hidden_states(ids).float()
     with torch.autocast(device.type, enabled=False):  # also when the caller runs under autocast
-        pooled = torch.einsum("bt,btc->bc", pooling_weights(lengths, ids.size(1), pooling), hidden)
+        weights = pooling_weights(lengths, ids.size(1), pooling)
+        pooled = torch.einsum("bt,btc->bc", weights, hidden)
         return F.normalize(pooled, dim=-1)
 
 
 @torch.no_grad()
-def encode(model: GPT, token_lists: list[list[int]], pooling: str, batch_size: int, dtype: torch.dtype = torch.float32,
-           desc: str = "encoding") -> np.ndarray:
-    """(N, n_embd) float32 unit vectors, in batches of similar lengths (less padding; the order of the result
-    is the order of token_lists). The model's training mode is restored."""
+def encode(model: GPT, token_lists: list[list[int]], pooling: str, batch_size: int,
+           dtype: torch.dtype = torch.float32, desc: str = "encoding") -> np.ndarray:
+    """(N, n_embd) float32 unit vectors, in batches of similar lengths (less padding; the order of
+    the result is the order of token_lists). The model's training mode is restored."""
     was_training = model.training
     model.eval()
     order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
     vectors = np.empty((len(token_lists), model.config.n_embd), dtype=np.float32)
     try:
-        for start in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", disable=None, leave=False):
+        starts = range(0, len(order), batch_size)
+        for start in tqdm(starts, desc=desc, unit="batch", disable=None, leave=False):
             rows = order[start:start + batch_size]
-            vectors[rows] = embed(model, [token_lists[i] for i in rows], pooling, dtype).cpu().numpy()
+            texts = [token_lists[i] for i in rows]
+            vectors[rows] = embed(model, texts, pooling, dtype).cpu().numpy()
     finally:
         model.train(was_training)
     return vectors
 
 
+# ----- the encoder, and texts as token chunks -----
+
+def load_encoder(path: str, device: torch.device) -> tuple[GPT, Tokenizer, dict]:
+    """(model in eval mode on device, its tokenizer, its tokenizer facts) of a ckpt.pt or an HF
+    GPT-2 folder."""
+    model, facts = load_model(path)
+    return model.to(device).eval(), load_tokenizer(facts), facts
+
+
+def encoder_identity(path: str) -> dict:
+    """What an index (or a tuned checkpoint) records of its encoder: where it was, and what it was
+    (the fingerprint of the ckpt.pt, or of the HF folder, also one found in the Hugging Face cache
+    by name)."""
+    if os.path.exists(path):
+        return {"path": os.path.abspath(path), "sha256": fingerprint(path)}
+    if is_hf_source(path):
+        return {"path": path, "sha256": fingerprint(find_model_dir(path))}
+    raise CLIError(f"checkpoint not found: {path}")
+
+
+def token_ids(tokenizer: Tokenizer, text: str, where: str) -> list[int]:
+    try:
+        return tokenizer.encode(text)
+    except ValueError as e:  # e.g. a character outside a char vocabulary
+        raise CLIError(f"{where}: {e}") from None
+
+
+def settle_chunking(chunk_tokens: int | None, overlap: int | None,
+                    block_size: int) -> tuple[int, int]:
+    """(--chunk-tokens, --overlap): by default the model's block size, and an eighth of a chunk."""
+    chunk_tokens = chunk_tokens or block_size
+    if not 1 <= chunk_tokens <= block_size:
+        raise CLIError(f"--chunk-tokens must be between 1 and the model's block size {block_size}, "
+                       f"got {chunk_tokens}")
+    overlap = chunk_tokens // 8 if overlap is None else overlap
+    if not 0 <= overlap < chunk_tokens:
+        raise CLIError(f"--overlap must be at least 0 and less than --chunk-tokens {chunk_tokens}, "
+                       f"got {overlap}")
+    return chunk_tokens, overlap
+
+
+def chunk_spans(n: int, chunk_tokens: int, overlap: int) -> list[tuple[int, int]]:
+    """(start, end) of the chunks that cover n tokens: chunk_tokens long (the last may be shorter),
+    each sharing overlap tokens with the one before."""
+    starts = range(0, max(1, n - overlap), chunk_tokens - overlap)
+    return [(start, min(start + chunk_tokens, n)) for start in starts]
+
+
+def chunk_documents(documents: list[Document], tokenizer: Tokenizer, chunk_tokens: int,
+                    overlap: int) -> tuple[list[list[int]], np.ndarray]:
+    """The tokens of every chunk, and one row per chunk: (document number, first token, end
+    token)."""
+    chunks, rows = [], []
+    for number, document in enumerate(documents):
+        ids = token_ids(tokenizer, document.text, document.where())
+        for start, end in chunk_spans(len(ids), chunk_tokens, overlap):
+            chunks.append(ids[start:end])
+            rows.append((number, start, end))
+    return chunks, np.array(rows, dtype=np.int64)
+
+
+def chunk_records(documents: list[Document], rows: np.ndarray) -> list[dict]:
+    """What encode writes of each vector (PREFIX.jsonl): its document, where that came from, and
+    which tokens its chunk covers."""
+    records, chunk = [], 0
+    for i, (number, start, end) in enumerate(rows.tolist()):
+        chunk = chunk + 1 if i and rows[i - 1, 0] == number else 0
+        d = documents[number]
+        records.append({"row": i, "id": d.id, "source": d.source, "line": d.line, "chunk": chunk,
+                        "tokens": [start, end]})
+    return records
+
+
+# ----- search and the loss -----
+
 def info_nce(queries: torch.Tensor, documents: torch.Tensor, temperature: float) -> torch.Tensor:
-    """InfoNCE with in-batch negatives: documents[i] is the positive of queries[i]; every other document (the
-    other queries' positives, and any hard negatives appended after them) is a negative."""
+    """InfoNCE with in-batch negatives: documents[i] is the positive of queries[i]; every other
+    document (the other queries' positives, and any hard negatives appended after them) is a
+    negative."""
     logits = queries @ documents.T / temperature
     return F.cross_entropy(logits, torch.arange(len(queries), device=queries.device))
 
 
-def top_k(vectors: np.ndarray, queries: torch.Tensor, k: int, block_rows: int | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-k rows of vectors (N, C) by dot product with each query (Q, C): (scores, rows), each (Q, k),
-    best first. The rows are scored a block at a time with a running top-k, so a memory-mapped array is read
-    once and never copied whole (default block: SEARCH_BLOCK_BYTES of vectors)."""
+def top_k(vectors: np.ndarray, queries: torch.Tensor, k: int,
+          block_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k rows of vectors (N, C) by dot product with each query (Q, C): (scores, rows),
+    each (Q, k), best first. The rows are scored a block at a time with a running top-k, so a
+    memory-mapped array is read once and never copied whole (default block: SEARCH_BLOCK_BYTES of
+    vectors)."""
     n, dim = vectors.shape
     block_rows = block_rows or max(1, SEARCH_BLOCK_BYTES // (4 * dim))
     best_scores = queries.new_empty(len(queries), 0)
     best_rows = torch.empty(len(queries), 0, dtype=torch.long)
     for start in range(0, n, block_rows):
-        # (block @ queries.T) reads the row-major block as it lies, faster than queries @ block.T on CPU
+        # block @ queries.T reads the row-major block as it lies (faster than queries @ block.T)
         scores = (as_tensor(vectors[start:start + block_rows]) @ queries.T).T
         rows = torch.arange(start, start + scores.size(1)).expand(len(queries), -1)
         candidates = torch.cat([best_scores, scores], dim=1)
@@ -104,7 +203,133 @@ def top_k(vectors: np.ndarray, queries: torch.Tensor, k: int, block_rows: int | 
 
 
 def as_tensor(array: np.ndarray) -> torch.Tensor:
-    """A tensor sharing the array's memory, also for a read-only memory map (it is only ever read)."""
+    """A tensor sharing the array's memory, also of a read-only memory map (it is only ever
+    read)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns that the array is not writable
         return torch.from_numpy(array)
+
+
+# ----- contrastive tuning: embed.py tune -----
+
+@dataclass
+class TuneConfig(RunConfig):
+    """embed.py tune's options: the trainers' (RunConfig), with its own defaults for some."""
+    ckpt: str = option(None, "the model to tune: a ckpt.pt, or an HF GPT-2 folder / cached name",
+                       required=True)
+    pairs: str = option(None, 'JSON lines {"query": ..., "positive": ...[, "negative": ...]}',
+                        required=True)
+    out_dir: str = option(None, "where the checkpoint, the loss curve and the TensorBoard logs go",
+                          required=True)
+    bias_only: bool = option(False, "train the bias parameters only (SGPT's BitFit)")
+    pooling: str = option("weighted-mean", "as encode's", choices=list(POOLINGS))
+    temperature: float = option(0.05, "InfoNCE temperature", check="positive-number")
+    max_iters: int = option(200, "optimizer steps", check="positive")
+    lr: float = option(1e-4, "peak learning rate", check="positive-number")
+    warmup_iters: int = option(10, "linear warmup steps, then cosine decay to lr/10",
+                               check="non-negative")
+    weight_decay: float = option(0.0, "AdamW weight decay (2-D weights only)",
+                                 check="non-negative-number")
+
+
+def read_tune_pairs(path: str, tokenizer: Tokenizer,
+                    max_tokens: int) -> list[tuple[list[int], ...]]:
+    """(query, positive[, negative]) token lists from JSON lines, each cut to max_tokens (the block
+    size)."""
+    pairs = []
+    for number, record in json_records(path, ("query", "positive")):
+        fields = ["query", "positive"]
+        if "negative" in record:
+            if not isinstance(record["negative"], str):
+                raise CLIError(f"{path} line {number}: 'negative' must be a string")
+            fields.append("negative")
+        texts = []
+        for field in fields:
+            ids = token_ids(tokenizer, record[field], f"{path} line {number}")[:max_tokens]
+            if not ids:
+                raise CLIError(f"{path} line {number}: {field!r} is empty")
+            texts.append(ids)
+        pairs.append(tuple(texts))
+    if not pairs:
+        raise CLIError(f"no pairs in {path}")
+    return pairs
+
+
+def train_bias_only(model: GPT) -> None:
+    """SGPT's BitFit variant: only the bias parameters (linear layers and LayerNorms) learn."""
+    for name, p in model.named_parameters():
+        p.requires_grad = name.endswith(".bias")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise CLIError("--bias-only: this model has no bias parameters (it was trained with "
+                       "--no-bias)")
+
+
+class Contrastive:
+    """The loop's objective for tune: InfoNCE of each batch of pairs, each query against all
+    positives of the batch, then the hard negatives it holds. Every epoch is a new seeded
+    permutation of the pairs; an incomplete last batch is left out, so every batch has the same
+    number of in-batch negatives."""
+
+    def __init__(self, cfg: TuneConfig, model: GPT, facts: dict,
+                 pairs: list[tuple[list[int], ...]], dtype: torch.dtype):
+        self.cfg, self.model, self.facts, self.pairs, self.dtype = cfg, model, facts, pairs, dtype
+        self.batch_size = min(cfg.batch_size, len(pairs))
+
+    def micro_batches(self, step: int) -> list[tuple[list[tuple[list[int], ...]], float]]:
+        epoch, index = divmod(step, len(self.pairs) // self.batch_size)
+        seeded = torch.Generator().manual_seed(self.cfg.seed + epoch)
+        order = torch.randperm(len(self.pairs), generator=seeded)
+        rows = order[index * self.batch_size:][: self.batch_size].tolist()
+        return [([self.pairs[i] for i in rows], 1.0)]
+
+    def loss(self, model: GPT, batch: list[tuple[list[int], ...]]) -> torch.Tensor:
+        positives = [pair[1] for pair in batch]
+        negatives = [pair[2] for pair in batch if len(pair) > 2]
+        queries = embed(model, [pair[0] for pair in batch], self.cfg.pooling, self.dtype)
+        documents = embed(model, positives + negatives, self.cfg.pooling, self.dtype)
+        # the scores in float32, whatever dtype the model ran in
+        with torch.autocast(queries.device.type, enabled=False):
+            return info_nce(queries, documents, self.cfg.temperature)
+
+    def throughput(self) -> tuple[int, str, None]:
+        return self.batch_size, "pairs", None
+
+    def evaluate(self, engine: Engine) -> dict[str, float]:
+        return {}  # `embed.py eval` measures recall against an index
+
+    def good_weights(self, engine: Engine) -> bool:
+        return engine.weights_finite()
+
+    def checkpoint_state(self, best: dict | None) -> dict:
+        cfg = self.cfg
+        embedding = {"base": encoder_identity(cfg.ckpt), "pairs": os.path.abspath(cfg.pairs),
+                     "pooling": cfg.pooling, "temperature": cfg.temperature,
+                     "bias_only": cfg.bias_only}
+        return {**run_state(self.model, cfg, self.facts), "embedding": embedding}
+
+
+def setup_tune(cfg: TuneConfig) -> Trainer:
+    """The tune run, ready to fit: the options checked, the encoder and its pairs loaded, OUT_DIR
+    claimed (a ckpt.pt there is replaced only with --overwrite), the run described on stdout."""
+    flags.check_values(cfg)
+    path = os.path.join(cfg.out_dir, CHECKPOINT_FILE)
+    check_output(path, [cfg.ckpt, cfg.pairs], "--out-dir")
+    refuse_existing([path], cfg.overwrite)
+    device, dtype = prepare_run(cfg)
+    model, tokenizer, facts = load_encoder(cfg.ckpt, device)
+    pairs = read_tune_pairs(cfg.pairs, tokenizer, model.config.block_size)
+    if cfg.bias_only:
+        train_bias_only(model)
+    model.train()
+    objective = Contrastive(cfg, model, facts, pairs, dtype)
+    engine = TorchEngine(path)
+    engine.start(model, cfg, device, dtype, objective.loss)
+    claim_out_dir(cfg.out_dir, path, resuming=False, overwrite=True)  # refuse_existing checked
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = model.num_params(non_embedding=False)
+    print(f"tuning {trained / 1e6:.3f}M of {total / 1e6:.3f}M parameters on {len(pairs):,} pairs, "
+          f"batch {objective.batch_size}, {cfg.pooling} pooling, temperature {cfg.temperature}; "
+          f"device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}")
+    loop = LoopConfig(max_iters=cfg.max_iters, hint="a lower --lr or a higher --temperature")
+    schedule = Schedule(cfg.lr, cfg.warmup_iters, cfg.max_iters, cfg.lr / 10)
+    return Trainer(engine, objective, schedule, loop, cfg, desc="tune")

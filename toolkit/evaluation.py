@@ -1,20 +1,22 @@
-"""Scoring a GPT on multiple-choice tasks: log-likelihoods of continuations in length-sorted batches, and files in
-HellaSwag's format scored as lm-evaluation-harness's `hellaswag` task scores its data (eval.py, and the trainers'
---eval-tasks). The harness itself, for its own tasks, is toolkit/harness.py.
+"""Scoring a GPT on multiple-choice tasks: log-likelihoods of continuations in length-sorted
+batches, and files in HellaSwag's format scored as lm-evaluation-harness's `hellaswag` task scores
+its data (eval.py, and the trainers' --eval-tasks). The harness itself, for its own tasks, is
+toolkit/harness.py.
 
-The rules are the harness's (lm_eval/api/model.py, TemplateLM, and its `hf` model), so both give the same numbers:
-a context's trailing spaces move to the front of the continuation; context and continuation are tokenized together
-and split where the context's own tokens end; an empty context is conditioned on the end-of-text token; a pair
-longer than the block size loses tokens from the left of the context. A choice's query is
-preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize()), each ending is preprocess(ending), and the
-continuation scored is " " + ending; acc takes the ending of the highest summed log-likelihood, acc_norm the
-highest log-likelihood per character of the ending (lm_eval/tasks/hellaswag).
+The rules are the harness's (lm_eval/api/model.py, TemplateLM, and its `hf` model), so both give the
+same numbers: a context's trailing spaces move to the front of the continuation; context and
+continuation are tokenized together and split where the context's own tokens end; an empty context
+is conditioned on the end-of-text token; a pair longer than the block size loses tokens from the
+left of the context. A choice's query is preprocess(activity_label + ": " + ctx_a + " " +
+ctx_b.capitalize()), each ending is preprocess(ending), and the continuation scored is " " + ending;
+acc takes the ending of the highest summed log-likelihood, acc_norm the highest log-likelihood per
+character of the ending (lm_eval/tasks/hellaswag).
 """
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -38,15 +40,16 @@ class Choice:
 
 
 def preprocess(text: str) -> str:
-    """lm-eval's hellaswag preprocessing: brackets are artifacts of the WikiHow part of HellaSwag."""
+    """lm-eval's hellaswag preprocessing: brackets are artifacts of the WikiHow part of
+    HellaSwag."""
     text = text.strip().replace(" [title]", ". ")
     text = re.sub("\\[.*?\\]", "", text)
     return text.replace("  ", " ")
 
 
 def choice_item(record, where: str) -> Choice:
-    """One line of a HellaSwag-format file: `ctx` (or HellaSwag's `activity_label`, `ctx_a`, `ctx_b`), `endings`
-    and `label` (an index into endings, as an int or a string of one)."""
+    """One line of a HellaSwag-format file: `ctx` (or HellaSwag's `activity_label`, `ctx_a`,
+    `ctx_b`), `endings` and `label` (an index into endings, as an int or a string of one)."""
     if not isinstance(record, dict):
         raise CLIError(f"{where}: not a JSON object with ctx, endings and label")
     endings = record.get("endings")
@@ -65,8 +68,8 @@ def choice_item(record, where: str) -> Choice:
     if isinstance(label, str) and label.strip().isdigit():
         label = int(label)
     if type(label) is not int or not 0 <= label < len(endings):
-        raise CLIError(f"{where}: label must be the index of the right ending (0 to {len(endings) - 1}), got "
-                       f"{record.get('label')!r}")
+        raise CLIError(f"{where}: label must be the index of the right ending (0 to "
+                       f"{len(endings) - 1}), got {record.get('label')!r}")
     return Choice(query, [preprocess(e) for e in endings], label)
 
 
@@ -83,7 +86,8 @@ def read_choices(path: str, limit: int | None = None) -> list[Choice]:
 
 
 def encode_pair(tok: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """(context tokens, continuation tokens) as the harness makes them (see the module's docstring)."""
+    """(context tokens, continuation tokens) as the harness makes them (see the module's
+    docstring)."""
     if not context:
         ids = tok.encode(continuation)
         eot = tok.eot_id if tok.eot_id is not None else tok.encode("\n")[0]
@@ -111,14 +115,15 @@ def gpt_logits_at(model: GPT, device: torch.device, dtype: torch.dtype) -> Logit
 def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int]]], block_size: int,
                    batch_size: int, device: torch.device,
                    shard: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(log-likelihood, greedy) of each continuation given its context: the summed log-probabilities of its
-    tokens, and whether each was the likeliest. In a process group every data-parallel rank (shard: its index and
-    the count; default every process) scores an equal share, so engines whose forward is collective stay in step,
-    and the shares are summed into the whole."""
+    """(log-likelihood, greedy) of each continuation given its context: the summed log-probabilities
+    of its tokens, and whether each was the likeliest. In a process group every data-parallel rank
+    (shard: its index and the count; default every process) scores an equal share, so engines whose
+    forward is collective stay in step, and the shares are summed into the whole."""
     rank, world = shard or (distributed.rank(), distributed.world_size())
-    for context, continuation in requests:
+    for _, continuation in requests:
         if len(continuation) > block_size:
-            raise CLIError(f"a continuation of {len(continuation)} tokens is longer than the block size {block_size}")
+            raise CLIError(f"a continuation of {len(continuation)} tokens is longer than the block "
+                           f"size {block_size}")
     share = math.ceil(len(requests) / world)
     mine = [i % len(requests) for i in range(rank * share, (rank + 1) * share)]  # the last shares repeat a few
     counted = set(range(rank * share, min((rank + 1) * share, len(requests))))
@@ -172,7 +177,8 @@ def choice_metrics(items: list[Choice], lls: np.ndarray) -> dict[str, float]:
 
 
 class ChoiceTask:
-    """A HellaSwag-format file, read and tokenized once, scored whenever asked (the trainers' --eval-tasks)."""
+    """A HellaSwag-format file, read and tokenized once, scored whenever asked (the trainers'
+    --eval-tasks)."""
 
     def __init__(self, path: str, tok: Tokenizer, limit: int | None = None):
         self.path, self.name = path, os.path.splitext(os.path.basename(path))[0]

@@ -1,4 +1,5 @@
-"""Files that are never half-written, outputs that never replace inputs, and JSON that fails in one line.
+"""Files that are never half-written, outputs that never replace inputs, and JSON that fails in one
+line.
 
 Every output of the toolkit (checkpoints, token files, HF folders, JSON state) is written under a
 temporary name in the same folder and renamed at the end, so a crash or a full disk never leaves a
@@ -6,12 +7,16 @@ half-written file under the final name, and an old file is only replaced by a co
 A failed write is one line naming the file and the cause.
 """
 import errno
+import hashlib
 import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any
+
+import numpy as np
 
 from toolkit import cli
 from toolkit.cli import CLIError
@@ -50,8 +55,9 @@ def atomic_write(path: str, write: Callable[[str], Any]) -> None:
 
 @contextmanager
 def atomic_open(path: str, mode: str = "w") -> Iterator[IO]:
-    """An open file to write path through, e.g. line by line: it lies under a temporary name until the block ends,
-    then is renamed to path; if the block fails or is interrupted, the temporary file goes and path is untouched."""
+    """An open file to write path through, e.g. line by line: it lies under a temporary name until
+    the block ends, then is renamed to path; if the block fails or is interrupted, the temporary
+    file goes and path is untouched."""
     make_folder(os.path.dirname(path) or ".")
     tmp = temporary_name(path)
     try:
@@ -70,7 +76,8 @@ def atomic_open(path: str, mode: str = "w") -> Iterator[IO]:
 
 def write_error(path: str, error: Exception, tmp: str | None = None) -> CLIError:
     """The one wording of a failed write: `cannot write PATH: WHY; nothing was replaced`."""
-    return CLIError(f"cannot write {path}: {_why_write_failed(error, tmp or path)}; nothing was replaced")
+    return CLIError(f"cannot write {path}: {_why_write_failed(error, tmp or path)}; nothing was "
+                    "replaced")
 
 
 def _why_write_failed(error: Exception, tmp: str) -> str:
@@ -90,23 +97,25 @@ def _why_write_failed(error: Exception, tmp: str) -> str:
 
 
 def make_folder(path: str, flag: str | None = None) -> None:
-    """os.makedirs(path, exist_ok=True), failing in one line that names the flag (a file in the way, no
-    permission)."""
+    """os.makedirs(path, exist_ok=True), failing in one line that names the flag (a file in the way,
+    no permission)."""
     try:
         os.makedirs(path, exist_ok=True)
     except FileExistsError:
-        raise CLIError(f"{flag + ' ' if flag else ''}{path}: a file is in the way of this folder; choose another "
-                       f"path") from None
+        raise CLIError(f"{flag + ' ' if flag else ''}{path}: a file is in the way of this folder; "
+                       "choose another path") from None
     except OSError as e:
-        raise CLIError(f"cannot create the folder {path}: {(e.strerror or str(e)).lower()}") from None
+        raise CLIError(f"cannot create the folder {path}: "
+                       f"{(e.strerror or str(e)).lower()}") from None
 
 
 _locks: dict[str, int] = {}  # folder -> the open lock file this process holds
 
 
 def lock_folder(folder: str, flag: str = "--out-dir") -> None:
-    """Hold an advisory lock on folder/.lock until release_locks() or the end of this process (which also proves
-    the folder writable); another process that asks gets a CLIError naming the first one's PID."""
+    """Hold an advisory lock on folder/.lock until release_locks() or the end of this process (which
+    also proves the folder writable); another process that asks gets a CLIError naming the first
+    one's PID."""
     make_folder(folder, flag)
     key = os.path.realpath(folder)
     if key in _locks:
@@ -133,15 +142,16 @@ def release_locks() -> None:
 
 
 def remove_temporaries(folder: str) -> None:
-    """Delete temporary files a killed writer left in folder (call it while holding the folder's lock)."""
+    """Delete temporary files a killed writer left in folder (call it while holding the folder's
+    lock)."""
     for name in os.listdir(folder):
         if TEMPORARY.fullmatch(name) and os.path.isfile(os.path.join(folder, name)):
             os.remove(os.path.join(folder, name))
 
 
 def check_output(path: str, inputs: list[str], flag: str) -> None:
-    """Refuse (CLIError) an output path that is one of the inputs, lies inside an input folder, or is a file
-    of this toolkit's code."""
+    """Refuse (CLIError) an output path that is one of the inputs, lies inside an input folder, or
+    is a file of this toolkit's code."""
     target = os.path.realpath(path)
     for source in filter(None, inputs):
         source = os.path.realpath(source)
@@ -158,23 +168,28 @@ def refuse_existing(paths: list[str], overwrite: bool) -> None:
         raise CLIError(f"{existing[0]} already exists; use --overwrite to replace it")
 
 
-def read_text(path: str, what: str = "file") -> str:
-    """A UTF-8 text file's contents, or a one-line CLIError naming it (missing, a folder, unreadable, not UTF-8)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise CLIError(f"{what} not found: {path}") from None
-    except UnicodeDecodeError as e:
-        raise CLIError(f"{path} is not UTF-8 text (byte offset {e.start})") from None
-    except OSError as e:
-        raise CLIError(f"cannot read {path}: {(e.strerror or str(e)).lower()}") from None
-
-
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def fingerprint(path: str) -> str:
+    """sha256 of a file, or of a folder's files (their relative names and contents, in sorted order;
+    hidden files such as a folder lock left out): what a model was, wherever it lies."""
+    digest = hashlib.sha256()
+    if os.path.isfile(path):
+        files = [(None, path)]
+    else:
+        files = sorted((os.path.relpath(os.path.join(root, name), path), os.path.join(root, name))
+                       for root, _, names in os.walk(path) for name in names if not name.startswith("."))
+    for name, file in files:
+        if name is not None:
+            digest.update(name.encode() + b"\0")
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def write_text(path: str, text: str) -> None:
@@ -189,6 +204,24 @@ def write_text(path: str, text: str) -> None:
 def write_json(path: str, obj: Any) -> None:
     """Write obj as indented JSON, atomically."""
     write_text(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
+
+
+def write_jsonl(path: str, records: Iterable[dict]) -> np.ndarray:
+    """Write records as JSON lines (UTF-8), atomically; returns the byte offset of every line and of
+    the end, so that one line can be read without the others."""
+    offsets = [0]
+    with atomic_open(path, "wb") as f:
+        for record in records:
+            line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+            f.write(line)
+            offsets.append(offsets[-1] + len(line))
+    return np.array(offsets, dtype=np.int64)
+
+
+def save_array(path: str, array: np.ndarray) -> None:
+    """np.save, atomically (np.load reads it, memory-mapped too)."""
+    with atomic_open(path, "wb") as f:  # a file: np.save would add .npy to the temporary name
+        np.save(f, array)
 
 
 def read_json(path: str, what: str = "JSON file") -> dict:

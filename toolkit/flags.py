@@ -1,5 +1,6 @@
-"""Options as dataclass fields: one kebab-case flag per field, with its help, its range check and its choices;
-Megatron-LM's names in a help group of their own; --config JSON files typed like the flags.
+"""Options as dataclass fields: one kebab-case flag per field, with its help, its range check and
+its choices; Megatron-LM's names in a help group of their own; --config JSON files typed like the
+flags.
 
     @dataclass
     class Config:
@@ -29,14 +30,15 @@ CHECKS = {
     "share": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "folder-name": (lambda v: bool(v) and os.sep not in v and v not in (".", ".."), "a plain folder name"),
 }
-MEGATRON_GROUP = ("Megatron-LM's names", "Megatron-LM's options and its spellings of the options above; each sets "
-                                          "the same value as the option it names.")
+MEGATRON_GROUP = ("Megatron-LM's names", "Megatron-LM's options and its spellings of the options "
+                                         "above; each sets the same value as the option it names.")
 
 
 def option(default, help: str, *, check: str | None = None, choices: list | None = None, megatron: bool = False,
            required: bool = False):
-    """A config field with its --help text, the CHECKS rule its value must pass, its choices, whether it is one of
-    Megatron-LM's own options (listed in their group), and whether the command line must give it."""
+    """A config field with its --help text, the CHECKS rule its value must pass, its choices,
+    whether it is one of Megatron-LM's own options (listed in their group), and whether the command
+    line must give it."""
     assert check is None or check in CHECKS, check
     return field(default=default, metadata={"help": help, "check": check, "choices": choices, "megatron": megatron,
                                             "required": required})
@@ -55,9 +57,10 @@ def base_type(annotation) -> type:
 
 def add_flags(parser: argparse.ArgumentParser, config_class: type, aliases: dict[str, list[str]] | None = None,
               argument_default=None, overrides: dict[str, dict | None] | None = None) -> None:
-    """One flag per field of config_class; Megatron's options and the aliases (other spellings of a field, e.g.
-    Megatron's) in the Megatron group. argument_default=argparse.SUPPRESS leaves out every flag not given.
-    overrides: a script's own help or choices for a field, or None to leave its flag out."""
+    """One flag per field of config_class; Megatron's options and the aliases (other spellings of a
+    field, e.g. Megatron's) in the Megatron group. argument_default=argparse.SUPPRESS leaves out
+    every flag not given. overrides: a script's own help or choices for a field, or None to leave
+    its flag out."""
     overrides = overrides or {}
     for f in fields(config_class):
         if f.name in overrides and overrides[f.name] is None:
@@ -95,8 +98,8 @@ def megatron_group(parser: argparse.ArgumentParser):
 
 def given(config_class: type, argv: list[str] | None, aliases: dict[str, list[str]] | None = None,
           overrides: dict[str, dict | None] | None = None) -> set[str]:
-    """The fields whose flags (or aliases) appear in argv: the values the user chose, which a resumed checkpoint
-    does not override."""
+    """The fields whose flags (or aliases) appear in argv: the values the user chose, which a
+    resumed checkpoint does not override."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_flags(parser, config_class, aliases, argument_default=argparse.SUPPRESS, overrides=overrides)
     return set(vars(parser.parse_known_args(argv)[0]))
@@ -108,7 +111,8 @@ def values(args: argparse.Namespace, config_class: type) -> dict:
 
 
 def check_values(cfg) -> None:
-    """Every field with a check holds a value that passes it (CLIError naming the flag); None means unset."""
+    """Every field with a check holds a value that passes it (CLIError naming the flag); None means
+    unset."""
     for f in fields(cfg):
         value, rule = getattr(cfg, f.name), f.metadata.get("check")
         if rule is None or value is None:
@@ -119,8 +123,8 @@ def check_values(cfg) -> None:
 
 
 def read_config_file(path: str, config_class: type) -> dict:
-    """Option values from a JSON object; keys are field names (snake_case or kebab-case), values typed as the
-    flags are, choices as theirs."""
+    """Option values from a JSON object; keys are field names (snake_case or kebab-case), values
+    typed as the flags are, choices as theirs."""
     known = {f.name: f for f in fields(config_class)}
     values = {k.replace("-", "_"): v for k, v in read_json(path, "config file").items()}
     unknown = sorted(set(values) - set(known))
@@ -135,7 +139,8 @@ def read_config_file(path: str, config_class: type) -> dict:
                                               type(value) in (int, float) if kind is float else
                                               isinstance(value, str))
         if not ok:
-            raise CLIError(f"{path}: {name} must be {'null or ' if nullable else ''}{kind.__name__}, got {value!r}")
+            raise CLIError(f"{path}: {name} must be "
+                           f"{'null or ' if nullable else ''}{kind.__name__}, got {value!r}")
         choices = f.metadata["choices"]
         if choices and value is not None and value not in choices:
             raise CLIError(f"{path}: {name} must be one of {', '.join(choices)}, got {value!r}")

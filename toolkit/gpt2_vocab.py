@@ -1,9 +1,9 @@
 """The GPT-2 vocabulary, offline: its facts, and an installer that needs only the package registry.
 
-tiktoken's r50k_base is exactly GPT-2's BPE, but tiktoken downloads it on first use, which fails on a
-machine without internet. The PyPI source package of openai-whisper ships the identical file; the
-installer downloads that package (~800 KB, nothing is installed), checks the file's sha256 and puts it
-where tiktoken looks for its cache.
+tiktoken's r50k_base is exactly GPT-2's BPE, but tiktoken downloads it on first use, which fails on
+a machine without internet. The PyPI source package of openai-whisper ships the identical file; the
+installer downloads that package (~800 KB, nothing is installed), checks the file's sha256 and puts
+it where tiktoken looks for its cache.
 
     python tokenizer.py --install-gpt2-vocab
 """
@@ -49,7 +49,8 @@ def installed() -> bool:
 
 
 def install() -> str:
-    """Put GPT-2's vocabulary (from the openai-whisper sdist on PyPI) into tiktoken's cache; returns its path."""
+    """Put GPT-2's vocabulary (from the openai-whisper sdist on PyPI) into tiktoken's cache; returns
+    its path."""
     cache_dir = tiktoken_cache_dir()
     if not cache_dir:
         raise CLIError("TIKTOKEN_CACHE_DIR is set but empty, which disables tiktoken's cache; unset it or name a "
@@ -65,14 +66,16 @@ def install() -> str:
             raise CLIError(f"'{' '.join(cmd[1:])}' failed: {last_line}")
         sdists = [name for name in os.listdir(tmp) if name.endswith(".tar.gz")]
         if len(sdists) != 1:
-            raise CLIError(f"expected one .tar.gz from pip download of {WHISPER_SDIST}, got {sorted(os.listdir(tmp))}")
+            raise CLIError(f"expected one .tar.gz from pip download of {WHISPER_SDIST}, got "
+                           f"{sorted(os.listdir(tmp))}")
         with tarfile.open(os.path.join(tmp, sdists[0])) as tar:
             members = [m for m in tar.getmembers() if m.name.endswith("/" + WHISPER_MEMBER)]
             if len(members) != 1:
                 raise CLIError(f"{sdists[0]} has no {WHISPER_MEMBER}")
             data = tar.extractfile(members[0]).read()
     if hashlib.sha256(data).hexdigest() != R50K_SHA256:
-        raise CLIError(f"{WHISPER_MEMBER} from {sdists[0]} has an unexpected sha256; refusing to install it")
+        raise CLIError(f"{WHISPER_MEMBER} from {sdists[0]} has an unexpected sha256; refusing to "
+                       "install it")
 
     def write(tmp_path: str) -> None:
         with open(tmp_path, "wb") as f:

@@ -1,10 +1,12 @@
-"""EleutherAI's lm-evaluation-harness on this toolkit's GPT: an `LM` of its API, and its tasks run by name or from a
-task YAML (eval.py). Only imported when a harness task is asked for: `pip install lm_eval` is optional.
+"""EleutherAI's lm-evaluation-harness on this toolkit's GPT: an `LM` of its API, and its tasks run
+by name or from a task YAML (eval.py). Only imported when a harness task is asked for: `pip install
+lm_eval` is optional.
 
-GPTHarness answers the harness's three request kinds with the model's own tokenizer: loglikelihood (through
-TemplateLM, so contexts and continuations are split as the harness's `hf` model splits them, then scored by
-toolkit/evaluation.py in length-sorted batches), loglikelihood_rolling (the harness's rolling windows of the
-block size) and generate_until (greedy or sampled, with the KV cache, stopping at any `until` string).
+GPTHarness answers the harness's three request kinds with the model's own tokenizer: loglikelihood
+(through TemplateLM, so contexts and continuations are split as the harness's `hf` model splits
+them, then scored by toolkit/evaluation.py in length-sorted batches), loglikelihood_rolling (the
+harness's rolling windows of the block size) and generate_until (greedy or sampled, with the KV
+cache, stopping at any `until` string).
 """
 import functools
 import os
@@ -17,8 +19,8 @@ from lm_eval.tasks import TaskManager
 from model import GPT
 from toolkit.cli import CLIError
 from toolkit.device import autocast
+from toolkit.documents import read_text
 from toolkit.evaluation import gpt_logits_at, loglikelihoods
-from toolkit.files import read_text
 from toolkit.tokenizers import Tokenizer
 
 
@@ -90,7 +92,8 @@ class GPTHarness(TemplateLM):
 
 
 def task_name(spec: str) -> tuple[str, str | None]:
-    """(task name, folder to include) of a --tasks entry: a task YAML file (its `task:` key), or a harness name."""
+    """(task name, folder to include) of a --tasks entry: a task YAML file (its `task:` key), or a
+    harness name."""
     if not spec.endswith((".yaml", ".yml")):
         return spec, None
     for line in read_text(spec, "task YAML").splitlines():
@@ -101,14 +104,14 @@ def task_name(spec: str) -> tuple[str, str | None]:
 
 @functools.cache
 def task_manager(folders: tuple[str, ...], defaults: bool) -> TaskManager:
-    """The harness's index of tasks: its own 10,000+ (seconds to build: only when a task is named) and the folders
-    of the task YAMLs given."""
+    """The harness's index of tasks: its own 10,000+ (seconds to build: only when a task is named)
+    and the folders of the task YAMLs given."""
     return TaskManager(include_path=list(folders) or None, include_defaults=defaults)
 
 
 def run(specs: list[str], lm: GPTHarness, limit: int | None) -> dict:
-    """lm_eval.simple_evaluate on the tasks; a name the harness does not know, or data it cannot reach (offline),
-    is one line."""
+    """lm_eval.simple_evaluate on the tasks; a name the harness does not know, or data it cannot
+    reach (offline), is one line."""
     names, folders = zip(*map(task_name, specs))
     local = tuple(f for f in folders if f)
     manager = task_manager(local, len(local) < len(names))
@@ -123,6 +126,7 @@ def run(specs: list[str], lm: GPTHarness, limit: int | None) -> dict:
                                bootstrap_iters=0)
     except (ConnectionError, OSError, ValueError, FileNotFoundError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CLIError(f"lm-evaluation-harness cannot load the data of {', '.join(names)} ({first[:200]}); without "
-                       f"internet, score a local file instead: --tasks FILE.jsonl (HellaSwag's format) or a task "
-                       f"YAML over local data (docs/eval.md)") from None
+        raise CLIError(f"lm-evaluation-harness cannot load the data of {', '.join(names)} "
+                       f"({first[:200]}); without internet, score a local file instead: --tasks "
+                       "FILE.jsonl (HellaSwag's format) or a task YAML over local data "
+                       "(docs/eval.md)") from None

@@ -3,9 +3,9 @@
     model = load_gpt2("path/to/gpt2-dir")   # or "gpt2" ... "gpt2-xl" when in the local HF cache
     save_gpt2(model, "out-dir")            # transformers' GPT2LMHeadModel loads it as the same model
 
-HF stores the attention and MLP weights as Conv1D, transposed relative to nn.Linear; keys may carry a
-`transformer.` prefix; `lm_head.weight` is tied to the token embedding and may be absent. Nothing is
-ever downloaded: hub names are looked up in the local cache through huggingface_hub.
+HF stores the attention and MLP weights as Conv1D, transposed relative to nn.Linear; keys may carry
+a `transformer.` prefix; `lm_head.weight` is tied to the token embedding and may be absent. Nothing
+is ever downloaded: hub names are looked up in the local cache through huggingface_hub.
 """
 import math
 import os
@@ -41,34 +41,40 @@ def find_model_dir(path: str) -> str:
         return path
     name = path.removeprefix("openai-community/")
     if name not in HUB_NAMES:
-        raise FileNotFoundError(f"no model directory at '{path}'; pass a local GPT-2 directory (config.json + "
-                                f"model.safetensors or pytorch_model.bin) or one of {', '.join(HUB_NAMES)}")
+        raise FileNotFoundError(f"no model directory at '{path}'; pass a local GPT-2 directory "
+                                "(config.json + model.safetensors or pytorch_model.bin) or one of "
+                                f"{', '.join(HUB_NAMES)}")
     from huggingface_hub import try_to_load_from_cache
     for repo in (f"openai-community/{name}", name):
         config = try_to_load_from_cache(repo, "config.json")
         if isinstance(config, str) and any(os.path.isfile(os.path.join(os.path.dirname(config), f))
                                            for f in WEIGHT_FILES):
             return os.path.dirname(config)
-    raise FileNotFoundError(f"'{path}' is not in the local Hugging Face cache and is never downloaded; on a machine "
-                            f"with internet run `hf download openai-community/{name} --local-dir DIR`, copy DIR "
-                            f"here and pass DIR")
+    raise FileNotFoundError(f"'{path}' is not in the local Hugging Face cache and is never "
+                            "downloaded; on a machine with internet run `hf download "
+                            f"openai-community/{name} --local-dir DIR`, copy DIR here and pass DIR")
 
 
 def read_config(directory: str) -> GPTConfig:
-    """The GPTConfig of an HF GPT-2 config.json; any setting that would change GPT-2's function is refused."""
+    """The GPTConfig of an HF GPT-2 config.json; any setting that would change GPT-2's function is
+    refused."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{directory}: no config.json; expected a Hugging Face GPT-2 model directory")
+        raise FileNotFoundError(f"{directory}: no config.json; expected a Hugging Face GPT-2 model "
+                                "directory")
     hf = read_json(path, "HF config")
     if hf.get("model_type") != "gpt2":
-        raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, only 'gpt2' is supported")
+        raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, only 'gpt2' is "
+                         "supported")
     if hf.get("n_inner") == 4 * hf.get("n_embd", 768):
         hf["n_inner"] = None  # the same as the default
     for key, (default, allowed) in REQUIRED.items():
         if hf.get(key, default) not in allowed:
-            raise ValueError(f"{path}: {key}={hf[key]!r} is not GPT-2-compatible (need one of {allowed})")
+            raise ValueError(f"{path}: {key}={hf[key]!r} is not GPT-2-compatible (need one of "
+                             f"{allowed})")
     if not math.isclose(hf.get("layer_norm_epsilon", 1e-5), 1e-5):
-        raise ValueError(f"{path}: layer_norm_epsilon={hf['layer_norm_epsilon']} is not GPT-2's 1e-5")
+        raise ValueError(f"{path}: layer_norm_epsilon={hf['layer_norm_epsilon']} is not GPT-2's "
+                         "1e-5")
     hf.setdefault("n_positions", hf.get("n_ctx", 1024))
     config = GPTConfig(block_size=hf["n_positions"], vocab_size=hf.get("vocab_size"), n_layer=hf.get("n_layer"),
                        n_head=hf.get("n_head"), n_embd=hf.get("n_embd"), bias=True)
@@ -81,7 +87,8 @@ def read_config(directory: str) -> GPTConfig:
 
 
 def load_gpt2(path: str, **overrides) -> GPT:
-    """A GPT with the weights of an HF GPT-2 folder (or cached hub name); overrides set e.g. dropout."""
+    """A GPT with the weights of an HF GPT-2 folder (or cached hub name); overrides set e.g.
+    dropout."""
     directory = find_model_dir(path)
     config = read_config(directory)
     for key, value in overrides.items():
@@ -101,10 +108,12 @@ def load_gpt2(path: str, **overrides) -> GPT:
     missing = sorted(k for k in expected if state.get(k) is None)
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{directory}: not a GPT-2 checkpoint; missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ValueError(f"{directory}: not a GPT-2 checkpoint; missing {missing[:3]}, unexpected "
+                         f"{unexpected[:3]}")
     for k, t in state.items():
         if t.shape != expected[k].shape:
-            raise ValueError(f"{directory}: {k} has shape {tuple(t.shape)}, config implies {tuple(expected[k].shape)}")
+            raise ValueError(f"{directory}: {k} has shape {tuple(t.shape)}, config implies "
+                             f"{tuple(expected[k].shape)}")
     model.load_state_dict(state, assign=True)
     model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced the tied parameter
     return model
@@ -112,14 +121,14 @@ def load_gpt2(path: str, **overrides) -> GPT:
 
 def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> str:
     """An HF GPT-2 folder that transformers loads alone, offline: config.json, model.safetensors and
-    generation_config.json (AutoModelForCausalLM: GPT2LMHeadModel, the same model), and for GPT-2's vocabulary the
-    tokenizer files (vocab.json, merges.txt, tokenizer.json, for AutoTokenizer).
+    generation_config.json (AutoModelForCausalLM: GPT2LMHeadModel, the same model), and for GPT-2's
+    vocabulary the tokenizer files (vocab.json, merges.txt, tokenizer.json, for AutoTokenizer).
 
-    bias=False is written as zero biases (the same function). `tokenizer` (facts, as in checkpoints; default
-    GPT-2's) gives bos/eos_token_id, none for a vocabulary without an end-of-text token. Facts other than GPT-2's
-    own are also written to TOKENIZER_FILE, so test.py reads the folder with the right tokenizer; a vocabulary
-    an HF tokenizer cannot represent (char, byte) says so in the folder's README.md. Returns a line saying what
-    was written."""
+    bias=False is written as zero biases (the same function). `tokenizer` (facts, as in checkpoints;
+    default GPT-2's) gives bos/eos_token_id, none for a vocabulary without an end-of-text token.
+    Facts other than GPT-2's own are also written to TOKENIZER_FILE, so test.py reads the folder
+    with the right tokenizer; a vocabulary an HF tokenizer cannot represent (char, byte) says so in
+    the folder's README.md. Returns a line saying what was written."""
     from safetensors.torch import save_file
 
     c = model.config
@@ -168,8 +177,8 @@ def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> str:
         write_tokenizer_files(out_dir, tokenizer, c.block_size)
         return f"wrote an HF GPT-2 folder to {out_dir}"
     write_text(os.path.join(out_dir, "README.md"), NO_HF_TOKENIZER.format(**tokenizer))
-    return (f"wrote an HF GPT-2 folder to {out_dir} (its {tokenizer['tokenizer']} tokenizer has no HF tokenizer: "
-            "see its README.md)")
+    return (f"wrote an HF GPT-2 folder to {out_dir} (its {tokenizer['tokenizer']} tokenizer has no "
+            "HF tokenizer: see its README.md)")
 
 
 NO_HF_TOKENIZER = """# A model with this toolkit's {tokenizer} tokenizer
@@ -182,14 +191,16 @@ and `AutoTokenizer` cannot load the folder. The vocabulary is described in token
 
 
 def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in for every byte, as its vocab.json spells tokens (encoder.py of openai/gpt-2)."""
+    """GPT-2's printable stand-in for every byte, as its vocab.json spells tokens (encoder.py of
+    openai/gpt-2)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
 
 
 def merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
-    """The two parts BPE joins to make token: the merges of lower rank applied to its bytes leave exactly two."""
+    """The two parts BPE joins to make token: the merges of lower rank applied to its bytes leave
+    exactly two."""
     parts = [bytes([b]) for b in token]
     while len(parts) > 2:
         pairs = [(ranks.get(a + b, len(ranks)), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
@@ -201,8 +212,8 @@ def merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
 
 
 def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
-    """vocab.json and merges.txt rebuilt from the BPE ranks tiktoken uses (the same vocabulary), the special
-    tokens, and tokenizer.json through the `tokenizers` package when it is installed."""
+    """vocab.json and merges.txt rebuilt from the BPE ranks tiktoken uses (the same vocabulary), the
+    special tokens, and tokenizer.json through the `tokenizers` package when it is installed."""
     from toolkit.tokenizers import EOT_TEXT, gpt2_ranks
     ranks = gpt2_ranks(facts.get("vocab_file"), facts.get("merge_file"))
     spell = bytes_to_unicode()
@@ -239,12 +250,12 @@ def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
 
 
 def read_tokenizer(directory: str, vocab_size: int) -> dict:
-    """The tokenizer facts of an HF folder: TOKENIZER_FILE when this toolkit wrote one, else GPT-2's."""
+    """The tokenizer facts of an HF folder: TOKENIZER_FILE when this toolkit wrote one, else
+    GPT-2's."""
     path = os.path.join(directory, TOKENIZER_FILE)
     facts = read_json(path, "tokenizer facts") if os.path.isfile(path) else dict(GPT2_FACTS)
     if facts.get("vocab_size") != vocab_size:
         raise ValueError(f"{directory} holds a model of {vocab_size} tokens but its tokenizer "
-                         f"({facts.get('tokenizer')}) "
-                         f"has {facts.get('vocab_size')}; without {TOKENIZER_FILE} an HF folder is read with "
-                         f"GPT-2's tokenizer")
+                         f"({facts.get('tokenizer')}) has {facts.get('vocab_size')}; without "
+                         f"{TOKENIZER_FILE} an HF folder is read with GPT-2's tokenizer")
     return facts

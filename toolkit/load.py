@@ -1,7 +1,7 @@
-"""Every model a script can start from, read by one function: a ckpt.pt (pretrained or fine-tuned), a DeepSpeed
-checkpoint folder (OUT_DIR, OUT_DIR/ds, a global_stepN folder, or the zero_to_fp32 output inside it), an HF GPT-2
-folder, or a GPT-2 hub name found in the local Hugging Face cache; a LoRA checkpoint is read as its base with the
-adapters merged in.
+"""Every model a script can start from, read by one function: a ckpt.pt (pretrained or fine-tuned),
+a DeepSpeed checkpoint folder (OUT_DIR, OUT_DIR/ds, a global_stepN folder, or the zero_to_fp32
+output inside it), an HF GPT-2 folder, or a GPT-2 hub name found in the local Hugging Face cache; a
+LoRA checkpoint is read as its base with the adapters merged in.
 
     model, facts = load_model("ckpt/ckpt.pt")     # the GPT and its tokenizer facts (load_tokenizer(facts))
 """
@@ -15,7 +15,8 @@ from toolkit.gpt2_vocab import GPT2_FACTS
 
 
 def is_deepspeed_source(path: str) -> bool:
-    """A DeepSpeed checkpoint folder, the run folder above one, or a file or tag folder inside one."""
+    """A DeepSpeed checkpoint folder, the run folder above one, or a file or tag folder inside
+    one."""
     parent = os.path.dirname(os.path.abspath(path.rstrip("/\\")))
     return any(map(is_deepspeed_folder, (path, os.path.join(path, "ds"), parent)))
 
@@ -26,9 +27,9 @@ def is_hf_source(path: str) -> bool:
 
 
 def load_model(path: str, **overrides) -> tuple[GPT, dict]:
-    """(model, tokenizer facts) from any source above; overrides set e.g. attn_kernel or dropout, which is off
-    (this is for inference) unless they set it. An HF folder is read with GPT-2's tokenizer unless it holds this
-    toolkit's tokenizer facts."""
+    """(model, tokenizer facts) from any source above; overrides set e.g. attn_kernel or dropout,
+    which is off (this is for inference) unless they set it. An HF folder is read with GPT-2's
+    tokenizer unless it holds this toolkit's tokenizer facts."""
     overrides = {"dropout": 0.0, **overrides}
     if is_deepspeed_source(path):
         model, state, _ = load_deepspeed_model(path, **overrides)
@@ -43,8 +44,8 @@ def load_model(path: str, **overrides) -> tuple[GPT, dict]:
 
 
 def load_adapted(checkpoint: dict, path: str, **overrides) -> GPT:
-    """A LoRA checkpoint's base (found and unchanged: toolkit/lora.py) shaped as the fine-tuning shaped it, with the
-    adapters merged in: a plain GPT."""
+    """A LoRA checkpoint's base (found and unchanged: toolkit/lora.py) shaped as the fine-tuning
+    shaped it, with the adapters merged in: a plain GPT."""
     settings, config = checkpoint["lora"], checkpoint["model_config"]
     model, _ = load_model(lora.check_base(settings, path), **overrides)
     if config["block_size"] < model.config.block_size:

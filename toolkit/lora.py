@@ -1,17 +1,18 @@
-"""LoRA: low-rank adapters on the network's linears with the base weights frozen (Hu et al. 2021), their
-checkpoint, and the merge into a plain GPT.
+"""LoRA: low-rank adapters on the network's linears with the base weights frozen (Hu et al. 2021),
+their checkpoint, and the merge into a plain GPT.
 
-A linear W becomes  W x + (alpha / r) B A dropout(x),  A (r x in) Kaiming-uniform and B (out x r) zeros, so
-training starts from the base model exactly (the paper's section 4.1, as peft does). The special tokens a task
-adds (toolkit/tasks.py, toolkit/chat.py) are new rows of the tied embedding; they are trained too, as a small
-(k x n_embd) tensor that a parametrization puts after the frozen rows, for the input embedding and the LM head
-alike. Nothing else trains but a task's head.
+A linear W becomes  W x + (alpha / r) B A dropout(x),  A (r x in) Kaiming-uniform and B (out x r)
+zeros, so training starts from the base model exactly (the paper's section 4.1, as peft does). The
+special tokens a task adds (toolkit/tasks.py, toolkit/chat.py) are new rows of the tied embedding;
+they are trained too, as a small (k x n_embd) tensor that a parametrization puts after the frozen
+rows, for the input embedding and the LM head alike. Nothing else trains but a task's head.
 
-The adapter checkpoint is a ckpt.pt without `model`: `lora` (rank, alpha, dropout, targets, and the base's
-path and sha256), `adapters` (each A, B and the new rows), plus the usual config, tokenizer, task facts and head.
-toolkit/load.py reads it by loading its base, checking the sha256, and merging; merge() writes W + (alpha/r) B A.
+The adapter checkpoint is a ckpt.pt without `model`: `lora` (rank, alpha, dropout, targets, and the
+base's path and sha256), `adapters` (each A, B and the new rows), plus the usual config, tokenizer,
+task facts and head. toolkit/load.py reads it by loading its base, checking the sha256, and merging:
+merge() writes W + (alpha/r) B A. merged_checkpoint() turns the whole checkpoint into a full one
+(finetune.py --merge-lora).
 """
-import hashlib
 import math
 import os
 
@@ -20,7 +21,9 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from model import GPT
+from toolkit import hf
 from toolkit.cli import CLIError
+from toolkit.files import fingerprint
 
 TARGETS = {"attn": ("attn.c_attn", "attn.c_proj"), "mlp": ("mlp.c_fc", "mlp.c_proj")}
 TARGETS["all"] = TARGETS["attn"] + TARGETS["mlp"]
@@ -33,9 +36,10 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
         super().__init__()
         self.base, self.scale = base, alpha / rank
-        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # nn.Linear's own init, as in the paper's code
+        device = base.weight.device
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=device))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, device=device))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # nn.Linear's init, as in the paper
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +50,8 @@ class LoRALinear(nn.Module):
 
 
 class NewRows(nn.Module):
-    """The embedding's rows from `first` on replaced by a trainable tensor; the rows before stay frozen."""
+    """The embedding's rows from `first` on replaced by a trainable tensor; the rows before stay
+    frozen."""
 
     def __init__(self, weight: torch.Tensor, first: int):
         super().__init__()
@@ -57,9 +62,10 @@ class NewRows(nn.Module):
         return torch.cat([weight[: self.first], self.rows])
 
 
-def add_lora(model: GPT, rank: int, alpha: float, dropout: float, targets: str, base_vocab: int) -> None:
-    """Freeze every weight of model, wrap the targets' linears in LoRALinear, and let the embedding rows from
-    base_vocab on (the special tokens) train."""
+def add_lora(model: GPT, rank: int, alpha: float, dropout: float, targets: str,
+             base_vocab: int) -> None:
+    """Freeze every weight of model, wrap the targets' linears in LoRALinear, and let the embedding
+    rows from base_vocab on (the special tokens) train."""
     for p in model.parameters():
         p.requires_grad_(False)
     for block in model.transformer.h:
@@ -69,7 +75,7 @@ def add_lora(model: GPT, rank: int, alpha: float, dropout: float, targets: str, 
             setattr(owner, attr, LoRALinear(getattr(owner, attr), rank, alpha, dropout))
     if model.config.vocab_size > base_vocab:
         rows = NewRows(model.lm_head.weight, base_vocab)
-        for module in (model.lm_head, model.transformer.wte):  # tied: one frozen matrix, one set of new rows
+        for module in (model.lm_head, model.transformer.wte):  # tied: one matrix, one set of rows
             parametrize.register_parametrization(module, "weight", rows)
 
 
@@ -85,10 +91,19 @@ def adapter_state(model: GPT) -> dict[str, torch.Tensor]:
     return state
 
 
+def checkpoint_entries(settings: dict | None, model: GPT) -> dict:
+    """What a LoRA checkpoint holds in place of `model`: the settings (rank, alpha, dropout,
+    targets, base_vocab, base) and the trained tensors; nothing without settings (every weight
+    trained)."""
+    return {} if settings is None else {"lora": settings, "adapters": adapter_state(model)}
+
+
 def load_adapters(model: GPT, state: dict[str, torch.Tensor], source: str) -> None:
     """Copy an adapter state into a model that add_lora prepared with the same settings."""
     expected = adapter_state(model)
-    if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
+    same_shapes = set(state) == set(expected) and all(state[k].shape == expected[k].shape
+                                                      for k in expected)
+    if not same_shapes:
         raise CLIError(f"the adapters in {source} do not fit its base model and LoRA settings")
     modules = dict(model.named_modules())
     with torch.no_grad():
@@ -101,7 +116,8 @@ def load_adapters(model: GPT, state: dict[str, torch.Tensor], source: str) -> No
 
 
 def merge(model: GPT) -> GPT:
-    """A plain GPT with the adapters added into its weights: the same function, and any script reads it."""
+    """A plain GPT with the adapters added into its weights: the same function, and any script reads
+    it."""
     merged = {}
     modules = dict(model.named_modules())
     for name, module in modules.items():
@@ -111,40 +127,44 @@ def merge(model: GPT) -> GPT:
                 merged[f"{name}.bias"] = module.base.bias
     merged["lm_head.weight"] = merged["transformer.wte.weight"] = model.lm_head.weight
     for name, tensor in model.state_dict().items():
-        if ".base." not in name and "parametrizations" not in name and "lora_" not in name:
+        adapted = any(part in name for part in (".base.", "parametrizations", "lora_"))
+        if not adapted:
             merged.setdefault(name, tensor)
     plain = GPT(model.config).to(model.lm_head.weight.device)
     plain.load_state_dict({k: v.detach() for k, v in merged.items()})
     return plain
 
 
+def merged_checkpoint(checkpoint: dict, merged: GPT, source: str) -> dict:
+    """A LoRA checkpoint (read from source) as a full one: its entries, the weights of merged (the
+    model it stands for, as toolkit.load.load_model reads it) in place of the adapters, and the
+    merge recorded in `finetune`."""
+    full = {k: v for k, v in checkpoint.items() if k not in ("lora", "adapters")}
+    full["model"] = merged.state_dict()
+    full["finetune"] = {**checkpoint.get("finetune", {}), "merged_from": source,
+                        "lora": checkpoint["lora"]}
+    return full
+
+
 # ----- the base -----
 
-def fingerprint(path: str) -> str:
-    """sha256 of a file, or of a folder's files (their relative names and contents, in sorted order)."""
-    digest = hashlib.sha256()
-    if os.path.isfile(path):
-        files = [(None, path)]
-    else:
-        files = sorted((os.path.relpath(os.path.join(root, f), path), os.path.join(root, f))
-                       for root, _, names in os.walk(path) for f in names)
-    for name, file in files:
-        if name is not None:
-            digest.update(name.encode() + b"\0")
-        with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
+def base_record(source: str) -> dict:
+    """What an adapter checkpoint records of its base for check_base: where it lies on disk (the
+    file or folder given, or an HF name's folder in the local cache), and its sha256."""
+    path = os.path.abspath(source) if os.path.exists(source) else hf.find_model_dir(source)
+    return {"path": path, "sha256": fingerprint(path)}
 
 
 def check_base(lora: dict, source: str) -> str:
-    """The path of an adapter checkpoint's base, found and unchanged since the adapters were trained."""
+    """The path of an adapter checkpoint's base, found and unchanged since the adapters were
+    trained."""
     base = lora["base"]
     path = base["path"]
     if not os.path.exists(path):
-        raise CLIError(f"the base model of the LoRA adapters in {source} is missing: {path}; put it back, or "
-                       f"merge the adapters where it exists (finetune.py --merge-lora)")
+        raise CLIError(f"the base model of the LoRA adapters in {source} is missing: {path}; put "
+                       f"it back, or merge the adapters where it exists (finetune.py --merge-lora)")
     if fingerprint(path) != base["sha256"]:
-        raise CLIError(f"the base model of the LoRA adapters in {source} has changed since they were trained: "
-                       f"{path} no longer has sha256 {base['sha256'][:12]}...; use the base they were trained on")
+        raise CLIError(f"the base model of the LoRA adapters in {source} has changed since they "
+                       f"were trained: {path} no longer has sha256 {base['sha256'][:12]}...; use "
+                       f"the base they were trained on")
     return path

@@ -1,28 +1,34 @@
-"""The optimizers: AdamW (with weight decay on matrices only), and Muon for the transformer's matrices with AdamW
-for everything else, in one torch optimizer.
+"""The optimizers: AdamW (with weight decay on matrices only), and Muon for the transformer's
+matrices with AdamW for everything else, in one torch optimizer.
 
     optimizer = make_optimizer(model, "muon", lr=4e-3, muon_lr=0.05, weight_decay=0.1, betas=(0.9, 0.99))
 
-Muon (Keller Jordan, 2024; kellerjordan.github.io/posts/muon) replaces each 2-D weight's update by the
-orthogonalised Nesterov momentum: a few Newton-Schulz iterations push the singular values of the momentum
-towards 1, so every direction of the matrix learns at a similar rate. It is meant for the hidden matrices;
-embeddings, the tied LM head, biases and LayerNorm gains keep AdamW. It is the default for training from
-scratch because it reaches a given loss in far fewer steps (docs/performance.md).
+Muon (Keller Jordan, 2024; kellerjordan.github.io/posts/muon) replaces each 2-D weight's update by
+the orthogonalised Nesterov momentum: a few Newton-Schulz iterations push the singular values of the
+momentum towards 1, so every direction of the matrix learns at a similar rate. It is meant for the
+hidden matrices; embeddings, the tied LM head, biases and LayerNorm gains keep AdamW. It is the
+default for training from scratch because it reaches a given loss in far fewer steps
+(docs/performance.md).
 
 Param groups with muon=True get the Muon update, the others AdamW's (decoupled weight decay, bias
-correction, as torch.optim.AdamW). Each group has its own lr (Muon's are ~10x AdamW's); the trainer moves
-both along one schedule.
+correction, as torch.optim.AdamW). Each group has its own lr (Muon's are ~10x AdamW's); the trainer
+moves both along one schedule.
 """
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
-# quintic Newton-Schulz coefficients from the Muon write-up: fast convergence of the singular values near 1
+# quintic Newton-Schulz coefficients from the Muon write-up: fast convergence of the singular values
+# near 1
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 def orthogonalize(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Approximately U V^T of update's SVD U S V^T, by Newton-Schulz iterations in dtype (the write-up runs them in
-    bfloat16: the iteration only pushes singular values towards 1, so rounding errors do not accumulate)."""
+    """Approximately U V^T of update's SVD U S V^T, by Newton-Schulz iterations in dtype (the
+    write-up runs them in bfloat16: the iteration only pushes singular values towards 1, so rounding
+    errors do not accumulate)."""
     a, b, c = NS_COEFFICIENTS
     x = update.to(dtype)
     tall = x.size(0) > x.size(1)
@@ -73,8 +79,9 @@ class Muon(torch.optim.Optimizer):
 
 
 def decay_groups(modules: tuple[nn.Module, ...], weight_decay: float) -> list[dict]:
-    """Optimizer groups of the modules' trainable parameters: decay on matrices and embeddings (dim >= 2), none on
-    biases and LayerNorm gains (also for the pieces of a GPT laid out over pipeline stages)."""
+    """Optimizer groups of the modules' trainable parameters: decay on matrices and embeddings (dim
+    >= 2), none on biases and LayerNorm gains (also for the pieces of a GPT laid out over pipeline
+    stages)."""
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
     return [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
@@ -85,12 +92,14 @@ def decay_groups(modules: tuple[nn.Module, ...], weight_decay: float) -> list[di
 def make_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, betas: tuple[float, float],
                    muon_lr: float | None = None, device_type: str = "cpu",
                    dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
-    """The optimizer of a model's trainable parameters. adamw: torch's AdamW over decay_groups (fused on CUDA,
-    foreach elsewhere). muon: Muon at muon_lr (no weight decay: its updates have a fixed size, and decay at its
-    rates is too strong) for the 2-D weights of the model's transformer blocks (model.transformer.h, as in GPT and
-    in anything wrapping one as .body), AdamW at lr for the rest. The Muon group's lr_scale (muon_lr / lr) tells the
-    trainer to move it along the same schedule. dtype: the run's autocast dtype; Muon's Newton-Schulz iterations run in
-    bfloat16 when the run computes in it (hardware that has it natively, or asked for), else in float32."""
+    """The optimizer of a model's trainable parameters. adamw: torch's AdamW over decay_groups
+    (fused on CUDA, foreach elsewhere). muon: Muon at muon_lr (no weight decay: its updates have a
+    fixed size, and decay at its rates is too strong) for the 2-D weights of the model's transformer
+    blocks (model.transformer.h, as in GPT and in anything wrapping one as .body), AdamW at lr for
+    the rest. The Muon group's lr_scale (muon_lr / lr) tells the trainer to move it along the same
+    schedule. dtype: the run's autocast dtype; Muon's Newton-Schulz iterations run in
+    bfloat16 when the run computes in it (hardware that has it natively, or asked for), else in
+    float32."""
     if name == "adamw":
         impl = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
         return torch.optim.AdamW(decay_groups((model,), weight_decay), lr=lr, betas=betas, **impl)
@@ -101,3 +110,24 @@ def make_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, 
     muon = {"params": matrices, "muon": True, "weight_decay": 0.0, "lr": muon_lr, "lr_scale": muon_lr / lr}
     ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return Muon([muon, *rest], lr=lr, betas=betas, ns_dtype=ns_dtype)
+
+
+@dataclass
+class Schedule:
+    """Linear warmup over warmup_iters steps, then cosine (or linear) decay to min_lr at step
+    decay_iters, then flat: nanoGPT's schedule, and GPT-1's fine-tuning one with shape linear and
+    min_lr 0."""
+    lr: float
+    warmup_iters: int
+    decay_iters: int
+    min_lr: float
+    shape: str = "cosine"
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_iters:
+            return self.lr * (step + 1) / (self.warmup_iters + 1)
+        if step >= self.decay_iters:
+            return self.min_lr
+        progress = (step - self.warmup_iters) / max(1, self.decay_iters - self.warmup_iters)
+        fall = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.shape == "cosine" else 1.0 - progress
+        return self.min_lr + fall * (self.lr - self.min_lr)

@@ -1,15 +1,18 @@
-"""How the GPT is laid out over processes through DeepSpeed: pipeline stages (deepspeed.pipe.PipelineModule),
-tensor-parallel shards (AutoTP), the names each layout gives the weights, and what a layout costs in memory.
+"""How the GPT is laid out over processes through DeepSpeed: pipeline stages
+(deepspeed.pipe.PipelineModule), tensor-parallel shards (AutoTP), the names each layout gives the
+weights, and what a layout costs in memory.
 
-Pipeline: the layers are the token embedding (TiedLayerSpec "wte", whose weight is also the LM head), the
-position embedding, the blocks, the final LayerNorm and the tied head. They are cut from a GPT that every rank
-builds with the same seed (so any layout starts from train.py's weights); each stage keeps its own layers and
-the blocks are balanced over the stages (embeddings on the first, the head on the last). The loss is
-model.chunked_cross_entropy on the head's input and the tied weight, as GPT.forward's training path.
+Pipeline: the layers are the token embedding (TiedLayerSpec "wte", whose weight is also the LM
+head), the position embedding, the blocks, the final LayerNorm and the tied head. They are cut from
+a GPT that every rank builds with the same seed (so any layout starts from train.py's weights); each
+stage keeps its own layers and the blocks are balanced over the stages (embeddings on the first, the
+head on the last). The loss is model.chunked_cross_entropy on the head's input and the tied weight,
+as GPT.forward's training path.
 
-Tensor parallel: AutoTP splits c_attn (q, k and v each by heads) and c_fc by output columns, both c_proj by input
-rows (an all-reduce after them); embeddings, LayerNorms and the head stay whole. CausalSelfAttention takes its
-head count from the width it receives, so a shard runs n_head / T heads.
+Tensor parallel: AutoTP splits c_attn (q, k and v each by heads) and c_fc by output columns, both
+c_proj by input rows (an all-reduce after them); embeddings, LayerNorms and the head stay whole.
+CausalSelfAttention takes its head count from the width it receives, so a shard runs n_head / T
+heads.
 """
 import math
 import re
@@ -53,8 +56,8 @@ class Layout:
         return self.world_size // self.model_parallel
 
     def data_parallel_rank(self, rank: int) -> int:
-        """DeepSpeed's rank order: a pipeline's ranks are dp apart (PipeDataParallelTopology, axes pipe, data);
-        AutoTP's shards are consecutive ranks (its (dp, tp) device mesh)."""
+        """DeepSpeed's rank order: a pipeline's ranks are dp apart (PipeDataParallelTopology, axes
+        pipe, data); AutoTP's shards are consecutive ranks (its (dp, tp) device mesh)."""
         return rank % self.data_parallel if self.pipeline_stages > 1 else rank // self.tp_size
 
     def describe(self) -> str:
@@ -64,17 +67,19 @@ class Layout:
 
 
 def check_layout(layout: Layout, config: GPTConfig, zero_stage: int, training: bool = True) -> None:
-    """ValueError for a layout this model or DeepSpeed cannot run (the world size is checked by Layout itself);
-    training=False for a memory estimate, which also takes pipeline and tensor parallel together."""
+    """ValueError for a layout this model or DeepSpeed cannot run (the world size is checked by
+    Layout itself); training=False for a memory estimate, which also takes pipeline and tensor
+    parallel together."""
     if training and layout.pipeline_stages > 1 and layout.tp_size > 1:
-        raise ValueError("--pipeline-stages and --tp-size together are not supported: DeepSpeed's pipeline engine "
-                         "does not compose with AutoTP; use one of them (--estimate-memory takes both)")
+        raise ValueError("--pipeline-stages and --tp-size together are not supported: DeepSpeed's "
+                         "pipeline engine does not compose with AutoTP; use one of them "
+                         "(--estimate-memory takes both)")
     if layout.pipeline_stages > 1 and zero_stage > 1:
-        raise ValueError(f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1, not {zero_stage}; use a config "
-                         f"with stage 1 (e.g. ds_config_zero1.json)")
+        raise ValueError("DeepSpeed's pipeline engine supports ZeRO stage 0 or 1, not "
+                         f"{zero_stage}; use a config with stage 1 (e.g. ds_config_zero1.json)")
     if layout.pipeline_stages > config.n_layer:
-        raise ValueError(f"--pipeline-stages {layout.pipeline_stages} is more than the model's {config.n_layer} "
-                         f"blocks; each stage needs at least one")
+        raise ValueError(f"--pipeline-stages {layout.pipeline_stages} is more than the model's "
+                         f"{config.n_layer} blocks; each stage needs at least one")
     if config.n_head % layout.tp_size or config.n_embd % layout.tp_size:
         raise ValueError(f"--tp-size {layout.tp_size} must divide the {config.n_head} heads and the width "
                          f"{config.n_embd}")
@@ -132,7 +137,8 @@ class FinalNorm(nn.Module):
 
 
 def head_inputs(embedding: TokenEmbedding, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last layer hands the loss the hidden states and the tied weight: the fused loss never builds logits."""
+    """The last layer hands the loss the hidden states and the tied weight: the fused loss never
+    builds logits."""
     return x, embedding.wte.weight
 
 
@@ -152,8 +158,10 @@ def pipeline_module(model: GPT, stages: int):
 
 
 def gpt_state_from_universal(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GPT's state dict from a pipeline's parameter names ("tied_modules.wte.wte.weight", "1.wpe.weight",
-    "{2 + i}.block.*" for block i, "{n_layer + 2}.ln_f.*"), as the universal checkpoint names them."""
+    """GPT's state dict from a pipeline's parameter names ("tied_modules.wte.wte.weight",
+    "1.wpe.weight", "{2 + i}.block.*" for block i, "{n_layer + 2}.ln_f.*"), as the universal
+    checkpoint names them.
+    """
     state = {}
     for name, tensor in weights.items():
         layer, rest = name.split(".", 1)
@@ -171,7 +179,8 @@ def gpt_state_from_universal(weights: dict[str, torch.Tensor]) -> dict[str, torc
 # ----- what a layout costs -----
 
 def tp_share(name: str, numel: int, tp_size: int) -> int:
-    """Elements of one parameter that a tensor-parallel shard holds (TP_RULES; a row-parallel bias stays whole)."""
+    """Elements of one parameter that a tensor-parallel shard holds (TP_RULES; a row-parallel bias
+    stays whole)."""
     for pattern, kind, _ in TP_RULES:
         if re.match(pattern, name) or kind == "column" and re.match(pattern, re.sub(r"\.bias$", ".weight", name)):
             return numel // tp_size
@@ -193,13 +202,15 @@ class MemoryEstimate:
 
 def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: str, offload_optimizer: bool,
                     offload_param: bool, micro_batch: int, micro_steps: int) -> MemoryEstimate:
-    """Training memory per device for this layout, from a GPT built on the meta device (nothing is allocated).
+    """Training memory per device for this layout, from a GPT built on the meta device (nothing is
+    allocated).
 
-    Bytes per parameter as DeepSpeed counts them: float32 weights 4 + gradients 4 + AdamW 8; 16-bit weights 2 +
-    gradients 2 + float32 gradients, master weights and AdamW 16. ZeRO stage 1 partitions the optimizer over the
-    data-parallel ranks, 2 also the gradients, 3 also the weights. Activations without recomputation (Korthikanti
-    et al. 2022, sequence s, micro-batch b, width h, TP t: s*b*h*(10 + 24/t) 16-bit values per block; SDPA keeps no
-    (s, s) scores), for as many micro-batches as the first pipeline stage holds in flight (1F1B)."""
+    Bytes per parameter as DeepSpeed counts them: float32 weights 4 + gradients 4 + AdamW 8; 16-bit
+    weights 2 + gradients 2 + float32 gradients, master weights and AdamW 16. ZeRO stage 1
+    partitions the optimizer over the data-parallel ranks, 2 also the gradients, 3 also the weights.
+    Activations without recomputation (Korthikanti et al. 2022, sequence s, micro-batch b, width h,
+    TP t: s*b*h*(10 + 24/t) 16-bit values per block; SDPA keeps no (s, s) scores), for as many
+    micro-batches as the first pipeline stage holds in flight (1F1B)."""
     with torch.device("meta"):
         model = GPT(config)
     per_block = sum(tp_share(n, p.numel(), layout.tp_size)

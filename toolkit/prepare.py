@@ -1,5 +1,6 @@
-"""Data preparation shared by the scripts: tokenizing documents in parallel, in order and with bounded memory,
-and the embedded default corpus (Python's own documentation, shipped with every CPython).
+"""Data preparation shared by the scripts: tokenizing documents in parallel, in order and with
+bounded memory, and the embedded default corpus (Python's own documentation, shipped with every
+CPython).
 
     ensure_default_corpus()            # data/pydoc_char: train.bin, val.bin, meta.json (char level)
 """
@@ -8,19 +9,20 @@ import os
 import signal
 import sys
 from collections import deque
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
-from toolkit.data import write_nanogpt
 from toolkit.tokenizers import Tokenizer, load_tokenizer
+from toolkit.writers import write_nanogpt
 
 DEFAULT_CORPUS_DIR = "data/pydoc_char"
 
 
 def encode_chunk(tokenizer: Tokenizer, texts: list[str], append_eod: bool,
                  dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """All documents' tokens back to back (EOT after each non-empty one if asked), and each document's length."""
+    """All documents' tokens back to back (EOT after each non-empty one if asked), and each
+    document's length."""
     # one thread per process: processes outrun tiktoken's own threads (docs/performance.md)
     arrays = [tokenizer.encode_array(text) for text in texts]
     lengths = np.array([len(a) for a in arrays], dtype=np.int64)
@@ -62,12 +64,14 @@ def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 def encode_in_order(chunks: Iterator[tuple[list[str], int]], tokenizer: Tokenizer, append_eod: bool,
                     dtype: np.dtype, workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-    """(tokens, lengths, input bytes) per chunk, in input order; at most 2*workers chunks in flight."""
+    """(tokens, lengths, input bytes) per chunk, in input order; at most 2*workers chunks in
+    flight."""
     if workers == 1:
         for texts, nbytes in chunks:
             yield *encode_chunk(tokenizer, texts, append_eod, dtype), nbytes
         return
-    # Pool.imap would read the whole input ahead (its feeder thread); apply_async + a bounded deque does not
+    # Pool.imap would read the whole input ahead (its feeder thread); apply_async + a bounded deque does
+    # not
     with multiprocessing.Pool(workers, _init_worker, (tokenizer.facts(), append_eod, dtype.name)) as pool:
         pending = deque()
         for texts, nbytes in chunks:
@@ -88,7 +92,8 @@ def default_corpus_documents() -> list[str]:
 
 
 def prepare_default_corpus(data_dir: str = DEFAULT_CORPUS_DIR) -> dict:
-    """pydoc topics, char-level, split by characters like nanoGPT's shakespeare_char: the last 10% is val."""
+    """pydoc topics, char-level, split by characters like nanoGPT's shakespeare_char: the last 10%
+    is val."""
     documents = default_corpus_documents()
     text = "\n\n".join(documents) + "\n"  # a blank line between documents reads naturally; no EOT
     tokenizer = Tokenizer("char", chars="".join(sorted(set(text))))
@@ -99,8 +104,8 @@ def prepare_default_corpus(data_dir: str = DEFAULT_CORPUS_DIR) -> dict:
 
 
 def describe_default_corpus(data_dir: str, meta: dict) -> str:
-    return (f"prepared {data_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val characters, "
-            f"vocab {meta['vocab_size']}")
+    return (f"prepared {data_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val "
+            f"characters, vocab {meta['vocab_size']}")
 
 
 def ensure_default_corpus(data_dir: str = DEFAULT_CORPUS_DIR) -> str:

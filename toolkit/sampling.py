@@ -1,6 +1,7 @@
-"""Sampling from a GPT on the command line, as test.py and test_ds.py do: the options, prompts, printing samples as
-they stream, Megatron-style JSONL files (--genfile), written atomically, and the chat loop (--chat) of an
-instruction-tuned model, whose template (toolkit/chat.py) also frames a --prompt.
+"""Sampling from a GPT on the command line, as test.py and test_ds.py do: the options, prompts,
+printing samples as they stream, Megatron-style JSONL files (--genfile), written atomically, and the
+chat loop (--chat) of an instruction-tuned model, whose template (toolkit/chat.py) also frames a
+--prompt.
 
     add_sampling_arguments(parser); args = parser.parse_args()
     check_sampling_args(args, inputs=[args.ckpt])
@@ -17,8 +18,9 @@ import torch
 from model import ATTN_KERNELS, GPT, check_sampling
 from toolkit.chat import END, chat_prompt, fit_history, is_chat_tokenizer
 from toolkit.cli import CLIError
-from toolkit.device import autocast, resolve_device, resolve_dtype
-from toolkit.files import atomic_open, check_output, read_text
+from toolkit.device import autocast, check_attn_kernel, resolve_device, resolve_dtype
+from toolkit.documents import read_text
+from toolkit.files import atomic_open, check_output
 from toolkit.tokenizers import Tokenizer
 
 PROMPT_FILE = "FILE:"
@@ -33,12 +35,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=200, help="sample from the k likeliest tokens (default: 200)")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold, e.g. 0.9")
     parser.add_argument("--batch-size", type=int, default=1,
-                        help="samples generated together in each process, when not streaming (default: 1)")
+                        help="samples generated together in each process, when not streaming "
+                             "(default: 1)")
     parser.add_argument("--seed", type=int, default=1337, help="seed of the draws (default: 1337)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="autocast dtype; auto = bfloat16 where the hardware computes it natively, else float32 "
-                             "(default: auto)")
+                        help="autocast dtype; auto = bfloat16 where the hardware computes it "
+                             "natively, else float32 (default: auto)")
     parser.add_argument("--attn-kernel", default="auto", choices=ATTN_KERNELS, help="attention implementation")
     parser.add_argument("--genfile", help="write samples as JSONL lines {text, length, finished} (Megatron)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --genfile")
@@ -46,7 +49,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print tokens as they come (default: when stdout is a terminal)")
     parser.add_argument("--interactive", action="store_true", help="read prompts from stdin in a loop")
     parser.add_argument("--chat", action="store_true",
-                        help="talk to an instruction-tuned model (finetune.py --task sft) turn by turn")
+                        help="talk to an instruction-tuned model (finetune.py --task sft) turn by "
+                             "turn")
     parser.add_argument("--system", help="with an instruction-tuned model: the system turn that opens the talk")
     megatron = parser.add_argument_group("Megatron-LM's names", "its spellings of the options above")
     megatron.add_argument("--out-seq-length", dest="max_new_tokens", type=int, default=argparse.SUPPRESS,
@@ -63,7 +67,8 @@ def read_prompt(prompt: str) -> str:
 
 
 def prompt_ids(text: str, tok: Tokenizer) -> list[int]:
-    """Unconditional generation starts from the end-of-text token (GPT-2's convention), or a newline."""
+    """Unconditional generation starts from the end-of-text token (GPT-2's convention), or a
+    newline."""
     if text:
         ids = tok.encode(text)
         if ids:
@@ -80,7 +85,9 @@ class Sampler:
         self.model, self.tok, self.args, self.genfile = model, tok, args, genfile
         self.device = resolve_device(args.device)
         self.model.to(self.device).eval()
-        self.ctx = autocast(self.device, resolve_dtype(args.dtype, self.device))
+        dtype = resolve_dtype(args.dtype, self.device)
+        check_attn_kernel(model, self.device, dtype)
+        self.ctx = autocast(self.device, dtype)
         self.stream = sys.stdout.isatty() if args.stream is None else args.stream
         self.template = is_chat_tokenizer(tok)  # an instruction-tuned model: replies end at <|end|>
         self.eos = tok.special_tokens[END] if self.template else tok.eot_id
@@ -91,15 +98,17 @@ class Sampler:
                     top_p=a.top_p, eos_token=self.eos)
 
     def prompt(self, text: str) -> tuple[list[int], str]:
-        """The tokens of a prompt, and the text printed before a sample: an instruction-tuned model answers text
-        as the user's turn (after the --system turn), and only its answer is printed."""
+        """The tokens of a prompt, and the text printed before a sample: an instruction-tuned model
+        answers text as the user's turn (after the --system turn), and only its answer is printed.
+        """
         if self.template and text:
             history = [{"role": "system", "content": self.args.system}] if self.args.system else []
             return chat_prompt(history + [{"role": "user", "content": text}], self.tok), ""
         return prompt_ids(text, self.tok), text
 
     def sample(self, text: str) -> None:
-        """num_samples completions of text, printed (streamed or whole) and written to the genfile."""
+        """num_samples completions of text, printed (streamed or whole) and written to the
+        genfile."""
         ids, shown = self.prompt(text)
         done = 0
         while done < self.args.num_samples:
@@ -135,14 +144,15 @@ class Sampler:
         return out
 
     def strip_eot(self, tokens: list[int]) -> tuple[list[int], bool]:
-        """Tokens up to the first end token (end-of-text, or <|end|> of a reply), and whether there was one."""
+        """Tokens up to the first end token (end-of-text, or <|end|> of a reply), and whether there
+        was one."""
         if self.eos is not None and self.eos in tokens:
             return tokens[: tokens.index(self.eos)], True
         return tokens, False
 
     def reply(self, history: list[dict]) -> str:
-        """The model's next turn after the history, streamed as it comes; generation stops at <|end|>, at
-        --max-new-tokens, or where the context is full."""
+        """The model's next turn after the history, streamed as it comes; generation stops at
+        <|end|>, at --max-new-tokens, or where the context is full."""
         ids = chat_prompt(history, self.tok)[-(self.model.config.block_size - 1):]
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)
         room = self.model.config.block_size - len(ids)
@@ -158,8 +168,8 @@ class Sampler:
 
 
 def check_sampling_args(args: argparse.Namespace, inputs: list[str]) -> None:
-    """Every sampling option in range, and a --genfile that replaces neither an input nor, without --overwrite,
-    an existing file: checked before anything is loaded or written."""
+    """Every sampling option in range, and a --genfile that replaces neither an input nor, without
+    --overwrite, an existing file: checked before anything is loaded or written."""
     for name in ("num_samples", "max_new_tokens", "batch_size"):
         if getattr(args, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be at least 1")
@@ -168,16 +178,19 @@ def check_sampling_args(args: argparse.Namespace, inputs: list[str]) -> None:
         prompt_file = [args.prompt[len(PROMPT_FILE):]] if args.prompt.startswith(PROMPT_FILE) else []
         check_output(args.genfile, inputs + prompt_file, "--genfile")
         if os.path.exists(args.genfile) and not args.overwrite:
-            raise CLIError(f"--genfile {args.genfile} already exists; pass --overwrite to replace it")
+            raise CLIError(f"--genfile {args.genfile} already exists; pass --overwrite to replace "
+                           "it")
 
 
 def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: str) -> None:
-    """Sample once from --prompt, in a loop over prompts typed on stdin with --interactive, or talk with --chat.
-    The genfile appears, complete, when sampling ends; a failure or an interrupt leaves none."""
+    """Sample once from --prompt, in a loop over prompts typed on stdin with --interactive, or talk
+    with --chat. The genfile appears, complete, when sampling ends; a failure or an interrupt leaves
+    none."""
     if (args.chat or args.system) and not is_chat_tokenizer(tok):
         flag = "--chat" if args.chat else "--system"
-        raise CLIError(f"{source} was never instruction-tuned, so it has no chat template for {flag}; continue text "
-                       f"with --prompt, or instruction-tune it first (finetune.py --task sft)")
+        raise CLIError(f"{source} was never instruction-tuned, so it has no chat template for "
+                       f"{flag}; continue text with --prompt, or instruction-tune it first "
+                       "(finetune.py --task sft)")
     torch.manual_seed(args.seed)
     if args.chat:
         chat(Sampler(model, tok, args, None))
@@ -191,8 +204,8 @@ def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: s
 
 
 def chat(sampler: Sampler) -> None:
-    """A conversation on stdin and stdout: the history, within the block size (the oldest turns dropped, said
-    once), is the prompt of each reply. Ctrl-D or Ctrl-C ends it."""
+    """A conversation on stdin and stdout: the history, within the block size (the oldest turns
+    dropped, said once), is the prompt of each reply. Ctrl-D or Ctrl-C ends it."""
     args, block_size = sampler.args, sampler.model.config.block_size
     history = [{"role": "system", "content": args.system}] if args.system else []
     room = block_size - min(args.max_new_tokens, block_size // 2)  # the prompt leaves the reply this much
@@ -208,7 +221,8 @@ def chat(sampler: Sampler) -> None:
                 continue
             history, dropped = fit_history(history + [{"role": "user", "content": line}], sampler.tok, room)
             if dropped and not told:
-                print(f"(the oldest turns no longer fit the model's {block_size}-token context and are dropped)",
+                print(f"(the oldest turns no longer fit the model's {block_size}-token context and "
+                      "are dropped)",
                       file=sys.stderr)
                 told = True
             print("model> ", end="", flush=True)

@@ -1,185 +1,176 @@
-"""The one training loop, run by every trainer: train.py, train_ddp.py, train_ds.py, finetune.py, embed.py tune.
+"""The one training loop and its declared parts: every trainer (train.py, train_ddp.py, train_ds.py,
+finetune.py, embed.py tune) runs Trainer.fit over an Engine and an Objective, as torchtitan composes
+its trainer.
 
-    trainer = Trainer(engine, objective, schedule, loop, out_dir, run_name)
+    trainer = Trainer(engine, objective, schedule, loop, cfg)
     trainer.fit()
 
-A trainer composes three parts and the loop runs them; each script supplies only what differs:
-  engine     how a step runs and a checkpoint is written: TorchEngine (one process or DDP) here,
-             DeepSpeedEngine in toolkit/deepspeed_engine.py. It has `path`, train_step(batches, lr) -> float,
-             weights_finite() -> bool, save(state), `dtype`, and for evaluations eval_loss(x, y) and
-             logits_at(idx, rows, cols).
-  objective  what is learnt: micro_batches(step) -> [(batch, weight)], loss(model, batch) -> Tensor,
-             evaluate(engine) -> {metric: value}, good_weights(engine) -> bool, checkpoint_state(best) -> dict,
-             and throughput(): (count, unit) per step, with the FLOPs of a step (or None) for MFU.
-  schedule   the learning rate of each step (Schedule).
+Follow one step (docs/design.md): Trainer.fit asks the objective for the step's micro-batches, the
+engine's train_step runs each through objective.loss and steps the optimizer; for pretraining that
+loss is LanguageModeling.loss below, `model(x, y, chunked_loss=True)` of model.py.
 
-The loop: an evaluation every eval_interval steps (metrics printed, logged to TensorBoard and kept in the
-history), a step, the loss averaged over all processes and checked, a log line every log_interval steps,
-SIGINT/SIGTERM finishing the step and saving, checkpoints at save_interval, and at the end a last evaluation,
-the checkpoint and OUT_DIR/loss.png. A non-finite step never reaches disk. With keep_best (fine-tuning), the
-checkpoint is instead written at each evaluation that beats the best so far, and the latest state (what exact
-resume needs) at latest_path after each evaluation and on a signal, removed when the run ends.
-
-Weights: each micro-batch comes with its share of the global batch's loss (the weights of all micro-batches
-of all data-parallel processes sum to 1), so uneven splits train exactly as one process would.
+Each micro-batch carries its share of the global batch's loss (the weights of all micro-batches of
+all data-parallel processes sum to 1), so uneven splits train exactly as one process would. A
+non-finite step never reaches disk.
 """
 import math
 import os
-import signal
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from toolkit import distributed
-from toolkit.checkpoint import capture_rng, load_weights, make_checkpoint, restore_rng, save_checkpoint
-from toolkit.cli import CLIError
+from toolkit.checkpoint import (capture_rng, load_checkpoint, load_weights, make_checkpoint,
+                                restore_rng, run_state, save_checkpoint)
+from toolkit.data import get_batch, window_offsets
 from toolkit.device import autocast, peak_flops
-from toolkit.files import atomic_write, lock_folder, remove_temporaries
+from toolkit.optim import Schedule, make_optimizer
+from toolkit.run import RunConfig, RunLog, StopRequest, diverged
 
-SIGNAL_GRACE_S = 5.0  # more SIGINT/SIGTERM within this time of the first are the same request
+Batch = Any  # what an objective's micro-batch holds: (x, y) windows, examples, conversations, pairs
+TRAIN_STREAM, EVAL_TRAIN_STREAM, EVAL_VAL_STREAM = 0, 1, 2  # independent random streams of windows
 
 
-@dataclass
-class Schedule:
-    """Linear warmup over warmup_iters steps, then cosine (or linear) decay to min_lr at step decay_iters, then
-    flat: nanoGPT's schedule, and GPT-1's fine-tuning one with shape linear and min_lr 0."""
-    lr: float
-    warmup_iters: int
-    decay_iters: int
-    min_lr: float
-    shape: str = "cosine"
+class Engine(Protocol):
+    """How a step runs and a checkpoint is written: TorchEngine below (one process or DDP),
+    DeepSpeedEngine (toolkit/deepspeed_engine.py). Made before the model, so that setup can read
+    what it resumes from; started with the model."""
+    path: str  # where its checkpoint lives
+    device: torch.device
+    dtype: torch.dtype
 
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_iters:
-            return self.lr * (step + 1) / (self.warmup_iters + 1)
-        if step >= self.decay_iters:
-            return self.min_lr
-        progress = (step - self.warmup_iters) / max(1, self.decay_iters - self.warmup_iters)
-        fall = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.shape == "cosine" else 1.0 - progress
-        return self.min_lr + fall * (self.lr - self.min_lr)
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, size) among the replicas that split the data (pipeline stages of one replica share
+        it)."""
+
+    def read_resume(self) -> dict:
+        """The saved state a resumed run continues from."""
+
+    def settle_config(self, cfg: RunConfig, given: set[str], resumed: set[str]) -> RunConfig:
+        """The options its own configuration also sets, reconciled with the flags."""
+
+    def start(self, model: torch.nn.Module, cfg: RunConfig, device: torch.device,
+              dtype: torch.dtype, loss: Callable, resume: dict | None) -> None:
+        """Take the model (and the saved state of a resumed run); build the optimizer."""
+
+    def train_step(self, batches: list[tuple[Batch, float]], lr: float) -> float:
+        """One optimizer step over this process's weighted micro-batches; its share of the step's
+        loss."""
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The language-model loss of a batch, without gradients."""
+
+    def logits_at(self, idx: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """The logits at some positions of a batch (toolkit/evaluation.py's scoring)."""
+
+    def weights_finite(self) -> bool:
+        """No NaN or inf in the weights of any process."""
+
+    def save(self, state: dict, path: str | None = None, resumable: bool | None = None) -> None:
+        """A checkpoint of the weights and `state` at path (default: self.path)."""
+
+
+class Objective(Protocol):
+    """What is learnt: LanguageModeling below, TaskObjective (toolkit/finetuning.py), ChatObjective
+    (toolkit/chat.py), Contrastive (toolkit/embedding.py)."""
+
+    def micro_batches(self, step: int) -> list[tuple[Batch, float]]:
+        """This process's micro-batches of a step, each with its share of the global batch's
+        loss."""
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """The mean loss of one micro-batch."""
+
+    def throughput(self) -> tuple[int, str, float | None]:
+        """(items per step, their unit, FLOPs per step or None) for the log line and MFU."""
+
+    def evaluate(self, engine: Engine) -> dict[str, float]:
+        """The metrics of an evaluation (val_loss among them, unless there is none)."""
+
+    def good_weights(self, engine: Engine) -> bool:
+        """Weights fit to be saved: finite, and giving a finite loss where the objective checks
+        one."""
+
+    def checkpoint_state(self, best: dict | None) -> dict:
+        """What a checkpoint keeps besides the weights and the loop's state."""
 
 
 @dataclass
 class LoopConfig:
     max_iters: int
-    log_interval: int
     eval_interval: int = 0  # 0: evaluate only at the end
     save_interval: int = 0  # 0: save only at the end (and on a signal)
-    eval_at_start: bool = True  # nanoGPT evaluates before the first step; fine-tuning after each epoch
+    eval_at_start: bool = True  # nanoGPT evaluates before the first step; fine-tuning after epochs
     metric: str = "val_loss"  # the metric "best" refers to
     maximize: bool = False
-    keep_best: bool = False  # save at each evaluation that beats the best, instead of the latest state
-    latest_path: str | None = None  # keep_best: also the latest state here, for exact resume, until the run ends
+    keep_best: bool = False  # save at each evaluation that beats the best, not the latest state
+    latest_path: str | None = None  # keep_best: the latest state (exact resume) until the end
     peak_tflops: float | None = None  # the device's peak, for MFU (known GPUs are looked up)
     hint: str = "a lower --lr or --dtype bfloat16"  # what to try when the run goes non-finite
 
 
-def diverged(what: str, hint: str = "a lower --lr or --dtype bfloat16") -> CLIError:
-    """The one wording of a run that went non-finite."""
-    return CLIError(f"{what}; stopped without saving (the checkpoint written before, if any, is kept). Try {hint}")
-
-
-class StopRequest:
-    """SIGINT/SIGTERM ask the loop to finish its step, save and exit 0 (in every rank). Repeats within a few
-    seconds are the same request (on Ctrl-C the terminal signals every process, and a launcher then forwards
-    SIGTERM too); a later one stops at once. The handlers are restored when the block ends."""
-
-    def __enter__(self) -> "StopRequest":
-        self.requested, self.first = False, 0.0
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-    def handle(self, signum, frame) -> None:
-        now = time.monotonic()
-        if self.requested and now - self.first > SIGNAL_GRACE_S:
-            raise KeyboardInterrupt
-        if not self.requested:
-            self.requested, self.first = True, now
-
-
-def tensorboard_writer(out_dir: str, tensorboard_dir: str | None, run_name: str):
-    """A SummaryWriter for one run: TENSORBOARD_DIR (default OUT_DIR/tensorboard) / RUN_NAME."""
-    from torch.utils.tensorboard import SummaryWriter
-    return SummaryWriter(os.path.join(tensorboard_dir or os.path.join(out_dir, "tensorboard"), run_name))
-
-
-def claim_out_dir(out_dir: str, checkpoint: str, resuming: bool, overwrite: bool) -> None:
-    """Lock out_dir for this run (a second run there stops), clear what a killed writer left, and refuse to replace
-    a checkpoint this run does not resume from."""
-    lock_folder(out_dir)
-    remove_temporaries(out_dir)
-    if not resuming and os.path.exists(checkpoint) and not overwrite:
-        raise CLIError(f"{checkpoint} holds the checkpoint of another run; continue it with --init-from resume, "
-                       f"use another --out-dir, or pass --overwrite to replace it")
-
-
-def empty_history() -> dict:
-    """The loss curve: training loss at each logged step, and every evaluation's metrics (val_loss also alone)."""
-    return {"iter": [], "loss": [], "eval_iter": [], "val": [], "metrics": []}
-
-
 class TorchEngine:
-    """Steps in torch: the optimizer (its param groups may carry an `lr_scale`, e.g. Muon's), a GradScaler for
-    float16, torch.compile, DDP in a process group. Checkpoints are a ckpt.pt at `path`, written by rank 0:
-    `gpt`'s weights, the objective's state, and unless save_optimizer is off, what exact resume needs."""
+    """Steps in torch: Muon or AdamW (a param group's `lr_scale` moves it along the schedule), a
+    GradScaler for float16, torch.compile, DDP in a process group. Its checkpoint is a ckpt.pt at
+    `path`, written by rank 0:
+    the weights of `gpt`, the objective's state and, unless save_optimizer is off, what exact resume
+    needs."""
 
-    def __init__(self, path: str, model: torch.nn.Module, gpt: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 device: torch.device, dtype: torch.dtype, loss, grad_clip: float, compile: bool = False,
-                 save_optimizer: bool = True, resume: dict | None = None):
-        self.path, self.model, self.gpt, self.optimizer = path, model, gpt, optimizer
-        self.device, self.dtype, self.loss, self.grad_clip = device, dtype, loss, grad_clip
-        self.save_optimizer = save_optimizer
-        # from the optimizer as built from the flags: a resumed optimizer's saved groups do not override them
-        self.lr_scales = [group.get("lr_scale", 1.0) for group in optimizer.param_groups]
-        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        if resume is not None:
-            self.resume(resume)
-        self.forward_model = torch.compile(model) if compile else model
-        self.train_model = self.forward_model
-        self.data_parallel_size = distributed.world_size()
-        if self.data_parallel_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-            self.train_model = DistributedDataParallel(self.forward_model, device_ids=[device.index]
-                                                       if device.type == "cuda" else None)
+    def __init__(self, path: str, save_optimizer: bool = True):
+        self.path, self.save_optimizer = path, save_optimizer
 
     def data_parallel(self) -> tuple[int, int]:
-        return distributed.rank(), self.data_parallel_size
+        return distributed.rank(), distributed.world_size()
 
-    def resume(self, checkpoint: dict) -> None:
-        """Weights (unless the checkpoint holds adapters: toolkit/lora.py), optimizer, scaler and RNG from a
-        ckpt.pt dict."""
-        if "model" in checkpoint:
-            load_weights(self.gpt, checkpoint["model"], self.path)
-        if checkpoint.get("optimizer"):
-            self.optimizer.load_state_dict(checkpoint["optimizer"])
-        if checkpoint.get("scaler"):
-            self.scaler.load_state_dict(checkpoint["scaler"])
-        restore_rng(checkpoint.get("rng") or {}, self.device)
+    def read_resume(self) -> dict:
+        return load_checkpoint(self.path)
 
-    def set_lr(self, lr: float) -> None:
+    def settle_config(self, cfg: RunConfig, given: set[str], resumed: set[str]) -> RunConfig:
+        return cfg  # the flags are the whole configuration
+
+    def start(self, model: torch.nn.Module, cfg: RunConfig, device: torch.device,
+              dtype: torch.dtype, loss: Callable, resume: dict | None = None,
+              gpt: torch.nn.Module | None = None) -> None:
+        """gpt: the network whose weights a checkpoint keeps, when model wraps it (a task head)."""
+        self.model, self.gpt, self.device, self.dtype = model, gpt or model, device, dtype
+        self.loss, self.grad_clip = loss, cfg.grad_clip
+        self.optimizer = make_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay,
+                                        (cfg.beta1, cfg.beta2), cfg.muon_lr, device.type, dtype)
+        # as built from the flags: a resumed optimizer's saved groups do not override them
+        self.lr_scales = [group.get("lr_scale", 1.0) for group in self.optimizer.param_groups]
+        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        if resume is not None:
+            if "model" in resume:  # (a LoRA checkpoint holds adapters instead: toolkit/lora.py)
+                load_weights(self.gpt, resume["model"], self.path)
+            if resume.get("optimizer"):
+                self.optimizer.load_state_dict(resume["optimizer"])
+            if resume.get("scaler"):
+                self.scaler.load_state_dict(resume["scaler"])
+            restore_rng(resume.get("rng") or {}, device)
+        self.forward_model = self.train_model = torch.compile(model) if cfg.compile else model
+        if distributed.world_size() > 1:
+            from torch.nn.parallel import DistributedDataParallel
+            ids = [device.index] if device.type == "cuda" else None
+            self.train_model = DistributedDataParallel(self.forward_model, device_ids=ids)
+
+    def train_step(self, batches: list[tuple[Batch, float]], lr: float) -> float:
         for group, scale in zip(self.optimizer.param_groups, self.lr_scales):
             group["lr"] = lr * scale
-
-    def train_step(self, batches: list[tuple[object, float]], lr: float) -> float:
-        """One optimizer step over this process's weighted micro-batches; returns its share of the step's loss."""
-        self.set_lr(lr)
         total = torch.zeros((), device=self.device)
         for i, (batch, weight) in enumerate(batches):
+            wrapped = self.train_model is not self.forward_model
             last = i == len(batches) - 1
-            sync = self.train_model.no_sync() if not last and self.train_model is not self.forward_model \
-                else nullcontext()
-            with sync:
+            with self.train_model.no_sync() if wrapped and not last else nullcontext():
                 with autocast(self.device, self.dtype):
                     loss = self.loss(self.train_model, batch)
-                # DDP averages the gradients over the processes: scale back up to the global batch's sum
-                self.scaler.scale(loss * (weight * self.data_parallel_size)).backward()
+                # DDP averages the gradients over the processes: scale up to the global batch's sum
+                self.scaler.scale(loss * (weight * distributed.world_size())).backward()
             total += loss.detach().float() * weight
         if self.grad_clip:
             self.scaler.unscale_(self.optimizer)
@@ -194,7 +185,6 @@ class TorchEngine:
             return self.forward_model(x, y, chunked_loss=True)[1]
 
     def logits_at(self, idx: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """The logits at some positions of a batch (toolkit/evaluation.py's scoring), in eval mode."""
         with autocast(self.device, self.dtype):
             return self.gpt.lm_head(self.gpt.hidden_states(idx)[rows, cols]).float()
 
@@ -202,191 +192,247 @@ class TorchEngine:
         return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
 
     def save(self, state: dict, path: str | None = None, resumable: bool | None = None) -> None:
-        """A checkpoint at path (default: self.path), with the optimizer, scaler and RNG states when resumable
-        (default: save_optimizer)."""
+        """resumable (default: save_optimizer): with the optimizer, scaler and RNG states."""
         if distributed.rank() == 0:
             keep = self.save_optimizer if resumable is None else resumable
             scaler = self.scaler.state_dict() if keep and self.scaler.is_enabled() else None
-            checkpoint = make_checkpoint(state, self.gpt, self.optimizer.state_dict() if keep else None, scaler,
-                                         capture_rng(self.device) if keep else {})
+            optimizer = self.optimizer.state_dict() if keep else None
+            rng = capture_rng(self.device) if keep else {}
+            checkpoint = make_checkpoint(state, self.gpt, optimizer, scaler, rng)
             save_checkpoint(checkpoint, path or self.path)
 
 
-class Trainer:
-    """The loop (see the module's docstring), from `step` on, with the history and best metrics a resumed run
-    brings."""
+def evaluation_windows(n_tokens: int, block_size: int, count: int, seed: int,
+                       stream: int) -> np.ndarray:
+    """Offsets of the windows an evaluation scores: all non-overlapping ones when there are at most
+    `count`, else `count` random ones (fixed by the seed, so successive evaluations are comparable).
+    """
+    whole = (n_tokens - 1) // block_size
+    if whole <= count:
+        return np.arange(whole, dtype=np.int64) * block_size
+    return window_offsets(n_tokens, block_size, count, seed, 0, stream)
 
-    def __init__(self, engine, objective, schedule: Schedule, loop: LoopConfig, out_dir: str, run_name: str,
-                 tensorboard_dir: str | None = None, step: int = 0, history: dict | None = None,
+
+class LanguageModeling:
+    """Pretraining's objective: next-token cross-entropy on random windows of the corpus. Each
+    step's windows come from (seed, step) alone and the data-parallel ranks take slices of them, so
+    N ranks train exactly like one process and the step is the data position; evaluation scores
+    fixed windows of both splits.
+    """
+
+    def __init__(self, cfg, corpus, model: torch.nn.Module, device: torch.device, dp_rank: int,
+                 dp_size: int, tasks: list = ()):
+        self.cfg, self.corpus, self.model, self.device = cfg, corpus, model, device
+        self.tasks = tasks
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.micro_steps = cfg.grad_accum // dp_size
+        self.global_batch = cfg.batch_size * cfg.grad_accum
+
+    def micro_batches(self, step: int) -> list[tuple[tuple[torch.Tensor, torch.Tensor], float]]:
+        cfg, rows = self.cfg, self.micro_steps * self.cfg.batch_size
+        offsets = window_offsets(len(self.corpus.train), cfg.block_size, self.global_batch,
+                                 cfg.seed, step, TRAIN_STREAM)
+        mine = offsets[self.dp_rank * rows:][:rows]
+        return [(get_batch(self.corpus.train, o, cfg.block_size, self.device), 1 / cfg.grad_accum)
+                for o in np.split(mine, self.micro_steps)]
+
+    @staticmethod
+    def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return model(x, y, chunked_loss=True)[1]
+
+    def throughput(self) -> tuple[int, str, float]:
+        tokens = self.global_batch * self.cfg.block_size
+        return tokens, "tokens", self.model.flops_per_token() * tokens
+
+    @torch.no_grad()
+    def evaluate(self, engine: Engine) -> dict[str, float]:
+        """Mean loss per split over evaluation_windows, in batches shared out over the data-parallel
+        ranks. Every rank runs the same number of forwards (a rank short of batches repeats one,
+        uncounted), so an engine whose forward is collective (ZeRO-3 gathers the parameters) stays
+        in step."""
+        cfg = self.cfg
+        self.model.eval()
+        losses = {}
+        for split, stream in (("train", EVAL_TRAIN_STREAM), ("val", EVAL_VAL_STREAM)):
+            tokens = getattr(self.corpus, split)
+            most = cfg.eval_iters * cfg.batch_size
+            offsets = evaluation_windows(len(tokens), cfg.block_size, most, cfg.seed, stream)
+            batches = math.ceil(len(offsets) / cfg.batch_size)
+            total, count = 0.0, 0
+            rounds = math.ceil(batches / self.dp_size)
+            for i in range(self.dp_rank, rounds * self.dp_size, self.dp_size):
+                rows = offsets[(i if i < batches else 0) * cfg.batch_size:][:cfg.batch_size]
+                loss = engine.eval_loss(*get_batch(tokens, rows, cfg.block_size, self.device))
+                if i < batches:
+                    total, count = total + loss.item() * len(rows), count + len(rows)
+            total, count = distributed.all_reduce_sum([total, count], self.device)
+            losses[split] = total / count
+        metrics = {"train_loss": losses["train"], "val_loss": losses["val"],
+                   "val_ppl": math.exp(min(losses["val"], 50))}
+        for task in self.tasks:
+            scores = task.score(engine.logits_at, cfg.block_size, cfg.batch_size, self.device,
+                                (self.dp_rank, self.dp_size))
+            metrics.update({f"{task.name}_{name}": value for name, value in scores.items()})
+        self.model.train()
+        return metrics
+
+    @torch.no_grad()
+    def good_weights(self, engine: Engine) -> bool:
+        """Finite weights that give a finite loss on one fixed validation batch (in eval mode: no
+        RNG used)."""
+        if not engine.weights_finite():
+            return False
+        cfg = self.cfg
+        offsets = window_offsets(len(self.corpus.val), cfg.block_size, cfg.batch_size, cfg.seed, 0,
+                                 EVAL_VAL_STREAM)
+        self.model.eval()
+        batch = get_batch(self.corpus.val, offsets, cfg.block_size, self.device)
+        loss = engine.eval_loss(*batch).item()
+        self.model.train()
+        finite = distributed.all_reduce_sum([float(math.isfinite(loss))], self.device)[0]
+        return finite == distributed.world_size()
+
+    def checkpoint_state(self, best: dict | None) -> dict:
+        return run_state(self.model, self.cfg, self.corpus.meta)
+
+
+class Trainer:
+    """The loop: an evaluation every eval_interval steps, a step, the loss averaged over all
+    processes and checked, a log line every log_interval steps, SIGINT or SIGTERM finishing the
+    step and saving, checkpoints at save_interval; at the end a last evaluation and the checkpoint.
+    With keep_best (fine-tuning) the checkpoint is written at each evaluation that beats the best
+    so far, and the latest state (for exact resume) at latest_path until the run ends."""
+
+    def __init__(self, engine: Engine, objective: Objective, schedule: Schedule, loop: LoopConfig,
+                 cfg: RunConfig, step: int = 0, history: dict | None = None,
                  best: dict | None = None, desc: str = "train"):
         self.engine, self.objective, self.schedule, self.loop = engine, objective, schedule, loop
-        self.out_dir, self.run_name, self.tensorboard_dir, self.desc = out_dir, run_name, tensorboard_dir, desc
-        self.step, self.best = step, best
-        self.history = {**empty_history(), **(history or {})}
+        self.cfg, self.step, self.best, self.desc = cfg, step, best, desc
         self.master = distributed.rank() == 0
+        self.log = RunLog(cfg, history, self.master)
+        self.history = self.log.history
         self.device = engine.device
-        dp_size = engine.data_parallel()[1]
-        self.replicas = distributed.world_size() // dp_size  # processes that hold the same share (model parallel)
-        self.writer = None
+        # processes that hold the same share of the data (model parallel) report one replica's loss
+        self.replicas = distributed.world_size() // engine.data_parallel()[1]
         self.skipped_steps = 0
         self.stopped = False
 
-    # ----- the loop -----
     def fit(self) -> None:
         loop = self.loop
-        count, unit, flops = self.objective.throughput()
+        throughput = self.objective.throughput()
         peak = peak_flops(self.device, loop.peak_tflops)
-        bar = tqdm(total=loop.max_iters, initial=self.step, desc=self.desc, disable=not self.master or None,
-                   dynamic_ncols=True)
+        bar = tqdm(total=loop.max_iters, initial=self.step, desc=self.desc, dynamic_ncols=True,
+                   disable=not self.master or None)
         with StopRequest() as stop_request:
             while self.step < loop.max_iters:
-                if loop.eval_interval and self.step % loop.eval_interval == 0 and (self.step or loop.eval_at_start) \
-                        and self.step not in self.history["eval_iter"][-1:]:  # a resumed run evaluated it already
+                due = loop.eval_interval and self.step % loop.eval_interval == 0
+                done = self.step in self.history["eval_iter"]  # a resumed run evaluated its step
+                if due and (self.step or loop.eval_at_start) and not done:
                     self.evaluate()
                 lr = self.schedule(self.step)
                 t0 = time.perf_counter()
                 loss = self.engine.train_step(self.objective.micro_batches(self.step), lr)
-                loss, stop = distributed.all_reduce_sum([loss / self.replicas, float(stop_request.requested)],
-                                                        self.device)
+                loss, stop = distributed.all_reduce_sum(
+                    [loss / self.replicas, float(stop_request.requested)], self.device)
                 dt = time.perf_counter() - t0
                 self.check_finite(loss)
                 self.step += 1
                 bar.update(1)
-                if self.step % loop.log_interval == 0 or self.step == loop.max_iters or stop:
-                    self.log_step(loss, lr, dt, count, unit, flops and peak and flops / dt / peak, bar)
+                if self.step % self.cfg.log_interval == 0 or self.step == loop.max_iters or stop:
+                    mfu = throughput[2] / dt / peak if throughput[2] and peak else None
+                    self.log.step(self.step, loss, lr, dt, throughput, mfu, bar)
                 if stop:
                     self.stopped = True
                     break
-                if loop.save_interval and self.step % loop.save_interval == 0 and self.step < loop.max_iters \
-                        and not loop.keep_best:
+                periodic = loop.save_interval and self.step % loop.save_interval == 0
+                if periodic and self.step < loop.max_iters and not loop.keep_best:
                     self.save()
             bar.close()
-            if self.stopped and loop.latest_path:
-                self.save_latest()
-            elif self.stopped and not loop.keep_best:
-                self.save()
-            else:
-                self.evaluate()
-                if not loop.keep_best:
-                    self.save()
-                elif loop.latest_path and self.master and os.path.exists(loop.latest_path):
-                    os.remove(loop.latest_path)  # the run is complete: the best checkpoint is what stays
+            self.finish()
+        self.log.close()
         if self.master:
-            self.plot_losses()
-            if self.writer is not None:
-                self.writer.close()
             print(self.outcome(), flush=True)
+
+    def finish(self) -> None:
+        """After the last step: a stopped run saves its latest state, a finished one evaluates and
+        saves (with keep_best the best is on disk already, and the latest state goes)."""
+        loop = self.loop
+        if self.stopped and loop.latest_path:
+            self.save_latest()
+        elif self.stopped and not loop.keep_best:
+            self.save()
+        if self.stopped:
+            return
+        self.evaluate()
+        if not loop.keep_best:
+            self.save()
+        elif loop.latest_path and self.master and os.path.exists(loop.latest_path):
+            os.remove(loop.latest_path)
 
     def outcome(self) -> str:
         """The run's last line: how it ended, the best metric and where the checkpoint is."""
-        saved = f"the best checkpoint is {self.engine.path}" if self.loop.keep_best and self.best else \
-            "nothing evaluated yet" if self.loop.keep_best else f"saved {self.engine.path}"
+        loop, path = self.loop, self.engine.path
+        saved = f"saved {path}"
+        if loop.keep_best:
+            saved = f"the best checkpoint is {path}" if self.best else "nothing evaluated yet"
         if self.stopped:
-            latest = f"; continue it with --init-from resume ({self.loop.latest_path})" if self.loop.latest_path else ""
-            return f"stopped by signal at iteration {self.step}; {saved}{latest}"
-        best = f", best {self.loop.metric.replace('_', ' ')} {self.best[self.loop.metric]:.4f}" if self.best else ""
+            resume = f"; continue it with --init-from resume ({loop.latest_path})"
+            resume = resume if loop.latest_path else ""
+            return f"stopped by signal at iteration {self.step}; {saved}{resume}"
+        metric = loop.metric.replace("_", " ")
+        best = f", best {metric} {self.best[loop.metric]:.4f}" if self.best else ""
         return f"done: {self.step} iterations{best}, {saved}"
 
     def check_finite(self, loss: float) -> None:
-        """Stop on a NaN/inf loss, keeping the checkpoint written before; float16 overflow steps are skipped by the
-        loss scaler, so there only a run of them is fatal."""
+        """Stop on a NaN/inf loss, keeping the checkpoint written before; float16 overflow steps are
+        skipped by the loss scaler, so there only a run of ten is fatal."""
         if math.isfinite(loss):
             self.skipped_steps = 0
             return
-        if self.engine.dtype == torch.float16:
-            self.skipped_steps += 1
-            if self.skipped_steps < 10:
-                return
-        raise diverged(f"loss is {loss} at iteration {self.step}", self.loop.hint)
+        self.skipped_steps += 1
+        if self.engine.dtype != torch.float16 or self.skipped_steps >= 10:
+            raise diverged(f"loss is {loss} at iteration {self.step}", self.loop.hint)
 
     def evaluate(self) -> None:
-        """The objective's metrics: checked, printed, logged, kept in the history; with keep_best, a checkpoint
-        when they beat the best so far."""
+        """The objective's metrics: checked, logged, kept; with keep_best, a checkpoint when they
+        beat the best so far."""
         metrics = self.objective.evaluate(self.engine)
         if not metrics:
             return
         if not all(math.isfinite(v) for v in metrics.values()):
-            raise diverged(f"the evaluation at iteration {self.step} gives " +
-                           ", ".join(f"{name} {value}" for name, value in metrics.items()), self.loop.hint)
-        improved = self.best is None or (metrics[self.loop.metric] > self.best[self.loop.metric]
-                                         if self.loop.maximize else
-                                         metrics[self.loop.metric] < self.best[self.loop.metric])
-        if improved:
-            self.best = metrics
-        self.history["eval_iter"].append(self.step)
-        self.history["val"].append(metrics.get("val_loss"))
-        self.history["metrics"].append(metrics)
-        if improved and self.loop.keep_best:
+            shown = ", ".join(f"{name} {value}" for name, value in metrics.items())
+            raise diverged(f"the evaluation at iteration {self.step} gives {shown}", self.loop.hint)
+        metric, sign = self.loop.metric, 1 if self.loop.maximize else -1
+        improved = self.best is None or sign * (metrics[metric] - self.best[metric]) > 0
+        self.best = metrics if improved else self.best
+        saved = improved and self.loop.keep_best
+        self.log.evaluation(self.step, metrics, self.engine.path if saved else None)
+        if saved:
             self.save()
         if self.loop.keep_best and self.step < self.loop.max_iters:
             self.save_latest()
-        if self.master:
-            shown = ", ".join(f"{name.replace('_', ' ')} {value:.4f}" for name, value in metrics.items())
-            tqdm.write(f"step {self.step}: {shown}" + (f"; saved {self.engine.path}" if improved and
-                                                        self.loop.keep_best else ""))
-            for name, value in metrics.items():
-                self.tensorboard().add_scalar(f"eval/{name}", value, self.step)
-
-    def log_step(self, loss: float, lr: float, dt: float, count: int, unit: str, mfu: float | None, bar) -> None:
-        if not self.master:
-            return
-        self.history["iter"].append(self.step)
-        self.history["loss"].append(loss)
-        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        bar.write(f"iter {self.step}: loss {loss:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms, "
-                  f"{count / dt:,.0f} {unit}/s" + (f", mfu {mfu * 100:.1f}%" if mfu else ""))
-        writer = self.tensorboard()
-        writer.add_scalar("loss/train", loss, self.step)
-        writer.add_scalar("lr", lr, self.step)
-        writer.add_scalar(f"perf/{unit}_per_s", count / dt, self.step)
-        if mfu:
-            writer.add_scalar("perf/mfu", mfu, self.step)
-
-    def tensorboard(self):
-        if self.writer is None:
-            self.writer = tensorboard_writer(self.out_dir, self.tensorboard_dir, self.run_name)
-        return self.writer
-
-    # ----- checkpoints -----
-    def state(self) -> dict:
-        """What every checkpoint format keeps besides weights and optimizer (toolkit.checkpoint.STATE_KEYS)."""
-        best_val_loss = (self.best or {}).get("val_loss", float("inf"))
-        return {**self.objective.checkpoint_state(self.best), "iter_num": self.step, "best_val_loss": best_val_loss,
-                "history": self.history}
 
     def save(self) -> None:
-        """Write a checkpoint through the engine, unless the weights went bad: a non-finite step never reaches
-        disk (the loss that check_finite saw was computed before the last update)."""
+        """A checkpoint through the engine, unless the weights went bad: a non-finite step never
+        reaches disk (the loss check_finite saw was computed before the last update)."""
         if not self.objective.good_weights(self.engine):
-            raise diverged(f"the weights after iteration {self.step} are not finite or give a non-finite loss",
-                           self.loop.hint)
+            raise diverged(f"the weights after iteration {self.step} are not finite or give a "
+                           "non-finite loss", self.loop.hint)
         self.engine.save(self.state())
-        if self.master and self.writer is not None:
-            self.writer.flush()
+        self.log.flush()
         distributed.barrier()
 
     def save_latest(self) -> None:
         """keep_best: the latest state, with what exact resume needs, at latest_path."""
-        if self.loop.latest_path:
-            if not self.objective.good_weights(self.engine):
-                raise diverged(f"the weights after iteration {self.step} are not finite", self.loop.hint)
-            self.engine.save(self.state(), self.loop.latest_path, resumable=True)
-            distributed.barrier()
+        if not self.objective.good_weights(self.engine):
+            raise diverged(f"the weights after iteration {self.step} are not finite",
+                           self.loop.hint)
+        self.engine.save(self.state(), self.loop.latest_path, resumable=True)
+        distributed.barrier()
 
-    def plot_losses(self) -> None:
-        """OUT_DIR/loss.png: the training loss every log_interval steps and the val loss at each evaluation."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(self.history["iter"], self.history["loss"], label="train loss", linewidth=1)
-        evaluated = [(i, v) for i, v in zip(self.history["eval_iter"], self.history["val"]) if v is not None]
-        if evaluated:
-            ax.plot(*zip(*evaluated), "o-", label="val loss")
-        ax.set_xlabel("iteration")
-        ax.set_ylabel("cross-entropy (nats/token)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        atomic_write(os.path.join(self.out_dir, "loss.png"), lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
-        plt.close(fig)
+    def state(self) -> dict:
+        """What every checkpoint keeps besides the weights and optimizer (checkpoint.STATE_KEYS)."""
+        best_val_loss = (self.best or {}).get("val_loss", float("inf"))
+        return {**self.objective.checkpoint_state(self.best), "iter_num": self.step,
+                "best_val_loss": best_val_loss, "history": self.history}

@@ -1,0 +1,128 @@
+"""Megatron-LM's options and spellings for the trainers, so that a Megatron-DeepSpeed GPT-2 command
+runs as written: its own options (MegatronOptions, listed in their own --help group), its names for
+ours (ALIASES), sample counts turned into steps of the global batch, --load, and codecarbon's energy
+tracking.
+
+Where Megatron and this toolkit differ (docs/design.md): `--load` and `--save` name one folder here;
+`--global-batch-size` sets the accumulation; sample counts become steps, rounded up, and the cosine
+decay runs over those steps.
+"""
+import math
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from toolkit.cli import CLIError
+from toolkit.flags import flag, option
+
+# Megatron-LM's names for our options (its sample counts have fields of their own: they need the
+# global batch)
+ALIASES = {"lr": ["--learning-rate"], "n_layer": ["--num-layers"], "n_embd": ["--hidden-size"],
+           "n_head": ["--num-attention-heads"], "block_size": ["--seq-length"],
+           "batch_size": ["--micro-batch-size"], "data_dir": ["--data-path"], "out_dir": ["--save"],
+           "max_iters": ["--train-iters"], "warmup_iters": ["--lr-warmup-iters"], "grad_clip": ["--clip-grad"],
+           "beta1": ["--adam-beta1"], "beta2": ["--adam-beta2"]}
+# sample counts -> the step counts they set, through the global batch
+SAMPLE_FLAGS = {"train_samples": "max_iters", "lr_warmup_samples": "warmup_iters",
+                "lr_decay_samples": "lr_decay_iters"}
+
+
+@dataclass
+class MegatronOptions:
+    load: str | None = option(None, "use this folder as --out-dir and resume from its checkpoint "
+                                    "when it holds one (else start from scratch)", megatron=True)
+    split: str = option("969,30,1", "train,val,test document split of a Megatron "
+                                    "prefix", megatron=True)
+    global_batch_size: int | None = option(None, "sequences per optimizer step over all processes; "
+                                                 "sets --grad-accum to it / "
+                                                 "--batch-size", check="positive",
+                                           megatron=True)
+    train_samples: int | None = option(None, "train on this many sequences instead; sets "
+                                             "--max-iters",
+                                       check="positive", megatron=True)
+    lr_warmup_samples: int | None = option(None, "warm up over this many sequences instead; sets "
+                                                 "--warmup-iters", check="non-negative", megatron=True)
+    lr_decay_samples: int | None = option(None, "decay over this many sequences instead; sets "
+                                                "--lr-decay-iters", check="positive", megatron=True)
+    codecarbon_dir: str | None = option(None, "record energy and CO2 with codecarbon's offline "
+                                              "tracker (rank 0) in DIR/emissions.csv, one row per "
+                                              "run (needs: pip install codecarbon)", megatron=True)
+    codecarbon_country: str = option("USA", "ISO 3166 alpha-3 code of the country whose electricity mix "
+                                            "converts the energy to CO2 (offline: nothing is looked up)",
+                                     megatron=True)
+
+
+def check_options(cfg: MegatronOptions, given: set[str]) -> None:
+    """A sample count and the step count it sets are not both given; codecarbon is there when asked
+    for."""
+    for samples, steps in SAMPLE_FLAGS.items():
+        if {samples, steps} <= given:
+            raise CLIError(f"{flag(samples)} and {flag(steps)} set the same value; give one of "
+                           "them")
+    if cfg.codecarbon_dir:
+        try:
+            import codecarbon  # noqa: F401  (an optional dependency)
+        except ImportError:
+            raise CLIError("--codecarbon-dir needs the optional codecarbon package: pip install "
+                           "codecarbon") from None
+
+
+def apply_load(cfg, given: set[str]) -> None:
+    """--load DIR: DIR is the run's folder (checkpoints are read from and written to one place
+    here)."""
+    if "out_dir" in given and os.path.abspath(cfg.out_dir) != os.path.abspath(cfg.load):
+        raise CLIError(f"--load {cfg.load} and --save/--out-dir {cfg.out_dir} differ; a run resumes and saves "
+                       f"in one folder here: give the same folder or only one of them")
+    if "init_from" in given and cfg.init_from != "resume":
+        raise CLIError(f"--load resumes from {cfg.load}; it cannot be combined with --init-from "
+                       f"{cfg.init_from}")
+    cfg.out_dir = cfg.load
+    given.add("out_dir")
+
+
+def grad_accum_for(cfg, given: set[str]) -> int:
+    """--grad-accum from --global-batch-size = --micro-batch-size x accumulation (over all
+    processes)."""
+    accum, rest = divmod(cfg.global_batch_size, cfg.batch_size)
+    if rest:
+        raise CLIError(f"--global-batch-size {cfg.global_batch_size} is not a multiple of "
+                       f"--micro-batch-size/--batch-size {cfg.batch_size}")
+    if "grad_accum" in given and cfg.grad_accum not in (None, accum):
+        raise CLIError(f"--global-batch-size {cfg.global_batch_size} / --batch-size {cfg.batch_size} = "
+                       f"{accum} micro-batches but --grad-accum {cfg.grad_accum} was given; drop one of them")
+    return accum
+
+
+def forget_replaced_counts(cfg, given: set[str]) -> None:
+    """On resume, a step count given now wins over the Megatron count the checkpoint saved for
+    it."""
+    for samples, steps in {**SAMPLE_FLAGS, "global_batch_size": "grad_accum"}.items():
+        if steps in given and samples not in given:
+            setattr(cfg, samples, None)
+
+
+def steps_from_samples(cfg) -> None:
+    """Each sample count set becomes the step count it stands for, rounded up to whole global
+    batches."""
+    for samples, steps in SAMPLE_FLAGS.items():
+        if getattr(cfg, samples) is not None:
+            setattr(cfg, steps, math.ceil(getattr(cfg, samples) / (cfg.batch_size * cfg.grad_accum)))
+
+
+@contextmanager
+def tracking_emissions(cfg: MegatronOptions, master: bool):
+    """codecarbon's OfflineEmissionsTracker around the block when the run sets --codecarbon-dir
+    (rank 0); its row is appended to CODECARBON_DIR/emissions.csv when the block ends, however it
+    ends."""
+    if not (master and cfg.codecarbon_dir):
+        yield
+        return
+    from codecarbon import OfflineEmissionsTracker
+    os.makedirs(cfg.codecarbon_dir, exist_ok=True)
+    tracker = OfflineEmissionsTracker(country_iso_code=cfg.codecarbon_country, output_dir=cfg.codecarbon_dir,
+                                      project_name=cfg.run_name, log_level="error", allow_multiple_runs=True)
+    tracker.start()
+    try:
+        yield
+    finally:
+        tracker.stop()

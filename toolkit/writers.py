@@ -1,0 +1,166 @@
+"""Writing the token formats that toolkit/data.py reads (tokenizer.py and the default corpus call
+these): a nanoGPT folder (train.bin, val.bin, meta.json) with a per-document train/val split, and
+Megatron-LM's PREFIX.bin/.idx with this toolkit's PREFIX.json of tokenizer facts. Every file is
+written under a temporary name and renamed only when complete; the metadata file comes last, so its
+presence means the data is whole.
+"""
+import hashlib
+import os
+
+import numpy as np
+
+from toolkit.cli import CLIError
+from toolkit.data import MEGATRON_DTYPES, MEGATRON_EXTENSIONS, MEGATRON_HEADER, MEGATRON_MAGIC, NANOGPT_FILES
+from toolkit.files import atomic_write, make_folder, temporary_name, write_json
+
+
+def write_nanogpt(folder: str, train: np.ndarray, val: np.ndarray, meta: dict) -> dict:
+    """A nanoGPT folder from two token arrays (already split); returns the meta.json written."""
+    make_folder(folder)
+    meta = {"format": "nanogpt", **meta, "dtype": train.dtype.name, "train_tokens": len(train), "val_tokens": len(val)}
+    for name, ids in (("train.bin", train), ("val.bin", val)):
+        atomic_write(os.path.join(folder, name), ids.tofile)
+    write_json(os.path.join(folder, "meta.json"), meta)  # last: its presence means complete
+    return meta
+
+
+def output_dtype(vocab_size: int, requested: str, fmt: str) -> np.dtype:
+    """uint16 when every id fits, else 32 bits (uint32 for nanoGPT; int32 for Megatron, which has no
+    uint32 code)."""
+    wide = "int32" if fmt == "megatron" else "uint32"
+    name = requested if requested != "auto" else ("uint16" if vocab_size <= 2**16 else wide)
+    if name not in ("uint16", wide):
+        raise CLIError(f"--dtype {name} is not available for --format {fmt} (use uint16 or {wide})")
+    if vocab_size - 1 > np.iinfo(name).max:
+        raise CLIError(f"vocabulary of {vocab_size} ids does not fit --dtype {name}; use --dtype "
+                       f"{wide} or auto")
+    return np.dtype(name)
+
+
+def is_val_document(seed: int, index: int, val_fraction: float) -> bool:
+    """Deterministic per (seed, document index), so the split streams and does not depend on
+    --workers."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2**64
+
+
+class NanoGPTWriter:
+    """train.bin / val.bin (raw token ids) and meta.json in one folder; documents are split by
+    is_val_document. `where` names the output in errors."""
+
+    def __init__(self, out_dir: str, dtype: np.dtype, val_fraction: float, seed: int):
+        make_folder(out_dir, "--output-dir")
+        self.where = out_dir
+        self.final = {name: os.path.join(out_dir, name) for name in NANOGPT_FILES}
+        self.tmp = {name: temporary_name(self.final[name]) for name in ("train.bin", "val.bin")}
+        self.files = {split: open(self.tmp[f"{split}.bin"], "wb+") for split in ("train", "val")}
+        self.dtype, self.val_fraction, self.seed = dtype, val_fraction, seed
+        self.documents = {"train": 0, "val": 0}
+        self.tokens = {"train": 0, "val": 0}
+        self.last_length = {"train": 0, "val": 0}  # tokens of each split's last document
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        lengths = lengths[lengths > 0]  # empty documents are dropped
+        first = self.documents["train"] + self.documents["val"]
+        is_val = np.array([is_val_document(self.seed, first + i, self.val_fraction) for i in range(len(lengths))], bool)
+        token_is_val = np.repeat(is_val, lengths)
+        for split, doc_mask, token_mask in (("train", ~is_val, ~token_is_val), ("val", is_val, token_is_val)):
+            if doc_mask.any():
+                self.files[split].write(tokens[token_mask].tobytes())
+                self.documents[split] += int(doc_mask.sum())
+                self.tokens[split] += int(lengths[doc_mask].sum())
+                self.last_length[split] = int(lengths[doc_mask][-1])
+
+    def move_tail(self, source: str, target: str, n: int, documents: int) -> None:
+        """Move the last n tokens (the last `documents` documents) from one split's file to the
+        other's."""
+        f = self.files[source]
+        f.seek(-n * self.dtype.itemsize, os.SEEK_END)
+        self.files[target].write(f.read())
+        f.seek(-n * self.dtype.itemsize, os.SEEK_END)
+        f.truncate()
+        self.documents[source] -= documents
+        self.documents[target] += documents
+        self.tokens[source] -= n
+        self.tokens[target] += n
+
+    def finish(self, meta: dict) -> dict:
+        total = self.documents["train"] + self.documents["val"]
+        if total == 1:  # one text file (e.g. shakespeare's input.txt): its last val_fraction becomes val
+            if self.documents["val"]:  # it was drawn for val: swap the files so it is train's
+                for d in (self.files, self.documents, self.tokens):
+                    d["train"], d["val"] = d["val"], d["train"]
+                self.tmp["train.bin"], self.tmp["val.bin"] = self.tmp["val.bin"], self.tmp["train.bin"]
+            self.move_tail("train", "val", max(1, int(self.tokens["train"] * self.val_fraction)), documents=0)
+        else:
+            for empty, full in (("val", "train"), ("train", "val")):
+                if self.documents[empty] == 0:  # give the empty split one whole document
+                    self.move_tail(full, empty, self.last_length[full], documents=1)
+        meta = {"format": "nanogpt", **meta, "dtype": self.dtype.name, "documents": total,
+                "train_documents": self.documents["train"], "val_documents": self.documents["val"],
+                "train_tokens": self.tokens["train"], "val_tokens": self.tokens["val"],
+                "val_fraction": self.val_fraction, "seed": self.seed}
+        for f in self.files.values():
+            f.close()
+        for name in ("train.bin", "val.bin"):
+            os.replace(self.tmp[name], self.final[name])
+        write_json(self.final["meta.json"], meta)  # last: its presence means complete
+        return meta
+
+    def discard(self) -> None:
+        for f in self.files.values():
+            f.close()
+        for path in self.tmp.values():
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def write_megatron_index(path: str, dtype: np.dtype, sizes: np.ndarray) -> None:
+    """MMapIndexedDataset .idx: header, sizes, byte pointers, doc_idx (one item per document)."""
+    sizes = sizes.astype("<i4")
+    pointers = np.zeros(len(sizes), dtype="<i8")
+    np.cumsum(sizes[:-1].astype("<i8") * dtype.itemsize, out=pointers[1:])
+    doc_idx = np.arange(len(sizes) + 1, dtype="<i8")
+    code = next(c for c, t in MEGATRON_DTYPES.items() if np.dtype(t) == dtype)
+    with open(path, "wb") as f:
+        f.write(MEGATRON_HEADER.pack(MEGATRON_MAGIC, 1, code, len(sizes), len(doc_idx)))
+        f.write(sizes.tobytes())
+        f.write(pointers.tobytes())
+        f.write(doc_idx.tobytes())
+
+
+class MegatronWriter:
+    """{prefix}.bin (token ids) + {prefix}.idx (Megatron MMapIndexedDataset) + {prefix}.json
+    (tokenizer facts)."""
+
+    def __init__(self, prefix: str, dtype: np.dtype):
+        if os.path.dirname(prefix):
+            make_folder(os.path.dirname(prefix), "--output-prefix")
+        self.where = prefix + ".bin"
+        self.final = {ext: prefix + ext for ext in MEGATRON_EXTENSIONS}
+        self.tmp = {ext: temporary_name(self.final[ext]) for ext in (".bin", ".idx")}
+        self.file = open(self.tmp[".bin"], "wb")
+        self.dtype = dtype
+        self.sizes = []  # one int32 array per chunk: the .idx needs all sizes before the pointers
+        self.tokens = 0
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        self.file.write(tokens.tobytes())
+        self.sizes.append(lengths[lengths > 0].astype(np.int32))  # empty documents are dropped
+        self.tokens += len(tokens)
+
+    def finish(self, meta: dict) -> dict:
+        sizes = np.concatenate(self.sizes) if self.sizes else np.zeros(0, np.int32)
+        self.file.close()
+        meta = {"format": "megatron", **meta, "dtype": self.dtype.name, "documents": len(sizes), "tokens": self.tokens}
+        write_megatron_index(self.tmp[".idx"], self.dtype, sizes)
+        for ext in (".bin", ".idx"):
+            os.replace(self.tmp[ext], self.final[ext])
+        write_json(self.final[".json"], meta)  # last: its presence means complete
+        return meta
+
+    def discard(self) -> None:
+        self.file.close()
+        for path in self.tmp.values():
+            if os.path.exists(path):
+                os.remove(path)
