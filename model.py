@@ -52,10 +52,10 @@ for _preset in PRESETS.values():
 
 SDPA_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
-# "manual" is manual_attention; "auto" uses it for bfloat16 on CPU up to MANUAL_MAX_KEYS keys, else
-# lets SDPA choose (docs/performance.md).
+# "auto": manual_attention for bfloat16 on CPU up to MANUAL_MAX_KEYS keys, else SDPA's own choice
 ATTN_KERNELS = ("auto", "manual", *SDPA_KERNELS)
 MANUAL_MAX_KEYS = 512
+MAX_LAYERS = 1024  # GPT-3's largest has 96: a config with more blocks than this lies
 
 
 def check_config(config: GPTConfig) -> None:
@@ -64,9 +64,11 @@ def check_config(config: GPTConfig) -> None:
         value = getattr(config, name)
         if type(value) is not int or value < 1:
             raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+    if config.n_layer > MAX_LAYERS:
+        raise ValueError(f"model config: n_layer {config.n_layer} is more than {MAX_LAYERS}")
     if config.n_embd % config.n_head:
-        raise ValueError(f"model config: n_embd ({config.n_embd}) must be divisible by "
-                         f"n_head ({config.n_head})")
+        raise ValueError(f"model config: n_embd ({config.n_embd}) must be divisible by n_head "
+                         f"({config.n_head})")
     if type(config.bias) is not bool:
         raise ValueError(f"model config: bias must be true or false, got {config.bias!r}")
     if type(config.dropout) not in (int, float) or not 0 <= config.dropout < 1:
@@ -399,8 +401,7 @@ class KVCache:
 
     def __init__(self, max_len: int):
         self.max_len, self.len = max_len, 0
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self.k = self.v = None  # (B, H, max_len, D) tensors once the first keys come
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, H, T, D) after the cached positions; return all keys/values so far."""

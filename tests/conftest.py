@@ -96,17 +96,26 @@ BUILD_DS_OPS = ("from deepspeed.accelerator import get_accelerator as g; "
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # pytest-xdist's name of this worker
 
 
+def pytest_collection_modifyitems(items: list) -> None:
+    """The README's commands first: the longest test, whose lane without DeepSpeed runs while the ops build
+    (ds_ops_build); the tests that load DeepSpeed's ops last, so that no worker sits waiting for that build."""
+    def needs_ds_ops(item) -> bool:
+        return "ds_ops" in getattr(item, "fixturenames", ()) or item.path.name == "test_gpu_check.py"
+
+    items.sort(key=lambda item: 0 if item.path.name == "test_readme.py" else 2 if needs_ds_ops(item) else 1)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def ds_ops_build() -> subprocess.Popen | None:
-    """The ops built in the background by the first worker from the start of the session, at the lowest
-    priority: on a fresh machine the compiler then uses what the first tests leave idle, instead of making the
-    first DeepSpeed test wait for all of it."""
+    """The ops built in the background by the first worker from the start of the session, beside the first tests:
+    on a fresh machine the first DeepSpeed test then finds them built (or nearly) instead of waiting for all of
+    the build."""
     if WORKER != "gw0":
         yield None
         return
-    proc = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", BUILD_DS_OPS], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "DS_ACCELERATOR": "cpu"}, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", BUILD_DS_OPS], text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                            start_new_session=True)
     yield proc
     if proc.poll() is None:  # a session that needed no DeepSpeed: stop the build, its compilers included
         os.killpg(proc.pid, signal.SIGKILL)
@@ -125,14 +134,19 @@ def remove_build_locks(names: tuple[str, ...]) -> None:
 
 @pytest.fixture(scope="session")
 def ds_ops(ds_ops_build):
-    """The ops built, before parallel ranks need them (another worker waits on torch's build lock)."""
-    if ds_ops_build is None:
-        build = subprocess.run([sys.executable, "-c", BUILD_DS_OPS], capture_output=True, text=True, timeout=900,
-                               env={**os.environ, "DS_ACCELERATOR": "cpu"})
-        assert build.returncode == 0, build.stdout + build.stderr
-        return
-    output = ds_ops_build.communicate(timeout=900)[0]
-    assert ds_ops_build.returncode == 0, output
+    """The ops built, before parallel ranks need them."""
+    wait_for_ds_ops(ds_ops_build)
+
+
+def wait_for_ds_ops(build: subprocess.Popen | None) -> None:
+    """Wait for the first worker's build; another worker waits on torch's build lock instead."""
+    if build is None:
+        result = subprocess.run([sys.executable, "-c", BUILD_DS_OPS], capture_output=True, text=True, timeout=900,
+                                env={**os.environ, "DS_ACCELERATOR": "cpu"})
+        assert result.returncode == 0, result.stdout + result.stderr
+    elif build.returncode != 0:
+        output = build.communicate(timeout=900)[0] if build.returncode is None else ""
+        assert build.returncode == 0, output
 
 
 def fake_deepspeed_folder(ds_dir: Path, tag: str = "global_step4", payload=None, model_config: dict | None = None,
@@ -161,3 +175,30 @@ def char_data(tmp_path_factory) -> Path:
     result = run_main("tokenizer.py", cwd=workdir)
     assert result.returncode == 0, result.stderr
     return workdir / "data" / "pydoc_char"
+
+
+def write_llmc_shard(path: Path, tokens) -> None:
+    """One shard as llm.c's dev/data/data_common.py writes it: 256 int32 (magic 20240520, version 1, the token
+    count, zeros), then the ids as uint16."""
+    import numpy as np
+    header = np.zeros(256, np.int32)
+    header[:3] = 20240520, 1, len(tokens)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, np.uint16).tobytes())
+
+
+@pytest.fixture(scope="session")
+def llmc_data(char_data, tmp_path_factory) -> Path:
+    """char_data's tokens as llm.c shards written here: its val split as pydoc_val_000000.bin, its train split cut
+    into three shards (windows then run from one into the next), its meta.json beside them. Training on it must
+    equal training on char_data."""
+    import numpy as np
+    folder = tmp_path_factory.mktemp("llmc")
+    write_llmc_shard(folder / "pydoc_val_000000.bin", np.fromfile(char_data / "val.bin", np.uint16))
+    train = np.fromfile(char_data / "train.bin", np.uint16)
+    for i, part in enumerate(np.array_split(train, 3), start=1):
+        write_llmc_shard(folder / f"pydoc_train_{i:06d}.bin", part)
+    (folder / "meta.json").write_text((char_data / "meta.json").read_text())
+    return folder
+

@@ -35,3 +35,18 @@ def test_bench_floor_sums_the_step_matmuls():
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_floor.py"), "--n-embd", "30"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and len(bad.stderr.splitlines()) == 1
+
+
+def test_bench_bpe_ratios_table(tmp_path):
+    """Tokens per character of GPT-2's BPE and of trained ones, on held-out Chinese and English."""
+    (tmp_path / "zh.txt").write_text("".join(f"第{i}条：质量不错，价格也便宜，推荐大家购买。\n" for i in range(300)))
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_bpe.py"), "ratios", "--chinese",
+                             str(tmp_path / "zh.txt"), "--sizes", "300", "600"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line[:34].strip(): [float(x) for x in line[34:].split()] for line in result.stdout.splitlines()
+            if line.startswith(("gpt2", "bpe"))}
+    assert set(rows) == {"gpt2 (50,257)", *(f"bpe {n} trained on {lang}" for n in (300, 600)
+                                              for lang in ("Chinese", "English"))}, rows
+    # trained on Chinese, more entries spend fewer tokens on Chinese, and fewer than GPT-2's
+    assert rows["bpe 600 trained on Chinese"][0] < rows["bpe 300 trained on Chinese"][0] < rows["gpt2 (50,257)"][0]

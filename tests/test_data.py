@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from toolkit.cli import CLIError
-from toolkit.data import Corpus, get_batch, load_corpus, window_offsets
+from toolkit.batches import get_batch, window_offsets
+from toolkit.data import Corpus, load_corpus
 from toolkit.prepare import ensure_default_corpus
 from toolkit.tokenizers import load_tokenizer
 
@@ -154,7 +155,7 @@ def test_missing_empty_or_invalid_files(tmp_path):
         load_corpus(folder)
     write_nanogpt(folder, np.arange(100), np.arange(10))
     open(os.path.join(folder, "meta.json"), "w").write("{not json")
-    with pytest.raises(CLIError, match="meta.json is not valid JSON"):
+    with pytest.raises(CLIError, match="meta.json: invalid JSON"):
         load_corpus(folder)
     os.remove(os.path.join(folder, "meta.json"))
     with pytest.raises(CLIError, match="meta.json is missing"):

@@ -3,13 +3,17 @@
 Every case ends in one line starting with `error:` and a non-zero exit; a good checkpoint's bytes never
 change; files that would run code are never unpickled (the marker file never appears).
 """
+import fcntl
 import json
 import os
+import pty
 import resource
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 
 import numpy as np
@@ -136,8 +140,8 @@ def test_a_second_run_on_the_same_out_dir_stops_naming_the_first(char_data, tmp_
 # 6. sizes are checked before anything is allocated
 
 def test_checkpoint_of_an_enormous_model_is_refused_at_once(tmp_path):
-    torch.save({"model": {}, "model_config": dict(block_size=8, vocab_size=16, n_layer=100_000, n_head=16,
-                                                  n_embd=1024)}, tmp_path / "ckpt.pt")
+    torch.save({"model": {}, "model_config": dict(block_size=8, vocab_size=16, n_layer=1000, n_head=16,
+                                                  n_embd=8192)}, tmp_path / "ckpt.pt")
     start = time.monotonic()
     result = run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", "--device", "cpu")
     assert_one_line_error(result, "GiB for their float32 weights alone")
@@ -283,3 +287,185 @@ def test_data_with_ids_outside_the_vocabulary(tmp_path):
     facts = {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256}
     write_nanogpt(str(tmp_path / "data"), np.full(5000, 300, np.uint16), np.zeros(500, np.uint16), facts)
     assert_one_line_error(train(tmp_path / "data", tmp_path / "out"), "outside the vocabulary of 257")
+
+
+# ----- round three (issue 39) -----
+# 1. nesting too deep to read is invalid JSON (or YAML) in every reader, not a RecursionError
+
+DEEP = "[" * 10_000 + "]" * 10_000
+
+
+def deep_inputs(folder, ckpt) -> dict[str, list]:
+    """The command of each JSON and YAML reader, its input nested 10,000 levels deep."""
+    def write(name: str, text: str):
+        (folder / name).write_text(text)
+        return folder / name
+
+    lines = write("deep.jsonl", json.dumps(dict.fromkeys(["messages", "text", "query", "ctx"], 0)).replace(
+        "0", DEEP) + "\n")
+    hf = folder / "hf"
+    save_gpt2(GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8)), str(hf))
+    (hf / "config.json").write_text('{"model_type": "gpt2", "n_layer": ' + DEEP + "}")
+    return {
+        "finetune sft": ["finetune.py", "--task", "sft", "--train", lines, "--val", lines, "--init-from", ckpt,
+                         "--out-dir", folder / "sft"],
+        "finetune classify": ["finetune.py", "--task", "classify", "--train", lines, "--val", lines,
+                              "--init-from", ckpt, "--out-dir", folder / "cls"],
+        "tokenizer": ["tokenizer.py", "--input", lines, "--output-dir", folder / "data"],
+        "eval": ["eval.py", "--ckpt", ckpt, "--tasks", lines],
+        "eval yaml": ["eval.py", "--ckpt", ckpt, "--tasks", write("deep.yaml", "task: x\nd: " + DEEP + "\n")],
+        "embed index": ["embed.py", "index", "--ckpt", ckpt, "--input", lines, "--out", folder / "index"],
+        "embed tune": ["embed.py", "tune", "--ckpt", ckpt, "--pairs", lines, "--out-dir", folder / "tuned"],
+        "train config": ["train.py", "--config", write("deep.json", '{"lr": ' + DEEP + "}")],
+        "test hf config": ["test.py", "--ckpt", hf],
+    }
+
+
+def test_json_and_yaml_nested_too_deep_is_one_line_in_every_reader(run_dir, tmp_path):
+    for script, *args in deep_inputs(tmp_path, run_dir / "ckpt.pt").values():
+        device = [] if script == "tokenizer.py" else ["--device", "cpu"]
+        result = run_main(script, *args, *device)
+        assert_one_line_error(result, "nested too deeply to read")
+
+
+# 2. a config that claims another shape than its weights hold is refused before anything is built
+
+@pytest.mark.parametrize("lie, fragment", [
+    (dict(n_layer=100_000), "n_layer 100000 is more than 1024"),
+    (dict(n_layer=3), "n_layer 3 (the weights hold 1)"),
+    (dict(n_embd=10**9, n_head=1), "GiB for their float32 weights alone"),
+    (dict(block_size=10**12), "GiB for their float32 weights alone"),
+    (dict(vocab_size=7), "vocab_size 7 (the weights hold"),
+])
+def test_a_checkpoint_that_claims_another_shape_is_refused_at_once(char_data, run_dir, tmp_path, lie, fragment):
+    checkpoint = torch.load(run_dir / "ckpt.pt", weights_only=True)
+    checkpoint["model_config"].update(lie)
+    torch.save(checkpoint, run_dir / "ckpt.pt")
+    hf = tmp_path / "hf"  # an HF folder whose config.json says the same
+    save_gpt2(GPT(GPTConfig(block_size=32, vocab_size=16, n_layer=1, n_head=2, n_embd=32)), str(hf))
+    config = json.loads((hf / "config.json").read_text())
+    renamed = {"block_size": "n_positions"}
+    (hf / "config.json").write_text(json.dumps({**config, **{renamed.get(k, k): v for k, v in lie.items()}}))
+    ds = tmp_path / "ds"  # a DeepSpeed folder whose training state says the same, and its converted weights
+    fake_deepspeed_folder(ds, model_config=dict(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8))
+    module = torch.load(ds / "global_step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=True)
+    torch.save(module["module"], ds / "ckpt_ds.pt")
+    state = json.loads((ds / "global_step4" / "train_state.json").read_text())
+    state["model_config"].update({"n_head": 1, **lie})
+    (ds / "global_step4" / "train_state.json").write_text(json.dumps(state))
+    commands = [["test.py", "--ckpt", run_dir / "ckpt.pt"], ["eval.py", "--ckpt", run_dir / "ckpt.pt", "--tasks",
+                "hellaswag"], ["test.py", "--ckpt", hf], ["test_ds.py", "--ckpt", ds / "ckpt_ds.pt"],
+                ["train.py", "--data-dir", char_data, "--out-dir", run_dir, "--init-from", "resume",
+                 "--max-iters", "9"]]
+    for script, *args in commands:
+        start = time.monotonic()
+        result = run_main(script, *args, "--device", "cpu", env={"DS_ACCELERATOR": "cpu"})
+        assert_one_line_error(result, fragment)
+        assert time.monotonic() - start < 5, script  # no model of the claimed shape is built
+
+
+# 3. a kill during DeepSpeed's save: `latest` empty or naming an incomplete tag falls back to a complete one
+
+def test_deepspeed_killed_while_saving_resumes_from_the_newest_complete_tag(ds_ops, char_data, tmp_path):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    train = [sys.executable, str(ROOT / "train_ds.py"), "--deepspeed_config", str(ROOT / "ds_config_zero1.json"),
+             "--data-dir", str(char_data), "--out-dir", str(tmp_path), *TINY_MODEL, "--optimizer", "adamw",
+             "--keep-checkpoints", "2"]
+    proc = subprocess.Popen([*train, "--save-interval", "1", "--max-iters", "100000"], cwd=tmp_path, env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for line in proc.stdout:
+        if line.startswith("iter 5:"):  # a save after every step: the kill lands in one, or between two
+            break
+    proc.kill()  # kill -9: no handler runs
+    proc.communicate(timeout=60)
+    ds = tmp_path / "ds"
+    tags = sorted((p for p in ds.glob("global_step*")), key=lambda p: int(p.name.removeprefix("global_step")))
+    assert len(tags) >= 2, list(ds.iterdir())
+    (ds / "latest").write_text("")  # what a kill while DeepSpeed rewrites it leaves
+    (ds / "latest_complete").unlink(missing_ok=True)
+    (tags[-1] / "train_state.json").unlink(missing_ok=True)  # the newest tag: not all written
+    complete = tags[-2].name
+    sampled = run_main("test_ds.py", "--ckpt", ds, "--max-new-tokens", "3", "--num-samples", "1", "--device", "cpu",
+                       env={"DS_ACCELERATOR": "cpu"})
+    assert sampled.returncode == 0, sampled.stderr
+    notes = [line for line in sampled.stderr.splitlines() if line.startswith("note:")]
+    assert notes == [f"note: {ds}: `latest` is missing, empty or names an incomplete checkpoint; using the newest "
+                     f"complete one, {complete}"], sampled.stderr
+    step = int(complete.removeprefix("global_step"))
+    resumed = subprocess.run([*train, "--init-from", "resume", "--max-iters", str(step + 2)], cwd=tmp_path, env=env,
+                             text=True, capture_output=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"resumed from {ds} at iteration {step}" in resumed.stdout
+    assert (ds / "latest_complete").read_text().strip() == f"global_step{step + 2}"
+
+
+# 4. runs started in the same second never share a TensorBoard folder; names sort in time in any time zone
+
+def test_runs_started_together_log_to_folders_of_their_own(char_data, tmp_path):
+    board = tmp_path / "board"
+    flags = ["--data-dir", char_data, *TINY_MODEL, "--max-iters", "1", "--tensorboard-dir", board]
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), *map(str, flags), "--out-dir",
+                               str(tmp_path / name)], cwd=tmp_path, env={**os.environ, "TZ": zone},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, zone in (("a", "Asia/Shanghai"), ("b", "America/Los_Angeles"))]
+    started = time.gmtime()
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0, proc.communicate()[1]
+    names = sorted(p.name for p in board.iterdir())
+    assert len(names) == 2 and {name.rsplit("-", 1)[1] for name in names} == {str(p.pid) for p in procs}, names
+    assert all(name.startswith(time.strftime("%Y%m%d-", started)) and "Z-" in name for name in names), names
+    again = [train(char_data, tmp_path / f"c{i}", "--max-iters", "1", "--tensorboard-dir", board) for i in (1, 2)]
+    assert all(result.returncode == 0 for result in again)
+    assert len(list(board.iterdir())) == 4  # two runs of one process in the same second: still two folders
+
+
+# 5. tokenizer facts are checked when read
+
+@pytest.mark.parametrize("lie, fragment", [
+    ({"chars": [104, 105]}, "chars [104, 105]; it must be a string of distinct characters"),
+    ({"chars": "aab"}, "chars 'aab'"), ({"eot_id": "x"}, "eot_id 'x'"), ({"vocab_size": -5}, "vocab_size -5"),
+    ({"special_tokens": {"start": "x"}}, "special_tokens"), ({"tokenizer": "sentencepiece"}, "unknown tokenizer"),
+])
+def test_tokenizer_facts_that_lie_are_one_line(run_dir, lie, fragment):
+    checkpoint = torch.load(run_dir / "ckpt.pt", weights_only=True)
+    checkpoint["tokenizer"].update(lie)
+    torch.save(checkpoint, run_dir / "ckpt.pt")
+    assert_one_line_error(run_main("test.py", "--ckpt", run_dir / "ckpt.pt", "--device", "cpu"), fragment)
+
+
+def test_a_char_model_whose_data_had_no_newline_samples_unconditionally(tmp_path):
+    facts = {"tokenizer": "char", "vocab_size": 3, "eot_id": None, "chars": "abc"}
+    ids = np.random.default_rng(0).integers(0, 3, 3000).astype(np.uint16)
+    write_nanogpt(str(tmp_path / "data"), ids[:2700], ids[2700:], facts)
+    assert train(tmp_path / "data", tmp_path / "out", "--max-iters", "1").returncode == 0
+    result = run_main("test.py", "--ckpt", tmp_path / "out" / "ckpt.pt", "--device", "cpu", "--num-samples", "1",
+                      "--max-new-tokens", "8", "--no-stream")
+    assert result.returncode == 0, result.stderr
+    assert set(result.stdout.splitlines()[0]) <= set("abc") and len(result.stdout.splitlines()[0]) == 8
+
+
+# 6. long generation shows its progress
+
+def test_genfile_generation_shows_tokens_done_and_time_left(run_dir, tmp_path):
+    # the bar is for a person watching: test.py as a real process whose stderr is a terminal
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
+    proc = subprocess.Popen([sys.executable, "test.py", "--ckpt", str(run_dir / "ckpt.pt"), "--device", "cpu",
+                             "--num-samples", "3", "--max-new-tokens", "20", "--genfile", str(tmp_path / "g.jsonl")],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=follower)
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the process closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0, shown.decode(errors="replace")
+    text = shown.decode(errors="replace")
+    assert "sampling: 100%" in text and "60/60" in text, text
+    assert len((tmp_path / "g.jsonl").read_text().splitlines()) == 3
+

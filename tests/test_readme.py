@@ -11,9 +11,11 @@ import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, wait_for_ds_ops
 from model import GPT, GPTConfig
 from toolkit.hf import save_gpt2
 
@@ -51,7 +53,7 @@ def tiny(command: str) -> str:
 
 
 @pytest.fixture
-def user_folder(tmp_path, ds_ops):
+def user_folder(tmp_path):
     """A fresh folder holding the toolkit's files, the user's texts and task examples, an OSCAR-like jsonl.xz and
     GPT-2 (a tiny stand-in) in a local Hugging Face cache."""
     for name in LINKED:
@@ -69,6 +71,9 @@ def user_folder(tmp_path, ds_ops):
     choices = [{"ctx": f"def f{i}(x):", "endings": [" return x", " x = = (", "The end", "!!"], "label": i % 4}
                for i in range(6)]  # multiple choice for eval.py, in the char vocabulary
     (tmp_path / "my_choices.jsonl").write_text("".join(json.dumps(item) + "\n" for item in choices))
+    (tmp_path / "fineweb").mkdir()  # FineWeb's layout: parquet shards with a text column among others
+    rows = {"text": [f"Page {i} of the web. " * 40 for i in range(200)], "url": [f"u{i}" for i in range(200)]}
+    pq.write_table(pa.table(rows), tmp_path / "fineweb" / "000_00000.parquet", row_group_size=64)
     with lzma.open(tmp_path / "oscar-1GB.jsonl.xz", "wt") as f:
         for i in range(300):
             f.write(json.dumps({"id": i, "text": f"Document {i}. " + "Words of the web. " * 50}) + "\n")
@@ -100,7 +105,7 @@ def launched(command: str) -> bool:
     return command.startswith(("torchrun", "deepspeed")) or "ckpt/ds" in command or "test_ds.py" in command
 
 
-def test_every_readme_command_runs(user_folder):
+def test_every_readme_command_runs(user_folder, ds_ops_build):
     """The quick start first (it prepares the corpus every later run reads); then, each in README order, the
     launchers' lane (torchrun, deepspeed and what reads its checkpoint) beside the lane of everything else: neither
     reads what the other writes, and one process each leaves a core free for the other lane."""
@@ -110,10 +115,18 @@ def test_every_readme_command_runs(user_folder):
     run(commands[0], user_folder, env)
     lanes = [[c for c in commands[1:] if launched(c)], [c for c in commands[1:] if not launched(c)]]
     assert len(commands) >= 14 and all(len(lane) >= 4 for lane in lanes), lanes
+
+    def run_lane(lane: list[str]) -> None:
+        for command in lane:
+            if command.startswith("deepspeed"):
+                wait_for_ds_ops(ds_ops_build)  # built beside the quick start and the lanes' first commands
+            run(command, user_folder, env)
+
     with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda lane: [run(c, user_folder, env) for c in lane], lanes))  # list(): a lane's error raises
+        list(pool.map(run_lane, lanes))  # list(): a lane's error raises
     # what the commands were meant to produce
-    for path in ("ckpt/ckpt.pt", "data/mine/meta.json", "data/my-gpt2_text_document.idx", "ckpt/mine/ckpt.pt",
+    for path in ("ckpt/ckpt.pt", "data/mine/meta.json", "data/mine-bpe/tokenizer.json", "data/fineweb/meta.json",
+                 "data/my-gpt2_text_document.idx", "ckpt/mine/ckpt.pt",
                  "ckpt/gpt2-mine/ckpt.pt", "samples.jsonl", "ckpt/ddp/ckpt.pt", "ckpt/ddp2/ckpt.pt",
                  "ckpt/ds/latest", "ckpt/ds/ckpt_ds.pt/pytorch_model.bin", "ckpt/cls/ckpt.pt", "predictions.jsonl",
                  "my_hf_model/model.safetensors", "ckpt/sft/ckpt.pt", "ckpt/sft-merged/ckpt.pt"):

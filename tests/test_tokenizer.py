@@ -173,7 +173,8 @@ def test_byte_round_trip_and_invalid_bytes():
     assert (tok.vocab_size, tok.eot_id) == (257, 256)
     assert tok.encode("é") == [0xC3, 0xA9]
     assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
-    assert tok.decode([104, 256, 105, 0xC3]) == "hi\ufffd"
+    assert tok.decode([104, 0xC3, 256, 105]) == "h\ufffdi"  # a byte that starts no character
+    assert tok.decode([104, 256, 105, 0xC3]) == "hi"  # a character still being spelled is not shown yet
 
 
 def test_facts_round_trip(r50k):

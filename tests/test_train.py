@@ -1,5 +1,6 @@
 """train.py end to end: learning on the embedded corpus, checkpoints, exact resume, signals, bad input."""
 import json
+import math
 import pickle
 import signal
 import subprocess
@@ -35,8 +36,11 @@ def test_trains_on_embedded_corpus_and_samples(char_data, tmp_path):
     scalars = tensorboard_scalars(tmp_path / "tensorboard")
     assert [step for step, _ in scalars["loss/train"]] == list(range(1, 61))  # --log-interval 1
     assert [v for _, v in scalars["eval/val_loss"]] == pytest.approx(val)
-    assert {"eval/train_loss", "eval/val_ppl", "lr", "perf/tokens_per_s"} <= set(scalars)
+    assert {"eval/train_loss", "eval/val_ppl", "eval/val_bpb", "lr", "perf/tokens_per_s"} <= set(scalars)
     assert [m["val_loss"] for m in ckpt["history"]["metrics"]] == val
+    # char level: pydoc's characters are mostly one byte each, so bits per byte are near nats per token / ln 2
+    assert [m["val_bpb"] for m in ckpt["history"]["metrics"]] == pytest.approx([v / math.log(2) for v in val],
+                                                                                rel=0.05)
 
     genfile = tmp_path / "samples.jsonl"
     result = run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", "--num-samples", "3", "--max-new-tokens", "40",

@@ -103,9 +103,10 @@ def reference(char_data, tmp_path_factory) -> dict:
     return load_checkpoint(str(out / "ckpt.pt"))
 
 
-def test_two_ranks_train_exactly_like_one_process(char_data, tmp_path, reference):
+def test_two_ranks_train_exactly_like_one_process(llmc_data, tmp_path, reference):
+    """Two ranks reading llm.c shards train the weights of one process reading nanoGPT's files of the same tokens."""
     port = free_port()
-    result = ok(torchrun(2, "--data-dir", char_data, "--out-dir", tmp_path, *COMMON, "--max-iters", "10",
+    result = ok(torchrun(2, "--data-dir", llmc_data, "--out-dir", tmp_path, *COMMON, "--max-iters", "10",
                          launcher=("--master_port", str(port))))
     assert "4 micro x 1 accumulation x 2 processes = 8 sequences" in result.stdout
     assert result.stdout.count("step 10: train loss") == 1  # rank 0 alone logs

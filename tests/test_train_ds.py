@@ -137,12 +137,12 @@ def test_zero3_offload_matches_train_py(zero3_run, reference):
     assert all(torch.allclose(gathered[k], reference["model"][k], atol=1e-4) for k in gathered)
 
 
-def test_ctrl_c_under_the_zero2_config_saves_a_checkpoint_of_the_same_training(ds_ops, char_data, hostfile,
+def test_ctrl_c_under_the_zero2_config_saves_a_checkpoint_of_the_same_training(ds_ops, llmc_data, hostfile,
                                                                                reference, tmp_path):
-    """The shipped ZeRO-2 (optimizer offload) config, stopped by Ctrl-C: the terminal signals every process of the
-    job (the launcher then also sends SIGTERM to each rank); the ranks finish the step together and save a
-    complete checkpoint, whose losses are train.py's."""
-    cmd = launcher_cmd(hostfile, "--no_ssh_check") + train_ds_args(char_data, tmp_path, *COMMON[2:], "--max-iters",
+    """The shipped ZeRO-2 (optimizer offload) config on llm.c shards, stopped by Ctrl-C: the terminal signals every
+    process of the job (the launcher then also sends SIGTERM to each rank); the ranks finish the step together and
+    save a complete checkpoint, whose losses are train.py's on nanoGPT files of the same tokens."""
+    cmd = launcher_cmd(hostfile, "--no_ssh_check") + train_ds_args(llmc_data, tmp_path, *COMMON[2:], "--max-iters",
                                                                    "100000", config="ds_config_zero2.json")
     proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, **ENV}, start_new_session=True)

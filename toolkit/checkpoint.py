@@ -18,13 +18,14 @@ toolkit/ds_checkpoint.py's; toolkit/load.py reads any of them.
 """
 import os
 import pickle
+import re
 import warnings
 import zipfile
 from dataclasses import asdict
 
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, check_config
 from toolkit.cli import CLIError
 from toolkit.device import check_memory
 from toolkit.files import atomic_write, read_json
@@ -124,15 +125,41 @@ def load_weights(model: GPT, weights: dict, source: str) -> None:
                        f"{str(e).splitlines()[0]}") from None
 
 
+def usable_config(model_config: dict, source: str, weights: dict | None = None, **overrides) -> GPTConfig:
+    """The GPTConfig of a checkpoint's model_config, checked before anything is built: its values,
+    the memory its weights need, and, given the weights, the shape they actually hold."""
+    try:
+        config = GPTConfig(**{**model_config, **overrides})
+        check_config(config)
+        check_memory(config)
+    except (TypeError, ValueError) as e:
+        raise CLIError(f"{source} has an unusable model config: {e}") from None
+    if weights is not None:
+        check_shape(config, weights, source)
+    return config
+
+
+def check_shape(config: GPTConfig, weights: dict, source: str) -> None:
+    """The config's vocabulary, width, positions and blocks are those of the weights (a CLIError
+    naming each that differs): a config that lies is found before it is built."""
+    shapes = {key: tuple(value.shape) for key, value in clean_state_dict(weights).items()}
+    embedding = shapes.get("transformer.wte.weight") or shapes.get("lm_head.weight")
+    positions = shapes.get("transformer.wpe.weight")
+    if embedding is None or positions is None or len(embedding) != 2 or len(positions) != 2:
+        raise CLIError(f"{source} holds no GPT weights (its token and position embeddings are missing)")
+    blocks = {int(key.split(".")[2]) for key in shapes if re.fullmatch(r"transformer\.h\.\d+\..+", key)}
+    held = {"vocab_size": embedding[0], "n_embd": embedding[1], "block_size": positions[0],
+            "n_layer": len(blocks)}
+    wrong = [f"{name} {getattr(config, name)} (the weights hold {value})" for name, value in held.items()
+             if getattr(config, name) != value]
+    if wrong:
+        raise CLIError(f"{source}: its model config disagrees with its weights: {', '.join(wrong)}")
+
+
 def model_from_weights(model_config: dict, weights: dict, source: str, **overrides) -> GPT:
     """A GPT of model_config with the given weights; overrides change e.g. attn_kernel or
     dropout."""
-    try:
-        config = GPTConfig(**{**model_config, **overrides})
-        check_memory(config)
-        model = GPT(config)
-    except (TypeError, ValueError) as e:
-        raise CLIError(f"{source} has an unusable model config: {e}") from None
+    model = GPT(usable_config(model_config, source, weights, **overrides))
     load_weights(model, weights, source)
     return model
 

@@ -1,6 +1,7 @@
 """
-The token formats on disk as the trainers read them, and batches: random windows for pretraining,
-epochs of examples for fine-tuning. toolkit/writers.py writes the formats (tokenizer.py).
+The token formats on disk as the trainers read them; toolkit/writers.py writes them (tokenizer.py),
+toolkit/batches.py draws batches from them. Nothing here needs torch, so data preparation never
+loads it.
 
 Formats:
   * nanoGPT: a folder with train.bin and val.bin (raw token ids, uint16 or uint32, no header) and
@@ -11,21 +12,15 @@ Formats:
 
     corpus = load_corpus("data/pydoc_char")            # nanoGPT folder
     corpus = load_corpus("data/oscar_text_document")  # Megatron prefix, split by documents
-    offsets = window_offsets(len(corpus.train), block_size, batch_size, seed, step=iter_num)
-    x, y = get_batch(corpus.train, offsets, block_size, device)
-
-Windows are drawn from (seed, step, stream) alone, so every run and every DDP rank sees the same
-global draw; each rank takes its own slice of it.
 """
 import os
+import re
 import struct
 import sys
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from toolkit import distributed
 from toolkit.cli import CLIError
 from toolkit.files import read_json
 from toolkit.gpt2_vocab import GPT2_FACTS
@@ -43,6 +38,10 @@ MEGATRON_EXTENSIONS = (".bin", ".idx", ".json")
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, len, doc_count: 34 bytes
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}  # integer codes only
+# llm.c's shards (dev/data/data_common.py): a header of 256 int32 (magic, version, token count), then the ids
+LLMC_HEADER_INTS, LLMC_MAGIC = 256, 20240520
+LLMC_VERSIONS = {20240520: (1, np.uint16), 20240801: (7, np.uint32)}  # GPT-2's and Llama 3's
+LLMC_SHARD = re.compile(r".+_(val|train)(_\d+)?\.bin")
 
 
 def megatron_document_prefix(output_prefix: str, json_key: str = "text") -> str:
@@ -66,6 +65,8 @@ def load_corpus(path: str, split: str = "969,30,1") -> Corpus:
     parts are contiguous token ranges of the .bin (found via the .idx).
     """
     if os.path.isdir(path):
+        if any(LLMC_SHARD.fullmatch(name) for name in os.listdir(path)):
+            return load_llmc(path)
         if any(os.path.exists(os.path.join(path, name)) for name in NANOGPT_FILES):
             return load_nanogpt(path)
         prefixes = sorted(name[:-4] for name in os.listdir(path)
@@ -80,8 +81,70 @@ def load_corpus(path: str, split: str = "969,30,1") -> Corpus:
         return load_megatron(prefix, split)
     if os.path.exists(megatron_document_prefix(prefix) + ".idx"):  # the --output-prefix given to tokenizer.py
         return load_megatron(megatron_document_prefix(prefix), split)
-    raise CLIError(f"data not found: {path} (expected a folder with train.bin/val.bin/meta.json or "
-                   "a Megatron prefix)")
+    raise CLIError(f"data not found: {path} (expected a folder with train.bin/val.bin/meta.json or llm.c "
+                   "shards, or a Megatron prefix)")
+
+
+class Shards:
+    """Token shards (memory maps) read as one sequence: len(), and indexing by integer arrays as a
+    batch of windows does (a window may run from one shard into the next)."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays, self.dtype = arrays, arrays[0].dtype
+        self.starts = np.cumsum([0] + [len(a) for a in arrays])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index: np.ndarray) -> np.ndarray:
+        index = np.asarray(index)
+        shard = np.searchsorted(self.starts, index, side="right") - 1
+        out = np.empty(index.shape, self.dtype)
+        for s in np.unique(shard):
+            mine = shard == s
+            out[mine] = self.arrays[s][index[mine] - self.starts[s]]
+        return out
+
+
+def read_llmc_shard(path: str) -> np.ndarray:
+    """The token ids of one llm.c shard, memory-mapped, after its header is checked."""
+    header = np.fromfile(path, np.int32, count=LLMC_HEADER_INTS)
+    if len(header) < LLMC_HEADER_INTS or int(header[0]) not in LLMC_VERSIONS:
+        raise CLIError(f"{path} is not an llm.c shard (its magic is not {' or '.join(map(str, LLMC_VERSIONS))})")
+    version, dtype = LLMC_VERSIONS[int(header[0])]
+    if header[1] != version:
+        raise CLIError(f"{path}: llm.c shard version {header[1]}, expected {version} for magic {header[0]}")
+    size, expected = os.path.getsize(path), 4 * LLMC_HEADER_INTS + int(header[2]) * np.dtype(dtype).itemsize
+    if size != expected or header[2] < 1:
+        raise CLIError(f"{path} has {size:,} bytes but its header says {int(header[2]):,} tokens, "
+                       f"{expected:,} bytes (truncated or corrupt)")
+    return np.memmap(path, dtype, "r", offset=4 * LLMC_HEADER_INTS, shape=(int(header[2]),))
+
+
+def load_llmc(folder: str) -> Corpus:
+    """llm.c's shards: NAME_val_*.bin validate, NAME_train_*.bin train, each split read in its shards'
+    order as one sequence; meta.json holds the tokenizer facts (GPT-2's when there is none, as llm.c
+    writes them)."""
+    shards, named = {"train": [], "val": []}, []
+    for name in sorted(os.listdir(folder)):
+        match = LLMC_SHARD.fullmatch(name)
+        if match:
+            named.append((name, read_llmc_shard(os.path.join(folder, name))))
+            shards[match.group(1)].append(named[-1][1])
+    for split, arrays in shards.items():
+        if not arrays:
+            raise CLIError(f"{folder} holds llm.c shards but none for {split} (*_{split}_*.bin)")
+    meta_path = os.path.join(folder, "meta.json")
+    if os.path.isfile(meta_path):
+        meta = read_meta(meta_path)
+    else:
+        print(f"warning: {meta_path} is missing; assuming the GPT-2 tokenizer (as llm.c's shards use)",
+              file=sys.stderr)
+        meta = dict(GPT2_FACTS)
+    for name, tokens in named:
+        check_token_ids(tokens, meta["vocab_size"], os.path.join(folder, name))
+    train, val = (arrays[0] if len(arrays) == 1 else Shards(arrays) for arrays in shards.values())
+    return Corpus(train=train, val=val, meta=meta)
 
 
 def read_meta(path: str) -> dict:
@@ -221,53 +284,3 @@ def load_megatron(prefix: str, split: str) -> Corpus:
         empty = "train" if len(train) == 0 else "val"
         raise CLIError(f"{prefix}: the {empty} documents of split {split!r} hold no tokens")
     return Corpus(train=train, val=val, meta=meta)
-
-
-# -----------------------------------------------------------------------------
-# Batches
-
-
-def window_offsets(n_tokens: int, block_size: int, count: int, seed: int, step: int, stream: int = 0) -> np.ndarray:
-    """Start offsets of count random windows of block_size+1 tokens; the same for a given (seed,
-    step, stream) everywhere."""
-    if n_tokens < block_size + 1:
-        raise CLIError(f"data has {n_tokens} tokens, shorter than one window of block_size+1 = "
-                       f"{block_size + 1} tokens; use a smaller --block-size")
-    rng = np.random.Generator(np.random.PCG64([seed, step, stream]))
-    return rng.integers(0, n_tokens - block_size, size=count, dtype=np.int64)
-
-
-def get_batch(tokens: np.ndarray, offsets: np.ndarray, block_size: int,
-              device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs x = tokens[o:o+T] and targets y = tokens[o+1:o+T+1] per offset, int64 tensors of shape
-    (B, T) on device."""
-    # one gather of every window (B, T+1) from the memmap, far cheaper than nanoGPT's per-row torch.stack;
-    # x and y are two views of it
-    windows = torch.from_numpy(tokens[np.asarray(offsets)[:, None] + np.arange(block_size + 1)].astype(np.int64))
-    x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
-    if torch.device(device).type == "cuda":  # pinned memory lets the copy overlap with compute
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
-
-
-def epoch_batches(n: int, global_batch: int, micro_batches: int, seed: int, epoch: int) -> list[np.ndarray]:
-    """Fine-tuning's global batches of an epoch of n examples, in an order drawn from (seed, epoch)
-    alone, so every rank and every run sees the same; a last batch with fewer examples than
-    micro-batches is left out."""
-    order = np.random.Generator(np.random.PCG64([seed, epoch])).permutation(n)
-    batches = [order[i : i + global_batch] for i in range(0, n, global_batch)]
-    return batches if len(batches[-1]) >= micro_batches else batches[:-1]
-
-
-def step_batches(step: int, n: int, cfg, steps_per_epoch: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    """(the example indices of a step's global batch, this rank's micro-batches of it); cfg gives
-    batch_size, grad_accum and seed."""
-    epoch, index = divmod(step, steps_per_epoch)
-    batch = epoch_batches(n, cfg.batch_size * cfg.grad_accum, cfg.grad_accum, cfg.seed, epoch)[index]
-    micro_steps = cfg.grad_accum // distributed.world_size()
-    return batch, np.array_split(batch, cfg.grad_accum)[distributed.rank() * micro_steps:][:micro_steps]
-
-
-def rank_share(n: int) -> np.ndarray:
-    """The indices of this process's contiguous share of n items."""
-    return np.array_split(np.arange(n), distributed.world_size())[distributed.rank()]

@@ -25,8 +25,8 @@ from toolkit.checkpoint import capture_rng, restore_rng
 from toolkit.cli import CLIError
 from toolkit.device import resolve_device, resolve_dtype, set_job_threads
 from toolkit.distributed import free_port
-from toolkit.ds_checkpoint import (check_deepspeed_files, prune_deepspeed_tags, read_train_state,
-                                   to_universal, write_train_state)
+from toolkit.ds_checkpoint import (check_deepspeed_files, mark_complete, prune_deepspeed_tags,
+                                   read_train_state, to_universal)
 from toolkit.optim import decay_groups
 from toolkit.parallel import Layout, autotp_config, check_layout, pipeline_module
 from toolkit.pretraining import TrainConfig, settle_optimizer
@@ -310,12 +310,10 @@ class DeepSpeedEngine:
                  "deepspeed_version": deepspeed.__version__}
         if state["best_val_loss"] == float("inf"):
             state["best_val_loss"] = None  # JSON has no infinity
-        if self.master:  # before DeepSpeed writes `latest`, so `latest` never names a folder without it
-            write_train_state(folder, tag, state)
-        dist.barrier()
         self.engine.save_checkpoint(folder, tag=tag, client_state={**state, "rng": capture_rng(self.device)})
-        dist.barrier()
+        dist.barrier()  # every process has written its files
         if self.master:
+            mark_complete(folder, tag, state)
             prune_deepspeed_tags(folder, self.keep_checkpoints)
 
 

@@ -1,20 +1,64 @@
-"""Reading documents: a plain text file is one document, a JSON line is one document; folders are
-walked in a fixed order; .gz, .bz2 and .xz files are decompressed on the fly. tokenizer.py streams
-its input from here (read_documents); embed.py reads a corpus of texts with ids (read_corpus).
+"""Reading documents: a plain text file is one document, and so is a JSON line, or a row of a
+parquet or arrow file (the text under --json-key); folders are walked in a fixed order, and one that
+HF `datasets` wrote (save_to_disk) is read as its arrow files; .gz, .bz2, .xz and .zst files are
+decompressed on the fly. The same rows give the same documents whatever holds them. tokenizer.py
+streams its input from here (read_documents); embed.py reads a corpus of texts with ids (read_corpus).
 """
 import bz2
+import codecs
 import fnmatch
 import gzip
-import json
+import io
 import lzma
 import os
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from toolkit.cli import CLIError
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
 
-COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+from toolkit.cli import CLIError
+from toolkit.files import parse_json
+from toolkit.tokenizers import CUT
+
+
+class ZstdReader(io.RawIOBase):
+    """A .zst file's bytes, frame after frame; one that ends inside a frame raises EOFError, as a
+    truncated .gz does (zstandard's own reader would end there quietly)."""
+
+    def __init__(self, path: str):
+        self.file, self.pending = open(path, "rb"), b""
+        self.frame = zstandard.ZstdDecompressor().decompressobj()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.pending:
+            data = self.file.read(1 << 20)
+            if not data:
+                if not self.frame.eof and self.file.tell():
+                    raise EOFError("the file ends inside a zstd frame (truncated)")
+                return 0
+            self.pending = self.frame.decompress(data)
+            while self.frame.eof and self.frame.unused_data:  # the next frame
+                rest, self.frame = self.frame.unused_data, zstandard.ZstdDecompressor().decompressobj()
+                self.pending += self.frame.decompress(rest)
+        n = min(len(buffer), len(self.pending))
+        buffer[:n], self.pending = self.pending[:n], self.pending[n:]
+        return n
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
+
+COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open,
+              ".zst": lambda path, mode: io.BufferedReader(ZstdReader(path))}
+TABLES = (".parquet", ".arrow")  # a row a document, the text in one column
+BLOCK = 1 << 24  # a text file is read and decoded 16 MB at a time
 JSON_SUFFIXES = (".jsonl", ".json")
 
 
@@ -30,6 +74,8 @@ def input_files(paths: list[str], pattern: str) -> list[str]:
     for path in paths:
         if os.path.isfile(path):
             files.append(path)
+        elif os.path.isfile(os.path.join(path, "state.json")):  # written by datasets' save_to_disk
+            files += saved_dataset_files(path)
         elif os.path.isdir(path):
             found = []
             for root, dirs, names in os.walk(path):
@@ -43,6 +89,52 @@ def input_files(paths: list[str], pattern: str) -> list[str]:
         else:
             raise CLIError(f"input not found: {path}")
     return files
+
+
+def saved_dataset_files(folder: str) -> list[str]:
+    """The arrow files of a dataset that HF `datasets` saved (save_to_disk), in its order."""
+    state = parse_json(read_text(os.path.join(folder, "state.json")), os.path.join(folder, "state.json"))
+    names = [entry.get("filename") for entry in (state.get("_data_files") or [])] if isinstance(state, dict) \
+        else []
+    if not names or not all(isinstance(n, str) and os.path.basename(n) == n for n in names):
+        raise CLIError(f"{folder}/state.json lists no arrow files: not a folder of datasets' save_to_disk")
+    return [os.path.join(folder, name) for name in names]
+
+
+def table_documents(path: str, key: str, skip_bad_lines: bool, stats: ReadStats) -> Iterator[tuple[str, int]]:
+    """(text, input bytes) of each row of a parquet file (a row group at a time) or an arrow file (a
+    record batch at a time, the file or the stream format): the column named key."""
+    try:
+        if path.endswith(".parquet"):
+            table = pq.ParquetFile(path)
+            columns, sizes = table.schema_arrow.names, os.path.getsize(path) / max(1, table.metadata.num_rows)
+            batches = (table.read_row_group(i, columns=[key]) for i in range(table.num_row_groups))
+        else:
+            source = pa.memory_map(path)
+            try:
+                reader = pa.ipc.open_file(source)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            except pa.ArrowInvalid:  # the stream format, as datasets writes it
+                reader = pa.ipc.open_stream(pa.memory_map(path))
+                batches = iter(reader)
+            columns, sizes = reader.schema.names, 0
+        if key not in columns:
+            raise CLIError(f"{path} has no column {key!r} (--json-key); its columns: {', '.join(columns)}")
+        row = 0
+        for batch in batches:
+            column = batch.column(batch.schema.get_field_index(key))
+            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+                raise CLIError(f"{path}: column {key!r} holds {column.type}, not text")
+            for text in column.to_pylist():
+                row += 1
+                if text is None and not skip_bad_lines:
+                    raise CLIError(f"{path} row {row}: no text in {key!r}; use --skip-bad-lines to go on")
+                if text is None:
+                    stats.bad_lines += 1
+                    continue
+                yield text, sizes or len(text)
+    except (pa.ArrowException, OSError) as e:  # not parquet or arrow, corrupt, truncated
+        raise CLIError(f"cannot read {path}: {' '.join(str(e).split())[:200]}") from None
 
 
 def without_compression(path: str) -> str:
@@ -62,47 +154,80 @@ def decode_utf8(data: bytes, path: str, offset: int, errors: str, where: str = "
     try:
         return data.decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:
-        compressed = " (after decompression)" if os.path.splitext(path)[1] in COMPRESSED else ""
-        raise CLIError(f"{path}{where}: invalid UTF-8 at byte offset {offset + e.start}{compressed}; "
-                       "use --errors replace to go on") from None
+        raise invalid_utf8(path, offset + e.start, where) from None
+
+
+def invalid_utf8(path: str, offset: int, where: str = "") -> CLIError:
+    compressed = " (after decompression)" if os.path.splitext(path)[1] in COMPRESSED else ""
+    return CLIError(f"{path}{where}: invalid UTF-8 at byte offset {offset}{compressed}; use --errors "
+                    "replace to go on")
 
 
 def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
                    stats: ReadStats) -> Iterator[tuple[str, int]]:
-    offset = 0
+    offset = number = 0
     with open_binary(path) as f:
-        for number, line in enumerate(f, start=1):
+        for line in f:  # (not enumerate(f), whose cached result tuple would keep the last line alive)
+            number += 1
             text = decode_utf8(line, path, offset, errors, where=f" line {number}")
-            offset += len(line)
-            if not text.strip():
+            offset, size = offset + len(line), len(line)
+            del line  # a single huge record: its bytes go before its text is tokenized
+            if text.isspace() or not text:
                 continue
             try:
-                value = json.loads(text)
-                good = isinstance(value, dict) and isinstance(value.get(key), str)
-                problem = None if good else f"no string {key!r} key"
-            except json.JSONDecodeError as e:
-                problem = f"invalid JSON ({e.msg})"
-            if problem is None:
-                yield value[key], len(line)
-            elif skip_bad_lines:
+                value = parse_json(text, f"{path} line {number}")
+                if not (isinstance(value, dict) and isinstance(value.get(key), str)):
+                    raise CLIError(f"{path} line {number}: no string {key!r} key")
+            except CLIError as e:
+                if not skip_bad_lines:
+                    raise CLIError(f"{e}; use --skip-bad-lines to go on (or --json-key)") from None
                 stats.bad_lines += 1
-            else:
-                raise CLIError(f"{path} line {number}: {problem}; use --skip-bad-lines to go on (or --json-key)")
+                continue
+            del text
+            yield value.pop(key), size
+
+
+def text_pieces(f, path: str, errors: str) -> tuple[list[str], int]:
+    """A text file's text as pieces of about BLOCK bytes each, cut where every tokenizer splits anyway
+    (tokenizers.CUT), and its size in bytes. Read and decoded a block at a time, so the file's bytes
+    and its whole text never share memory (a Python string of text with one non-ASCII character takes
+    two bytes a character)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors)
+    pieces, rest, size = [], "", 0
+    while True:
+        block = f.read(BLOCK)
+        pending = len(decoder.getstate()[0])  # the bytes of a character cut by the last block
+        try:
+            text = rest + decoder.decode(block, final=not block)
+        except UnicodeDecodeError as e:
+            raise invalid_utf8(path, size - pending + e.start) from None
+        size += len(block)
+        if not block:
+            return [*pieces, text], size
+        cuts = [m.start() for m in CUT.finditer(text, max(1, len(text) - 65536))]
+        if cuts:  # (none in the last 64K characters: the text goes on whole into the next piece)
+            pieces.append(text[:cuts[-1]])
+            text = text[cuts[-1]:]
+        rest = text
 
 
 def read_documents(files: list[str], key: str = "text", errors: str = "strict", skip_bad_lines: bool = False,
-                   stats: ReadStats | None = None) -> Iterator[tuple[str, int]]:
-    """(document text, its size in input bytes) for every document of every file, streaming."""
+                   stats: ReadStats | None = None) -> Iterator[tuple[list[str], int]]:
+    """(a document's text as a list of pieces, its size in input bytes) for every document of every
+    file, streaming. A JSON line is one piece, a text file as many as it takes (text_pieces)."""
     stats = stats if stats is not None else ReadStats()
     for path in files:
         try:
             if is_json_lines(path):
-                yield from json_documents(path, key, errors, skip_bad_lines, stats)
+                yield from (([text], size) for text, size in json_documents(path, key, errors,
+                                                                             skip_bad_lines, stats))
+            elif path.endswith(TABLES):
+                yield from (([text], size) for text, size in table_documents(path, key, skip_bad_lines,
+                                                                              stats))
             else:
                 with open_binary(path) as f:
-                    data = f.read()
-                yield decode_utf8(data, path, 0, errors), len(data)
-        except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:  # a corrupt or truncated .gz/.bz2/.xz
+                    yield text_pieces(f, path, errors)
+        except (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError) as e:  # corrupt or cut
             raise CLIError(f"cannot read {path}: {e}") from None
 
 
@@ -114,7 +239,7 @@ def read_text(path: str, what: str = "file") -> str:
     try:
         with open_binary(path) as f:
             data = f.read()
-    except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:
+    except (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError) as e:
         raise CLIError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     try:
         return data.decode("utf-8")
@@ -140,10 +265,7 @@ def json_lines(path: str) -> Iterator[tuple[int, object]]:
     a one-line error naming the file and the line."""
     for number, line in read_lines(path):
         if line.strip():
-            try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CLIError(f"{path} line {number}: invalid JSON ({e.msg})") from None
+            yield number, parse_json(line, f"{path} line {number}")
 
 
 # ----- a corpus of texts with ids (embed.py) -----

@@ -4,8 +4,10 @@ in memory.
 The layout is DeepSpeed's own (`latest`, `global_stepN/` with one model-state and one
 optimizer-state file per process, `zero_to_fp32.py`), plus `global_stepN/train_state.json`: the same
 facts as ckpt.pt without the weights, optimizer and rng (DeepSpeed saves those), plus world_size,
-zero_stage, pipeline_stages, tp_size, deepspeed_version and tag. DeepSpeed unpickles its files
-without restrictions, so every file in a tag folder is checked to hold only tensors, plain data and
+zero_stage, pipeline_stages, tp_size, deepspeed_version and tag, written once every process has
+saved (so it marks the tag complete), then `latest_complete`, this toolkit's own `latest`, written
+atomically; a reader falls back to the newest complete tag. DeepSpeed unpickles its files without
+restrictions, so every file in a tag folder is checked to hold only tensors, plain data and
 DeepSpeed's own plain types before DeepSpeed is given the folder.
 """
 import argparse
@@ -21,11 +23,12 @@ import torch
 from model import GPT
 from toolkit.checkpoint import load_plain, model_from_weights, read_weights
 from toolkit.cli import CLIError
-from toolkit.files import read_json, write_json
+from toolkit.files import read_json, write_json, write_text
 from toolkit.parallel import gpt_state_from_universal
 
 TAG = re.compile(r"global_step(\d+)")
-STATE_FILE = "train_state.json"  # in each global_stepN/
+STATE_FILE = "train_state.json"  # in each global_stepN/, written once DeepSpeed's save is complete
+POINTER_FILE = "latest_complete"  # this toolkit's `latest`: the newest complete tag, written atomically
 
 
 def is_deepspeed_folder(path: str) -> bool:
@@ -38,19 +41,38 @@ def deepspeed_tags(ds_dir: str) -> list[str]:
     return sorted(names, key=lambda n: int(TAG.fullmatch(n).group(1)))
 
 
+def is_complete(ds_dir: str, tag: str) -> bool:
+    return bool(TAG.fullmatch(tag)) and os.path.isfile(os.path.join(ds_dir, tag, STATE_FILE))
+
+
 def latest_tag(ds_dir: str) -> str:
-    """The tag DeepSpeed's `latest` file names (written last by a save, so it names a complete
-    one)."""
-    path = os.path.join(ds_dir, "latest")
-    if not os.path.isfile(path):
-        raise CLIError(f"{ds_dir} has no 'latest' file: not a complete DeepSpeed checkpoint folder "
-                       "of train_ds.py")
-    with open(path) as f:
-        return f.read().strip()
+    """The newest complete tag: the one this toolkit's pointer names, else the one DeepSpeed's
+    `latest` names, else (says so on stderr) the newest tag folder with its training state. DeepSpeed
+    rewrites `latest` in place, so a kill during a save can leave it empty or naming a tag whose
+    files are not all written."""
+    for name in (POINTER_FILE, "latest"):
+        try:
+            with open(os.path.join(ds_dir, name)) as f:
+                tag = f.read().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if is_complete(ds_dir, tag):
+            return tag
+    complete = [tag for tag in deepspeed_tags(ds_dir) if is_complete(ds_dir, tag)]
+    if not complete:
+        raise CLIError(f"{ds_dir} holds no complete checkpoint of train_ds.py (no global_stepN folder with "
+                       f"its {STATE_FILE})")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: {ds_dir}: `latest` is missing, empty or names an incomplete checkpoint; using the "
+              f"newest complete one, {complete[-1]}", file=sys.stderr, flush=True)
+    return complete[-1]
 
 
-def write_train_state(ds_dir: str, tag: str, state: dict) -> None:
+def mark_complete(ds_dir: str, tag: str, state: dict) -> None:
+    """After DeepSpeed's save of tag has returned in every process: its training state, then this
+    toolkit's pointer to it, each written atomically."""
     write_json(os.path.join(ds_dir, tag, STATE_FILE), {**state, "tag": tag})
+    write_text(os.path.join(ds_dir, POINTER_FILE), tag + "\n")
 
 
 def read_train_state(ds_dir: str, tag: str | None = None) -> dict:

@@ -1,7 +1,12 @@
-"""Scoring a GPT on multiple-choice tasks: log-likelihoods of continuations in length-sorted
-batches, and files in HellaSwag's format scored as lm-evaluation-harness's `hellaswag` task scores
-its data (eval.py, and the trainers' --eval-tasks). The harness itself, for its own tasks, is
-toolkit/harness.py.
+"""Scoring a GPT: the language-model loss of windows of a token corpus, also in bits per byte
+(window_losses: the trainers' evaluations, eval.py --data-dir); and multiple-choice tasks:
+log-likelihoods of continuations in length-sorted batches, and files in HellaSwag's format scored as
+lm-evaluation-harness's `hellaswag` task scores its data (eval.py, and the trainers' --eval-tasks).
+The harness itself, for its own tasks, is toolkit/harness.py.
+
+Bits per byte compare models whatever their tokenizers (nanochat reports them): the summed loss of
+the tokens in nats, over ln 2, over the UTF-8 bytes those tokens stand for (end-of-text and special
+tokens stand for none).
 
 The rules are the harness's (lm_eval/api/model.py, TemplateLM, and its `hf` model), so both give the
 same numbers: a context's trailing spaces move to the front of the continuation; context and
@@ -23,6 +28,7 @@ import torch
 
 from model import GPT
 from toolkit import distributed
+from toolkit.batches import get_batch
 from toolkit.cli import CLIError
 from toolkit.device import autocast
 from toolkit.documents import json_lines
@@ -30,6 +36,27 @@ from toolkit.tokenizers import Tokenizer
 
 # logits_at(idx (B, T), rows, cols) -> the (n, V) logits at positions (rows[i], cols[i]) of the batch
 LogitsAt = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@torch.no_grad()
+def window_losses(eval_loss: Callable, tokens: np.ndarray, offsets: np.ndarray, block_size: int,
+                  batch_size: int, device: torch.device, token_bytes: torch.Tensor,
+                  shard: tuple[int, int] | None = None) -> tuple[float, float, float]:
+    """(summed loss in nats, tokens scored, UTF-8 bytes they stand for) of the windows at offsets,
+    over all ranks. The batches are shared out over the ranks (shard: this one's index and their
+    count; default every process); every rank runs the same number of forwards (one short of batches
+    repeats one, uncounted), so an engine whose forward is collective (ZeRO-3) stays in step."""
+    rank, world = shard or (distributed.rank(), distributed.world_size())
+    batches = math.ceil(len(offsets) / batch_size)
+    loss_sum, count, nbytes = 0.0, 0, 0
+    for i in range(rank, math.ceil(batches / world) * world, world):
+        x, y = get_batch(tokens, offsets[(i if i < batches else 0) * batch_size:][:batch_size], block_size,
+                         device)
+        loss = eval_loss(x, y)
+        if i < batches:
+            loss_sum, count = loss_sum + loss.item() * y.numel(), count + y.numel()
+            nbytes += int(token_bytes[y].sum())
+    return tuple(distributed.all_reduce_sum([loss_sum, count, nbytes], device))
 
 
 @dataclass

@@ -224,15 +224,30 @@ def save_array(path: str, array: np.ndarray) -> None:
         np.save(f, array)
 
 
+def parse_json(text: str | bytes, where: str):
+    """The JSON value of every file and line the toolkit reads, or one CLIError naming where it came
+    from: `WHERE: invalid JSON (why)`. Python's parser recurses, so nesting too deep to read (a line of
+    10,000 brackets) is invalid JSON here, not a RecursionError."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{where}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except RecursionError:
+        raise CLIError(f"{where}: invalid JSON (nested too deeply to read)") from None
+    except UnicodeDecodeError as e:
+        raise CLIError(f"{where}: not UTF-8 text (byte offset {e.start})") from None
+
+
 def read_json(path: str, what: str = "JSON file") -> dict:
     """A JSON object from a file, or a one-line CLIError saying what is wrong with it."""
     try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
+        with open(path, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         raise CLIError(f"{what} not found: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CLIError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise CLIError(f"cannot read {path}: {(e.strerror or str(e)).lower()}") from None
+    value = parse_json(data, path)
     if not isinstance(value, dict):
         raise CLIError(f"{path} must hold a JSON object")
     return value

@@ -24,7 +24,7 @@ from toolkit.chat import add_chat_tokens
 from toolkit.sft import ChatObjective, chat_objective
 from toolkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, run_state
 from toolkit.cli import CLIError
-from toolkit.data import epoch_batches, step_batches
+from toolkit.batches import epoch_batches, step_batches
 from toolkit.device import describe
 from toolkit.files import atomic_open
 from toolkit.flags import option

@@ -12,6 +12,7 @@ import functools
 import os
 
 import torch
+import yaml
 from lm_eval import simple_evaluate, utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
@@ -96,7 +97,14 @@ def task_name(spec: str) -> tuple[str, str | None]:
     harness name."""
     if not spec.endswith((".yaml", ".yml")):
         return spec, None
-    for line in read_text(spec, "task YAML").splitlines():
+    text = read_text(spec, "task YAML")
+    try:  # the harness's own loader would end in a RecursionError on nesting too deep to read
+        yaml.compose(text)
+    except RecursionError:
+        raise CLIError(f"{spec}: invalid YAML (nested too deeply to read)") from None
+    except yaml.YAMLError as e:
+        raise CLIError(f"{spec}: invalid YAML ({' '.join(str(e).split())})") from None
+    for line in text.splitlines():
         if line.startswith("task:"):
             return line.split(":", 1)[1].strip().strip("'\""), os.path.dirname(os.path.abspath(spec))
     raise CLIError(f"{spec} has no `task:` line: not an lm-eval task YAML")

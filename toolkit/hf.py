@@ -11,13 +11,17 @@ import math
 import os
 
 import torch
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
 from torch import nn
 
 from model import GPT, GPTConfig, check_config
-from toolkit.checkpoint import read_weights
+from toolkit.checkpoint import check_shape, read_weights
 from toolkit.device import check_memory
+from toolkit.cli import CLIError
 from toolkit.files import atomic_write, read_json, write_json, write_text
 from toolkit.gpt2_vocab import GPT2_FACTS
+from toolkit.tokenizers import EOT_TEXT, SPELLING, gpt2_ranks
 
 TOKENIZER_FILE = "tokenizer_facts.json"  # this toolkit's tokenizer facts, for folders of other vocabularies
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -93,11 +97,14 @@ def load_gpt2(path: str, **overrides) -> GPT:
     config = read_config(directory)
     for key, value in overrides.items():
         setattr(config, key, value)
+    weights = read_weights(directory)
+    check_shape(config, {"transformer." + k.removeprefix("transformer."): v for k, v in weights.items()},
+                os.path.join(directory, "config.json"))
     with torch.device("meta"):  # skip the random init; every tensor is replaced below
         model = GPT(config)
     expected = model.state_dict()
     state = {}
-    for key, tensor in read_weights(directory).items():
+    for key, tensor in weights.items():
         key = key.removeprefix("transformer.")
         if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
             continue  # causal-mask buffers; the head is tied to wte
@@ -173,7 +180,7 @@ def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> str:
                {"bos_token_id": eot_id, "eos_token_id": eot_id, "max_length": c.block_size})
     if tokenizer != GPT2_FACTS:
         write_json(os.path.join(out_dir, TOKENIZER_FILE), tokenizer)
-    if tokenizer.get("tokenizer") == "gpt2":
+    if tokenizer.get("tokenizer") in ("gpt2", "bpe"):
         write_tokenizer_files(out_dir, tokenizer, c.block_size)
         return f"wrote an HF GPT-2 folder to {out_dir}"
     write_text(os.path.join(out_dir, "README.md"), NO_HF_TOKENIZER.format(**tokenizer))
@@ -190,14 +197,6 @@ and `AutoTokenizer` cannot load the folder. The vocabulary is described in token
 """
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in for every byte, as its vocab.json spells tokens (encoder.py of
-    openai/gpt-2)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
-
-
 def merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
     """The two parts BPE joins to make token: the merges of lower rank applied to its bytes leave
     exactly two."""
@@ -212,41 +211,51 @@ def merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
 
 
 def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
-    """vocab.json and merges.txt rebuilt from the BPE ranks tiktoken uses (the same vocabulary), the
-    special tokens, and tokenizer.json through the `tokenizers` package when it is installed."""
-    from toolkit.tokenizers import EOT_TEXT, gpt2_ranks
+    """The tokenizer files of a GPT-2 or a trained BPE vocabulary, so that AutoTokenizer gives this
+    toolkit's ids: tokenizer.json (the fast tokenizer) with the special tokens a fine-tuning added,
+    its configuration, and for GPT-2 also vocab.json and merges.txt rebuilt from tiktoken's ranks
+    (the slow GPT2Tokenizer reads those alone)."""
+    special = facts.get("special_tokens") or {}  # GPT-1's start, ...: <|start|>; the chat template's are so named
+    added = {EOT_TEXT: facts["eot_id"], **{name if name.startswith("<|") else f"<|{name}|>": i
+                                           for name, i in special.items()}}
+    if facts["tokenizer"] == "bpe":
+        bpe, tokenizer_class = HFTokenizer.from_str(facts["json"]), "PreTrainedTokenizerFast"
+    else:
+        bpe, tokenizer_class = gpt2_files(out_dir, facts), "GPT2Tokenizer"
+    bpe.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in added])
+    moved = [name for name, i in added.items() if bpe.token_to_id(name) != i]
+    if moved:
+        raise CLIError(f"the HF tokenizer would give {moved[0]} another id than the model's; the vocabulary "
+                       f"and the model's embedding rows do not line up")
+    write_json(os.path.join(out_dir, "special_tokens_map.json"),
+               {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT})
+    write_json(os.path.join(out_dir, "tokenizer_config.json"), {
+        "tokenizer_class": tokenizer_class, "model_max_length": block_size, "add_prefix_space": False,
+        "bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT,
+        "added_tokens_decoder": {str(i): {"content": name, "special": True, "lstrip": False, "rstrip": False,
+                                          "normalized": False, "single_word": False} for name, i in added.items()}})
+    atomic_write(os.path.join(out_dir, "tokenizer.json"), bpe.save)
+
+
+def gpt2_files(out_dir: str, facts: dict) -> HFTokenizer:
+    """GPT-2's vocab.json and merges.txt written from the BPE ranks tiktoken uses, and the fast
+    tokenizer they make."""
     ranks = gpt2_ranks(facts.get("vocab_file"), facts.get("merge_file"))
-    spell = bytes_to_unicode()
 
     def text(token: bytes) -> str:
-        return "".join(spell[b] for b in token)
+        return "".join(SPELLING[b] for b in token)
 
     vocab = {text(token): rank for token, rank in ranks.items()}
     vocab[EOT_TEXT] = facts["eot_id"]
     merges = [" ".join(map(text, merge_of(token, ranks))) for token, _ in
               sorted(((t, r) for t, r in ranks.items() if len(t) > 1), key=lambda item: item[1])]
-    special = facts.get("special_tokens") or {}  # GPT-1's start, ...: <|start|>; the chat template's are so named
-    added = {EOT_TEXT: facts["eot_id"], **{name if name.startswith("<|") else f"<|{name}|>": i
-                                           for name, i in special.items()}}
     write_json(os.path.join(out_dir, "vocab.json"), vocab)
     write_text(os.path.join(out_dir, "merges.txt"), "#version: 0.2\n" + "\n".join(merges) + "\n")
-    write_json(os.path.join(out_dir, "special_tokens_map.json"),
-               {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT})
-    write_json(os.path.join(out_dir, "tokenizer_config.json"), {
-        "tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, "add_prefix_space": False,
-        "bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT,
-        "added_tokens_decoder": {str(i): {"content": name, "special": True, "lstrip": False, "rstrip": False,
-                                          "normalized": False, "single_word": False} for name, i in added.items()}})
-    try:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    except ImportError:  # the slow GPT2Tokenizer reads vocab.json and merges.txt alone
-        return
-    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges]))
+    bpe = HFTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges]))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.post_processor = processors.ByteLevel(trim_offsets=False)
-    bpe.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in added])
-    atomic_write(os.path.join(out_dir, "tokenizer.json"), bpe.save)
+    return bpe
 
 
 def read_tokenizer(directory: str, vocab_size: int) -> dict:

@@ -11,7 +11,6 @@ and the retrieval metrics of `eval`. An index is a folder:
 Queries are encoded as the texts were, by the encoder the index records and by no other (its
 fingerprint is checked). docs/embed.md describes the files.
 """
-import json
 import os
 
 import numpy as np
@@ -22,7 +21,7 @@ from toolkit.cli import CLIError
 from toolkit.device import resolve_dtype
 from toolkit.documents import Document, json_records, record_id
 from toolkit.embedding import encode, encoder_identity, load_encoder, token_ids, top_k
-from toolkit.files import lock_folder, read_json, save_array, write_json, write_jsonl
+from toolkit.files import lock_folder, parse_json, read_json, save_array, write_json, write_jsonl
 from toolkit.tokenizers import Tokenizer
 
 INDEX_FORMAT = "embed.py index"
@@ -79,14 +78,18 @@ class Index:
 
     def document(self, number: int) -> dict:
         """One document's id, source and text, read from its place in documents.jsonl."""
-        with open(os.path.join(self.folder, "documents.jsonl"), "rb") as f:
+        path = os.path.join(self.folder, "documents.jsonl")
+        with open(path, "rb") as f:
             f.seek(int(self.offsets[number]))
-            return json.loads(f.read(int(self.offsets[number + 1] - self.offsets[number])))
+            line = f.read(int(self.offsets[number + 1] - self.offsets[number]))
+        return parse_json(line, f"{path} document {number}")
 
     def document_numbers(self) -> dict[str, int]:
         """Every document's number by its id."""
-        with open(os.path.join(self.folder, "documents.jsonl"), encoding="utf-8") as f:
-            return {json.loads(line)["id"]: number for number, line in enumerate(f)}
+        path = os.path.join(self.folder, "documents.jsonl")
+        with open(path, "rb") as f:
+            return {parse_json(line, f"{path} line {number + 1}")["id"]: number
+                    for number, line in enumerate(f)}
 
     def search(self, queries: torch.Tensor, k: int) -> list[list[tuple[int, float, int]]]:
         """The k best documents of each query, best first: (document number, score, row of its best

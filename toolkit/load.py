@@ -9,7 +9,8 @@ import os
 
 from model import GPT
 from toolkit import hf, lora
-from toolkit.checkpoint import load_checkpoint, model_from_checkpoint
+from toolkit.checkpoint import load_checkpoint, model_from_checkpoint, usable_config
+from toolkit.cli import CLIError
 from toolkit.ds_checkpoint import is_deepspeed_folder, load_deepspeed_model
 from toolkit.gpt2_vocab import GPT2_FACTS
 
@@ -47,6 +48,11 @@ def load_adapted(checkpoint: dict, path: str, **overrides) -> GPT:
     """A LoRA checkpoint's base (found and unchanged: toolkit/lora.py) shaped as the fine-tuning
     shaped it, with the adapters merged in: a plain GPT."""
     settings, config = checkpoint["lora"], checkpoint["model_config"]
+    new_rows = checkpoint["adapters"].get(lora.NEW_ROWS)
+    added = 0 if new_rows is None else len(new_rows)
+    if usable_config(config, path).vocab_size != settings["base_vocab"] + added:
+        raise CLIError(f"{path}: its model config says vocab_size {config['vocab_size']}, but its base has "
+                       f"{settings['base_vocab']} tokens and its adapters add {added}")
     model, _ = load_model(lora.check_base(settings, path), **overrides)
     if config["block_size"] < model.config.block_size:
         model.crop_block_size(config["block_size"])

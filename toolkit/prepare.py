@@ -13,32 +13,53 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from toolkit.tokenizers import Tokenizer, load_tokenizer
+from toolkit.tokenizers import CUT, Tokenizer, load_tokenizer
 from toolkit.writers import write_nanogpt
 
 DEFAULT_CORPUS_DIR = "data/pydoc_char"
 
 
-def encode_chunk(tokenizer: Tokenizer, texts: list[str], append_eod: bool,
-                 dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """All documents' tokens back to back (EOT after each non-empty one if asked), and each
-    document's length."""
+PIECE_CHARS = 1 << 22  # a longer piece of text is tokenized 4M characters at a time: bounded memory
+
+
+def encode_document(tokenizer: Tokenizer, pieces: list[str], dtype: np.dtype) -> list[np.ndarray]:
+    """A document's token ids, a piece at a time; a piece longer than PIECE_CHARS is cut where the
+    tokenizer splits anyway (tokenizers.CUT), so the ids are those of the whole text."""
+    arrays = []
+    for text in pieces:
+        start = 0
+        while len(text) - start > PIECE_CHARS:
+            end = start + PIECE_CHARS
+            cut = CUT.search(text[end:end + PIECE_CHARS])
+            if cut is None:  # nowhere to cut within reach: the rest goes whole
+                break
+            arrays.append(tokenizer.encode_array(text[start:end + cut.start()]).astype(dtype, copy=False))
+            start = end + cut.start()
+        arrays.append(tokenizer.encode_array(text[start:]).astype(dtype, copy=False))
+    return arrays
+
+
+def encode_chunk(tokenizer: Tokenizer, documents: list[list[str]], eod: str | None,
+                 dtype: np.dtype) -> tuple[list[np.ndarray], np.ndarray]:
+    """The documents' tokens back to back, end-of-text after each non-empty one (eod "append",
+    Megatron's --append-eod) or before it ("prepend", llm.c's shards), as arrays to write one after
+    the other, and each document's length."""
     # one thread per process: processes outrun tiktoken's own threads (docs/performance.md)
-    arrays = [tokenizer.encode_array(text) for text in texts]
-    lengths = np.array([len(a) for a in arrays], dtype=np.int64)
-    if append_eod:  # Megatron: empty documents get no EOT (they are dropped)
-        eot = np.array([tokenizer.eot_id], dtype=dtype)
-        arrays = [piece for a in arrays if len(a) for piece in (a, eot)]
-        lengths[lengths > 0] += 1
-    tokens = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
-    return tokens, lengths
+    encoded = [encode_document(tokenizer, pieces, dtype) for pieces in documents]
+    lengths = np.array([sum(map(len, arrays)) for arrays in encoded], dtype=np.int64)
+    eot = [np.array([tokenizer.eot_id], dtype=dtype)] if eod else []
+    before, after = (eot, []) if eod == "prepend" else ([], eot)
+    arrays = [a for arrays, n in zip(encoded, lengths) if n for a in (*before, *arrays, *after)]
+    lengths[lengths > 0] += len(eot)  # empty documents get no end-of-text (they are dropped)
+    return arrays, lengths
 
 
-def chunks_of(documents: Iterator[tuple[str, int]], chunk_bytes: int) -> Iterator[tuple[list[str], int]]:
+def chunks_of(documents: Iterator[tuple[list[str], int]],
+              chunk_bytes: int) -> Iterator[tuple[list[list[str]], int]]:
     """Group documents into lists of about chunk_bytes of input (the unit of work of one worker)."""
     texts, size = [], 0
-    for text, nbytes in documents:
-        texts.append(text)
+    for pieces, nbytes in documents:
+        texts.append(pieces)
         size += nbytes
         if size >= chunk_bytes:
             yield texts, size
@@ -47,32 +68,33 @@ def chunks_of(documents: Iterator[tuple[str, int]], chunk_bytes: int) -> Iterato
         yield texts, size
 
 
-_worker_job = None  # (tokenizer, append_eod, dtype), set once per worker process
+_worker_job = None  # (tokenizer, eod, dtype), set once per worker process
 
 
-def _init_worker(facts: dict, append_eod: bool, dtype: str) -> None:
+def _init_worker(facts: dict, eod: str | None, dtype: str) -> None:
     global _worker_job
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle (it ends the pool)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool ends its workers with SIGTERM: die, no cleanup to run
-    _worker_job = (load_tokenizer(facts), append_eod, np.dtype(dtype))
+    _worker_job = (load_tokenizer(facts), eod, np.dtype(dtype))
 
 
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    tokenizer, append_eod, dtype = _worker_job
-    return encode_chunk(tokenizer, texts, append_eod, dtype)
+def _encode_in_worker(texts: list[list[str]]) -> tuple[list[np.ndarray], np.ndarray]:
+    tokenizer, eod, dtype = _worker_job
+    return encode_chunk(tokenizer, texts, eod, dtype)
 
 
-def encode_in_order(chunks: Iterator[tuple[list[str], int]], tokenizer: Tokenizer, append_eod: bool,
-                    dtype: np.dtype, workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-    """(tokens, lengths, input bytes) per chunk, in input order; at most 2*workers chunks in
+def encode_in_order(chunks: Iterator[tuple[list[list[str]], int]], tokenizer: Tokenizer,
+                    eod: str | None, dtype: np.dtype,
+                    workers: int) -> Iterator[tuple[list[np.ndarray], np.ndarray, int]]:
+    """(token arrays, lengths, input bytes) per chunk, in input order; at most 2*workers chunks in
     flight."""
     if workers == 1:
         for texts, nbytes in chunks:
-            yield *encode_chunk(tokenizer, texts, append_eod, dtype), nbytes
+            yield *encode_chunk(tokenizer, texts, eod, dtype), nbytes
         return
     # Pool.imap would read the whole input ahead (its feeder thread); apply_async + a bounded deque does
     # not
-    with multiprocessing.Pool(workers, _init_worker, (tokenizer.facts(), append_eod, dtype.name)) as pool:
+    with multiprocessing.Pool(workers, _init_worker, (tokenizer.facts(), eod, dtype.name)) as pool:
         pending = deque()
         for texts, nbytes in chunks:
             pending.append((pool.apply_async(_encode_in_worker, (texts,)), nbytes))

@@ -17,6 +17,7 @@ import torch
 
 from model import ATTN_KERNELS, GPT, PRESETS, GPTConfig
 from toolkit import cli, distributed, flags, megatron
+from toolkit.checkpoint import usable_config
 from toolkit.cli import CLIError
 from toolkit.data import load_corpus
 from toolkit.device import check_attn_kernel, check_memory, describe
@@ -26,7 +27,7 @@ from toolkit.hf import load_gpt2
 from toolkit.optim import Schedule
 from toolkit.prepare import DEFAULT_CORPUS_DIR, ensure_default_corpus
 from toolkit.run import RunConfig, claim_out_dir, prepare_run, replicas
-from toolkit.tokenizers import load_tokenizer
+from toolkit.tokenizers import load_tokenizer, same_vocabulary
 from toolkit.training import Engine, LanguageModeling, LoopConfig, Trainer
 
 MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "bias")
@@ -230,8 +231,7 @@ def check_data(cfg: TrainConfig, corpus, model: GPT, resume: dict | None) -> Non
                            + (more if split == "val" else ""))
     facts = corpus.meta
     saved = (resume or {}).get("tokenizer")
-    if saved is not None and any(facts.get(k) != saved.get(k) for k in ("tokenizer", "vocab_size", "eot_id",
-                                                                        "chars")):
+    if saved is not None and not same_vocabulary(facts, saved):
         raise CLIError(f"data in {cfg.data_dir} uses tokenizer {facts.get('tokenizer')} (vocab "
                        f"{facts.get('vocab_size')}) but the checkpoint was trained with "
                        f"{saved.get('tokenizer')} (vocab {saved.get('vocab_size')})")
@@ -263,7 +263,9 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
     corpus = load_corpus(cfg.data_dir, cfg.split)
 
     torch.manual_seed(cfg.seed)  # identical initial weights in every rank
-    vocab_size = resume["model_config"]["vocab_size"] if resume else corpus.meta["vocab_size"]
+    vocab_size = corpus.meta["vocab_size"]
+    if resume is not None:  # the shape its weights hold, checked before anything is built
+        vocab_size = usable_config(resume["model_config"], engine.path, resume.get("model")).vocab_size
     model = build_model(cfg, vocab_size).to(device)
     check_attn_kernel(model, device, dtype)
     check_data(cfg, corpus, model, resume)
@@ -272,8 +274,9 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
         raise CLIError(f"{engine.path} is at iteration {step} and --max-iters {cfg.max_iters} is "
                        "the total, so nothing is left to train; continue with --max-iters N for "
                        f"some N > {step}")
-    tasks = [ChoiceTask(path, load_tokenizer(corpus.meta)) for path in (cfg.eval_tasks or "").split(",") if path]
-    objective = LanguageModeling(cfg, corpus, model, device, dp_rank, dp_size, tasks)
+    tokenizer = load_tokenizer(corpus.meta)
+    tasks = [ChoiceTask(path, tokenizer) for path in (cfg.eval_tasks or "").split(",") if path]
+    objective = LanguageModeling(cfg, corpus, model, device, dp_rank, dp_size, tokenizer.token_bytes(), tasks)
     engine.start(model, cfg, device, dtype, objective.loss, resume)
     if master:
         if resume is not None:

@@ -7,6 +7,7 @@ besides checkpoints (its folder claimed, TensorBoard logs, the loss curve).
 
     device, dtype = prepare_run(cfg, data_parallel=2)   # device, dtype, heap, run name, accumulation
 """
+import itertools
 import os
 import signal
 import time
@@ -59,10 +60,16 @@ class RunConfig:
     compile: ClassVar[bool] = False
 
 
+_runs_in_this_process = itertools.count(1)
+
+
 def run_name() -> str:
-    """A name no other run shares: the UTC start time (names sort in time order in any time zone)
-    and the process id (two runs started in the same second differ)."""
-    return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}Z-{os.getpid()}"
+    """A name no other run shares: the UTC start time (names sort in time order in any time zone),
+    the process id (two runs started in the same second differ) and, after the first, the run's
+    number in this process."""
+    number = next(_runs_in_this_process)
+    name = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}Z-{os.getpid()}"
+    return name if number == 1 else f"{name}-{number}"
 
 
 def prepare_run(cfg: RunConfig, data_parallel: int | None = None) -> tuple[torch.device, torch.dtype]:

@@ -14,6 +14,7 @@ import sys
 from typing import IO
 
 import torch
+from tqdm import tqdm
 
 from model import ATTN_KERNELS, GPT, check_sampling
 from toolkit.chat import END, chat_prompt, fit_history, is_chat_tokenizer
@@ -67,15 +68,18 @@ def read_prompt(prompt: str) -> str:
 
 
 def prompt_ids(text: str, tok: Tokenizer) -> list[int]:
-    """Unconditional generation starts from the end-of-text token (GPT-2's convention), or a
-    newline."""
+    """Unconditional generation starts from the end-of-text token (GPT-2's convention), else a
+    newline, else token 0."""
     if text:
         ids = tok.encode(text)
         if ids:
             return ids
     if tok.eot_id is not None:
         return [tok.eot_id]
-    return tok.encode("\n") or [0]
+    try:
+        return tok.encode("\n") or [0]
+    except ValueError:  # a char vocabulary without a newline: token 0, as documented
+        return [0]
 
 
 class Sampler:
@@ -90,6 +94,12 @@ class Sampler:
         self.ctx = autocast(self.device, dtype)
         self.stream = sys.stdout.isatty() if args.stream is None else args.stream
         self.template = is_chat_tokenizer(tok)  # an instruction-tuned model: replies end at <|end|>
+        # with --genfile, Megatron-style generation of many samples: the tokens so far, their rate and the time
+        # left, on stderr when it is a terminal (the samples themselves still go to stdout)
+        total = args.num_samples * args.max_new_tokens
+        quiet = genfile is None or self.stream
+        self.progress = tqdm(total=total, unit="tok", desc="sampling", disable=True if quiet else None,
+                             dynamic_ncols=True)
         self.eos = tok.special_tokens[END] if self.template else tok.eot_id
 
     def generation_kwargs(self, max_new_tokens: int | None = None) -> dict:
@@ -130,15 +140,19 @@ class Sampler:
             tokens.append(step[0].item())
             if tokens[-1] == self.eos:
                 break
-            decoded = self.tok.decode(tokens)
-            if not decoded.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the next token
-                print(decoded[len(printed):], end="", flush=True)
-                printed = decoded
+            decoded = self.tok.decode(tokens)  # whole characters: one cut waits for its next token
+            print(decoded[len(printed):], end="", flush=True)
+            printed = decoded
         print(self.tok.decode(self.strip_eot(tokens)[0])[len(printed):], flush=True)
         return tokens
 
     def batch(self, idx: torch.Tensor, text: str) -> list[list[int]]:
-        out = self.model.generate(idx, **self.generation_kwargs())[:, idx.size(1):].tolist()
+        steps = []
+        for step in self.model.generate_stream(idx, **self.generation_kwargs()):
+            steps.append(step)
+            self.progress.update(len(step))
+        self.progress.update((self.args.max_new_tokens - len(steps)) * len(idx))  # samples ended early
+        out = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in range(len(idx))]
         for tokens in out:
             print(text + self.tok.decode(self.strip_eot(tokens)[0]) + "\n" + "-" * 40, flush=True)
         return out
@@ -198,7 +212,9 @@ def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: s
     prompt = read_prompt(args.prompt) if not args.interactive else None
     if args.genfile:
         with atomic_open(args.genfile) as genfile:
-            sample_prompts(Sampler(model, tok, args, genfile), prompt)
+            sampler = Sampler(model, tok, args, genfile)
+            sample_prompts(sampler, prompt)
+            sampler.progress.close()
     else:
         sample_prompts(Sampler(model, tok, args, None), prompt)
 

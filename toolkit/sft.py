@@ -10,7 +10,7 @@ from toolkit.chat import (Conversation, encode_conversations, pad_conversations,
                           trained_tokens)
 from toolkit.checkpoint import run_state
 from toolkit.cli import CLIError
-from toolkit.data import epoch_batches, rank_share, step_batches
+from toolkit.batches import epoch_batches, rank_share, step_batches
 from toolkit.device import autocast
 from toolkit.run import RunConfig
 from toolkit.tokenizers import Tokenizer

@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from model import GPT, chunked_cross_entropy
 from toolkit import distributed
 from toolkit.cli import CLIError
-from toolkit.data import rank_share
+from toolkit.batches import rank_share
 from toolkit.device import autocast
 from toolkit.documents import json_lines
 from toolkit.tokenizers import Tokenizer, add_tokens

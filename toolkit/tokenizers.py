@@ -1,23 +1,79 @@
-"""The tokenizers: GPT-2's BPE (tiktoken's r50k_base, or the same from vocabulary files), the
-characters of the data, or raw bytes; facts() describes one in JSON and load_tokenizer rebuilds it
-from them (meta.json and every checkpoint keep them, so sampling needs no data folder).
+"""The tokenizers: GPT-2's BPE (tiktoken's r50k_base, or the same from vocabulary files), a
+byte-level BPE trained on the user's own text (or any HF tokenizer.json of a BPE model, through HF
+`tokenizers`), the characters of the data, or raw bytes. facts() describes one in JSON and
+load_tokenizer rebuilds it from them (meta.json and every checkpoint keep them, a trained BPE whole,
+so sampling needs no data folder).
 
     tok = load_tokenizer({"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256})
     ids = tok.encode("Hello world")        # [15496, 995]
+    tok = Tokenizer("bpe", tokenizer_json=train_bpe(texts, vocab_size=16384))
 """
+import codecs
 import json
 import os
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tiktoken
 import tiktoken.load
 from tiktoken_ext.openai_public import r50k_pat_str
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from model import GPT
 from toolkit import gpt2_vocab
 from toolkit.cli import CLIError
+from toolkit.files import parse_json
+
+if TYPE_CHECKING:  # data preparation imports this module and never needs torch
+    from model import GPT
 
 EOT_TEXT = "<|endoftext|>"
+# Places where every tokenizer here splits a text anyway (GPT-2's pre-tokenizing pattern, and the byte-level
+# BPEs that use it; char and byte split everywhere): before a single space between two other characters, after
+# a newline between two, after Chinese punctuation followed by a letter or a digit. A long text cut there has
+# the tokens of the whole, a piece at a time.
+CUT = re.compile(r"(?<=\S)(?= \S)|(?<=\S\n)(?=\S)|(?<=[，。！？；：、])(?=[^\W_])")
+KINDS = ("gpt2", "bpe", "char", "byte")
+# GPT-2's byte-level alphabet: the printable stand-in of each byte in its tokens (encoder.py of openai/gpt-2)
+PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+SPELLING = {**{b: chr(b) for b in PRINTABLE},
+            **{b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in PRINTABLE)}}
+BYTE_OF = {char: b for b, char in SPELLING.items()}
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> str:
+    """A byte-level BPE of vocab_size entries (the 256 bytes, the merges and <|endoftext|>, a special
+    token) trained on texts, streamed, by HF `tokenizers` on its own threads; as tokenizer.json
+    text. GPT-2's pre-tokenizing pattern and byte alphabet, as its own BPE was trained."""
+    if vocab_size < 257:
+        raise CLIError(f"--vocab-size {vocab_size} is too small: a byte-level BPE holds the 256 bytes and "
+                       f"{EOT_TEXT}, 257 at least")
+    bpe = HFTokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TEXT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(texts, trainer=trainer)
+    return bpe.to_str()
+
+
+def read_bpe(tokenizer_json: str, source: str) -> HFTokenizer:
+    """The HF tokenizer of a tokenizer.json: a BPE model with the end-of-text token, or a CLIError."""
+    spec = parse_json(tokenizer_json, source)
+    model_type = spec.get("model", {}).get("type") if isinstance(spec, dict) else None
+    if model_type != "BPE" or not isinstance(spec.get("model", {}).get("vocab"), dict):
+        raise CLIError(f"{source} is not the tokenizer.json of a BPE model (its model is {model_type!r})")
+    try:
+        bpe = HFTokenizer.from_str(tokenizer_json)
+    except Exception as e:  # tokenizers raises its own plain Exception
+        raise CLIError(f"{source}: HF tokenizers cannot read it ({' '.join(str(e).split())[:200]})") from None
+    if bpe.token_to_id(EOT_TEXT) is None:
+        raise CLIError(f"{source} has no end-of-text token {EOT_TEXT}, which separates documents; add it as a "
+                       f"special token, or train one here (tokenizer.py --tokenizer bpe)")
+    bpe.encode_special_tokens = True  # special-token text in the data is text, as with the other tokenizers
+    return bpe
 
 
 def load_local_ranks(vocab_file: str, merge_file: str | None) -> dict[bytes, int]:
@@ -33,7 +89,7 @@ def load_local_ranks(vocab_file: str, merge_file: str | None) -> dict[bytes, int
         if merge_file is None:
             return tiktoken.load.load_tiktoken_bpe(vocab_file)
         return tiktoken.load.data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=merge_file, encoder_json_file=vocab_file)
-    except (AssertionError, KeyError, json.JSONDecodeError, ValueError) as e:
+    except (AssertionError, KeyError, json.JSONDecodeError, ValueError, RecursionError) as e:
         raise CLIError("cannot read the vocabulary from "
                        f"{vocab_file}{' + ' + merge_file if merge_file else ''}: {e!r}") from None
     finally:
@@ -68,11 +124,12 @@ def gpt2_encoding(vocab_file: str | None = None, merge_file: str | None = None) 
 
 
 class Tokenizer:
-    """GPT-2 BPE, char-level or byte-level; facts() holds all that load_tokenizer needs to rebuild
-    it."""
+    """GPT-2's BPE, a trained BPE, char-level or byte-level; facts() holds all that load_tokenizer
+    needs to rebuild it."""
 
     def __init__(self, name: str, chars: str | None = None, char_eot: bool = False,
-                 vocab_file: str | None = None, merge_file: str | None = None):
+                 vocab_file: str | None = None, merge_file: str | None = None,
+                 tokenizer_json: str | None = None, source: str = "the tokenizer facts"):
         self.name = name
         self.chars = chars
         self.vocab_file = os.path.abspath(vocab_file) if vocab_file else None
@@ -81,6 +138,10 @@ class Tokenizer:
         if name == "gpt2":
             self.encoding = gpt2_encoding(self.vocab_file, self.merge_file)
             self.vocab_size, self.eot_id = self.encoding.n_vocab, self.encoding.eot_token
+        elif name == "bpe":
+            self.bpe, self.tokenizer_json = read_bpe(tokenizer_json, source), tokenizer_json
+            self.vocab_size, self.eot_id = self.bpe.get_vocab_size(), self.bpe.token_to_id(EOT_TEXT)
+            self.byte_level = parse_json(tokenizer_json, source).get("decoder", {}).get("type") == "ByteLevel"
         elif name == "char":
             if not chars or len(set(chars)) != len(chars):
                 raise CLIError("a char tokenizer needs its table of distinct characters")
@@ -92,11 +153,18 @@ class Tokenizer:
         elif name == "byte":
             self.vocab_size, self.eot_id = 257, 256
         else:
-            raise CLIError(f"unknown tokenizer {name!r} (expected gpt2, char or byte)")
+            raise CLIError(f"unknown tokenizer {name!r} (expected {', '.join(KINDS)})")
 
     def encode_array(self, text: str) -> np.ndarray:
         """Token ids of text (special-token text such as <|endoftext|> is encoded as ordinary
         text)."""
+        if self.name == "bpe":
+            try:
+                text.encode("utf-8")  # HF tokenizers take valid Unicode only
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the text holds a lone surrogate (U+{ord(text[e.start]):04X}) at character "
+                                 f"{e.start}, which is not Unicode text; encode it properly first") from None
+            return np.array(self.bpe.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
         if self.name == "gpt2":
             try:
                 return self.encoding.encode_to_numpy(text, disallowed_special=())
@@ -126,16 +194,47 @@ class Tokenizer:
         self.vocab_size = max(ids, default=self.vocab_size - 1) + 1
 
     def decode(self, ids: list[int]) -> str:
-        """Text of ids; never fails: EOT and special tokens are skipped for char/byte, special
-        tokens for gpt2, invalid bytes and unknown ids become U+FFFD."""
-        if self.special_tokens:
-            special = set(self.special_tokens.values())
-            ids = [i for i in ids if i not in special]
+        """Text of ids; never fails and never shows half a character: special tokens are skipped (EOT
+        too for char and byte), invalid bytes and unknown ids become U+FFFD, and a character whose
+        bytes are cut at the end (a sample stopped mid-character, or still streaming) is left out."""
+        special = set(self.special_tokens.values())
+        ids = [i for i in ids if i not in special]
+        if self.name == "char":
+            return "".join(self.chars[i] if 0 <= i < len(self.chars) else "\ufffd" for i in ids
+                           if i != self.eot_id)
+        if self.name == "bpe" and not self.byte_level:  # another kind of BPE: its own decoder
+            return self.bpe.decode(ids, skip_special_tokens=False)
+        return codecs.getincrementaldecoder("utf-8")("replace").decode(self.decode_bytes(ids), final=False)
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        """The UTF-8 bytes of ids (not special tokens; end-of-text as its text for the BPEs)."""
         if self.name == "gpt2":
-            return self.encoding.decode([i for i in ids if 0 <= i < self.encoding.n_vocab])
+            return self.encoding.decode_bytes([i for i in ids if 0 <= i < self.encoding.n_vocab])
         if self.name == "byte":
-            return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-        return "".join(self.chars[i] if 0 <= i < len(self.chars) else "\ufffd" for i in ids if i != self.eot_id)
+            return bytes(i for i in ids if 0 <= i < 256)
+        tokens = (self.bpe.id_to_token(i) for i in ids if 0 <= i < self.bpe.get_vocab_size())
+        return bytes(BYTE_OF.get(c, 0x3F) for token in tokens for c in token)  # (not the alphabet: "?")
+
+    def token_bytes(self) -> np.ndarray:
+        """The UTF-8 bytes each token id stands for, 0 for end-of-text and special tokens: what bits
+        per byte divide by (training.LanguageModeling)."""
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        if self.name == "char":
+            lengths[:len(self.chars)] = [len(c.encode("utf-8", "surrogatepass")) for c in self.chars]
+        elif self.name == "byte":
+            lengths[:256] = 1
+        elif self.name == "gpt2":
+            n = self.encoding.n_vocab
+            lengths[:n] = [len(self.encoding.decode_single_token_bytes(i)) for i in range(n)]
+        else:
+            added = {token.content for token in self.bpe.get_added_tokens_decoder().values()}
+            for i in range(self.bpe.get_vocab_size()):
+                token = self.bpe.id_to_token(i)
+                lengths[i] = 0 if token in added else len(token) if self.byte_level else \
+                    len(self.bpe.decode([i]).encode("utf-8"))
+        if self.eot_id is not None:
+            lengths[self.eot_id] = 0
+        return lengths
 
     def facts(self) -> dict:
         """JSON-able description of this tokenizer (stored in meta.json and in checkpoints)."""
@@ -146,12 +245,14 @@ class Tokenizer:
                 facts.update(vocab_file=self.vocab_file, merge_file=self.merge_file)
         if self.name == "char":
             facts["chars"] = self.chars
+        if self.name == "bpe":
+            facts["json"] = self.tokenizer_json
         if self.special_tokens:
             facts["special_tokens"] = dict(self.special_tokens)
         return facts
 
 
-def add_tokens(model: GPT, tokenizer: Tokenizer, names: tuple[str, ...]) -> dict[str, int]:
+def add_tokens(model: "GPT", tokenizer: Tokenizer, names: tuple[str, ...]) -> dict[str, int]:
     """names as new rows of the model's (tied) embedding, right after its vocabulary, and as special
     tokens of the tokenizer, with the same ids: GPT-1's layout tokens (toolkit/tasks.py), the chat
     template's (toolkit/chat.py)."""
@@ -162,22 +263,58 @@ def add_tokens(model: GPT, tokenizer: Tokenizer, names: tuple[str, ...]) -> dict
     return special
 
 
+def same_vocabulary(a: dict, b: dict) -> bool:
+    """Two tokenizers' facts that give the same ids to the same text (the special tokens a
+    fine-tuning adds past the vocabulary aside)."""
+    def base_size(facts: dict) -> int:
+        return facts.get("vocab_size", 0) - len(facts.get("special_tokens") or {})
+
+    same = all(a.get(key) == b.get(key) for key in ("tokenizer", "eot_id", "chars", "json"))
+    return same and base_size(a) == base_size(b)
+
+
+def check_facts(facts) -> None:
+    """Tokenizer facts as a file or a checkpoint holds them, checked before they are used: each value
+    of the type and range it must have, or one CLIError naming what is wrong."""
+    def refuse(key: str, wanted: str) -> CLIError:
+        return CLIError(f"the tokenizer facts say {key} {facts.get(key)!r:.60}; it must be {wanted}")
+
+    if not isinstance(facts, dict):
+        raise CLIError(f"the tokenizer facts must be a JSON object, got {type(facts).__name__}")
+    vocab_size, eot_id, chars = facts.get("vocab_size"), facts.get("eot_id"), facts.get("chars")
+    special = facts.get("special_tokens") or {}
+    if vocab_size is not None and not (type(vocab_size) is int and 0 < vocab_size <= 2**32):
+        raise refuse("vocab_size", "an integer from 1 to 2**32")
+    if eot_id is not None and not (type(eot_id) is int and eot_id >= 0):
+        raise refuse("eot_id", "a token id (an integer from 0) or null")
+    distinct_characters = isinstance(chars, str) and 0 < len(chars) == len(set(chars))
+    if facts.get("tokenizer") == "char" and not distinct_characters:
+        raise refuse("chars", "a string of distinct characters")
+    names_and_ids = isinstance(special, dict) and all(isinstance(name, str) and type(i) is int
+                                                      for name, i in special.items())
+    if not names_and_ids:
+        raise refuse("special_tokens", "an object of token names and ids")
+    for key in ("vocab_file", "merge_file"):
+        if not isinstance(facts.get(key) or "", str):
+            raise refuse(key, "a file name")
+    if facts.get("tokenizer") == "bpe" and not isinstance(facts.get("json"), str):
+        raise refuse("json", "the text of a tokenizer.json")
+
+
 def load_tokenizer(facts: dict) -> Tokenizer:
     """The tokenizer that facts() described (e.g. the meta.json of a prepared corpus, or a
     fine-tuned checkpoint's facts, whose special tokens count in its vocab_size)."""
+    check_facts(facts)
     name = facts.get("tokenizer")
     if name == "char":
         tokenizer = Tokenizer("char", chars=facts.get("chars"), char_eot=facts.get("eot_id") is not None)
     elif name in ("gpt2", "byte"):
         tokenizer = Tokenizer(name, vocab_file=facts.get("vocab_file"), merge_file=facts.get("merge_file"))
+    elif name == "bpe":
+        tokenizer = Tokenizer(name, tokenizer_json=facts.get("json"))
     else:
-        raise CLIError(f"unknown tokenizer {name!r} in the tokenizer facts (expected gpt2, char or "
-                       "byte)")
-    special_tokens = facts.get("special_tokens") or {}
-    if not isinstance(special_tokens, dict):
-        raise CLIError("special_tokens in the tokenizer facts must map names to ids, got "
-                       f"{special_tokens!r}")
-    tokenizer.add_special_tokens(special_tokens)
+        raise CLIError(f"unknown tokenizer {name!r} in the tokenizer facts (expected {', '.join(KINDS)})")
+    tokenizer.add_special_tokens(facts.get("special_tokens") or {})
     if "vocab_size" in facts and facts["vocab_size"] != tokenizer.vocab_size:
         raise CLIError(f"rebuilt {name} tokenizer has vocab_size {tokenizer.vocab_size}, the facts "
                        f"say {facts['vocab_size']}")

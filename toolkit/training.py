@@ -28,8 +28,9 @@ from tqdm import tqdm
 from toolkit import distributed
 from toolkit.checkpoint import (capture_rng, load_checkpoint, load_weights, make_checkpoint,
                                 restore_rng, run_state, save_checkpoint)
-from toolkit.data import get_batch, window_offsets
+from toolkit.batches import get_batch, window_offsets
 from toolkit.device import autocast, peak_flops
+from toolkit.evaluation import window_losses
 from toolkit.optim import Schedule, make_optimizer
 from toolkit.run import RunConfig, RunLog, StopRequest, diverged
 
@@ -221,9 +222,9 @@ class LanguageModeling:
     """
 
     def __init__(self, cfg, corpus, model: torch.nn.Module, device: torch.device, dp_rank: int,
-                 dp_size: int, tasks: list = ()):
+                 dp_size: int, token_bytes: np.ndarray, tasks: list = ()):
         self.cfg, self.corpus, self.model, self.device = cfg, corpus, model, device
-        self.tasks = tasks
+        self.token_bytes, self.tasks = torch.from_numpy(token_bytes).to(device), tasks
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.micro_steps = cfg.grad_accum // dp_size
         self.global_batch = cfg.batch_size * cfg.grad_accum
@@ -248,28 +249,20 @@ class LanguageModeling:
     @torch.no_grad()
     def evaluate(self, engine: Engine) -> dict[str, float]:
         """Mean loss per split over evaluation_windows, in batches shared out over the data-parallel
-        ranks. Every rank runs the same number of forwards (a rank short of batches repeats one,
-        uncounted), so an engine whose forward is collective (ZeRO-3 gathers the parameters) stays
-        in step."""
+        ranks (evaluation.window_losses), and the val loss in bits per byte."""
         cfg = self.cfg
         self.model.eval()
-        losses = {}
+        scored = {}  # split -> (summed loss, tokens, bytes)
         for split, stream in (("train", EVAL_TRAIN_STREAM), ("val", EVAL_VAL_STREAM)):
             tokens = getattr(self.corpus, split)
             most = cfg.eval_iters * cfg.batch_size
             offsets = evaluation_windows(len(tokens), cfg.block_size, most, cfg.seed, stream)
-            batches = math.ceil(len(offsets) / cfg.batch_size)
-            total, count = 0.0, 0
-            rounds = math.ceil(batches / self.dp_size)
-            for i in range(self.dp_rank, rounds * self.dp_size, self.dp_size):
-                rows = offsets[(i if i < batches else 0) * cfg.batch_size:][:cfg.batch_size]
-                loss = engine.eval_loss(*get_batch(tokens, rows, cfg.block_size, self.device))
-                if i < batches:
-                    total, count = total + loss.item() * len(rows), count + len(rows)
-            total, count = distributed.all_reduce_sum([total, count], self.device)
-            losses[split] = total / count
-        metrics = {"train_loss": losses["train"], "val_loss": losses["val"],
-                   "val_ppl": math.exp(min(losses["val"], 50))}
+            scored[split] = window_losses(engine.eval_loss, tokens, offsets, cfg.block_size, cfg.batch_size,
+                                          self.device, self.token_bytes, (self.dp_rank, self.dp_size))
+        (train_sum, train_count, _), (val_sum, val_count, val_bytes) = scored["train"], scored["val"]
+        metrics = {"train_loss": train_sum / train_count, "val_loss": val_sum / val_count,
+                   "val_ppl": math.exp(min(val_sum / val_count, 50)),
+                   "val_bpb": val_sum / math.log(2) / max(val_bytes, 1)}
         for task in self.tasks:
             scores = task.score(engine.logits_at, cfg.block_size, cfg.batch_size, self.device,
                                 (self.dp_rank, self.dp_size))

@@ -1,8 +1,8 @@
 """Writing the token formats that toolkit/data.py reads (tokenizer.py and the default corpus call
-these): a nanoGPT folder (train.bin, val.bin, meta.json) with a per-document train/val split, and
-Megatron-LM's PREFIX.bin/.idx with this toolkit's PREFIX.json of tokenizer facts. Every file is
-written under a temporary name and renamed only when complete; the metadata file comes last, so its
-presence means the data is whole.
+these): a nanoGPT folder (train.bin, val.bin, meta.json) with a per-document train/val split,
+Megatron-LM's PREFIX.bin/.idx with this toolkit's PREFIX.json of tokenizer facts, and llm.c's
+shards. Every file is written under a temporary name and renamed only when complete; the metadata
+file comes last, so its presence means the data is whole.
 """
 import hashlib
 import os
@@ -10,7 +10,8 @@ import os
 import numpy as np
 
 from toolkit.cli import CLIError
-from toolkit.data import MEGATRON_DTYPES, MEGATRON_EXTENSIONS, MEGATRON_HEADER, MEGATRON_MAGIC, NANOGPT_FILES
+from toolkit.data import (LLMC_HEADER_INTS, LLMC_MAGIC, LLMC_SHARD, MEGATRON_DTYPES, MEGATRON_EXTENSIONS,
+                          MEGATRON_HEADER, MEGATRON_MAGIC, NANOGPT_FILES)
 from toolkit.files import atomic_write, make_folder, temporary_name, write_json
 
 
@@ -59,17 +60,23 @@ class NanoGPTWriter:
         self.tokens = {"train": 0, "val": 0}
         self.last_length = {"train": 0, "val": 0}  # tokens of each split's last document
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    def add(self, arrays: list[np.ndarray], lengths: np.ndarray) -> None:
+        """The documents of arrays (their tokens back to back), each of lengths tokens."""
         lengths = lengths[lengths > 0]  # empty documents are dropped
         first = self.documents["train"] + self.documents["val"]
-        is_val = np.array([is_val_document(self.seed, first + i, self.val_fraction) for i in range(len(lengths))], bool)
-        token_is_val = np.repeat(is_val, lengths)
-        for split, doc_mask, token_mask in (("train", ~is_val, ~token_is_val), ("val", is_val, token_is_val)):
-            if doc_mask.any():
-                self.files[split].write(tokens[token_mask].tobytes())
-                self.documents[split] += int(doc_mask.sum())
-                self.tokens[split] += int(lengths[doc_mask].sum())
-                self.last_length[split] = int(lengths[doc_mask][-1])
+        is_val = np.array([is_val_document(self.seed, first + i, self.val_fraction)
+                           for i in range(len(lengths))], bool)
+        for split, mine in (("train", ~is_val), ("val", is_val)):
+            if not mine.any():
+                continue
+            if mine.all():  # a chunk all of one split (as a huge document is): written as it is, no copy
+                for tokens in arrays:
+                    self.files[split].write(tokens)
+            else:
+                self.files[split].write(np.concatenate(arrays)[np.repeat(mine, lengths)])
+            self.documents[split] += int(mine.sum())
+            self.tokens[split] += int(lengths[mine].sum())
+            self.last_length[split] = int(lengths[mine][-1])
 
     def move_tail(self, source: str, target: str, n: int, documents: int) -> None:
         """Move the last n tokens (the last `documents` documents) from one split's file to the
@@ -144,10 +151,12 @@ class MegatronWriter:
         self.sizes = []  # one int32 array per chunk: the .idx needs all sizes before the pointers
         self.tokens = 0
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        self.file.write(tokens.tobytes())
+    def add(self, arrays: list[np.ndarray], lengths: np.ndarray) -> None:
+        """The documents of arrays (their tokens back to back), each of lengths tokens."""
+        for tokens in arrays:
+            self.file.write(tokens)
         self.sizes.append(lengths[lengths > 0].astype(np.int32))  # empty documents are dropped
-        self.tokens += len(tokens)
+        self.tokens += int(lengths.sum())
 
     def finish(self, meta: dict) -> dict:
         sizes = np.concatenate(self.sizes) if self.sizes else np.zeros(0, np.int32)
@@ -162,5 +171,88 @@ class MegatronWriter:
     def discard(self) -> None:
         self.file.close()
         for path in self.tmp.values():
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def llmc_shards(folder: str) -> list[str]:
+    """The names of the llm.c shards in a folder (none when it does not exist)."""
+    return sorted(n for n in os.listdir(folder) if LLMC_SHARD.fullmatch(n)) if os.path.isdir(folder) else []
+
+
+class LlmcWriter:
+    """llm.c's shards in a folder, as its dev/data/fineweb.py writes them: NAME_val_000000.bin, then
+    NAME_train_000001.bin, ... (NAME: the folder's name), each a header of 256 int32 (magic
+    20240520, version 1, token count) and then uint16 ids; shard_tokens tokens a shard, a document
+    running on into the next. The first shard is validation; when the input does not fill more than
+    it, its last (1 - val_fraction) become the one training shard. meta.json describes them."""
+
+    def __init__(self, folder: str, shard_tokens: int, val_fraction: float):
+        self.dtype = np.dtype(np.uint16)
+        make_folder(folder, "--output-dir")
+        self.folder, self.where, self.shard_tokens, self.val_fraction = folder, folder, shard_tokens, val_fraction
+        self.name = os.path.basename(os.path.abspath(folder))
+        self.written: list[tuple[str, int]] = []  # (temporary path, tokens) of each closed shard
+        self.file, self.filled, self.documents = None, 0, 0
+
+    def shard_path(self, index: int) -> str:
+        return os.path.join(self.folder, f"{self.name}_{'val' if index == 0 else 'train'}_{index:06d}.bin")
+
+    def add(self, arrays: list[np.ndarray], lengths: np.ndarray) -> None:
+        """The documents of arrays (their tokens back to back, each starting with end-of-text)."""
+        self.documents += int((lengths > 0).sum())
+        for tokens in arrays:
+            while len(tokens):
+                if self.file is None:
+                    self.file = open(temporary_name(self.shard_path(len(self.written))), "wb+")
+                    self.file.write(np.zeros(LLMC_HEADER_INTS, np.int32))  # the count is known at the end
+                part, tokens = tokens[:self.shard_tokens - self.filled], tokens[self.shard_tokens - self.filled:]
+                self.file.write(np.asarray(part, np.uint16))
+                self.filled += len(part)
+                if self.filled == self.shard_tokens:
+                    self.close_shard()
+
+    def close_shard(self) -> None:
+        header = np.zeros(LLMC_HEADER_INTS, np.int32)
+        header[:3] = LLMC_MAGIC, 1, self.filled
+        self.file.seek(0)
+        self.file.write(header)
+        self.written.append((self.file.name, self.filled))
+        self.file.close()
+        self.file, self.filled = None, 0
+
+    def finish(self, meta: dict) -> dict:
+        if self.file is not None:
+            self.close_shard()
+        if len(self.written) == 1:  # all of it in the validation shard: give training its share
+            path, tokens = self.written[0]
+            val = max(1, int(tokens * self.val_fraction))
+            shard = np.memmap(path, np.uint16, "r", offset=4 * LLMC_HEADER_INTS)
+            self.file = open(temporary_name(self.shard_path(1)), "wb+")
+            self.file.write(np.zeros(LLMC_HEADER_INTS, np.int32))
+            self.file.write(shard[val:])
+            self.filled = tokens - val
+            del shard
+            self.close_shard()
+            self.written[0] = (path, val)
+            with open(path, "rb+") as f:
+                f.truncate(4 * LLMC_HEADER_INTS + 2 * val)
+                f.seek(8)
+                f.write(np.int32(val).tobytes())
+        names = [os.path.basename(self.shard_path(index)) for index in range(len(self.written))]
+        for stale in set(llmc_shards(self.folder)) - set(names):  # an earlier run's (--overwrite)
+            os.remove(os.path.join(self.folder, stale))
+        for index, (path, _) in enumerate(self.written):
+            os.replace(path, self.shard_path(index))
+        meta = {"format": "llmc", **meta, "dtype": "uint16", "documents": self.documents, "shards": names,
+                "val_tokens": self.written[0][1], "train_tokens": sum(n for _, n in self.written[1:])}
+        write_json(os.path.join(self.folder, "meta.json"), meta)  # last: its presence means complete
+        return meta
+
+    def discard(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.written.append((self.file.name, 0))
+        for path, _ in self.written:
             if os.path.exists(path):
                 os.remove(path)
