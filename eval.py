@@ -17,10 +17,11 @@ of different tokenizers. The last line printed is one JSON object {task: {metric
 writes the full results. Formats and metrics: docs/eval.md.
 """
 import json
-import os
-import sys
-
 import math
+import os
+import socket
+import sys
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
@@ -73,9 +74,23 @@ def parse_args(argv: list[str] | None):
     return args
 
 
+def hub_out_of_reach() -> bool:
+    """No proxy and no address for the Hugging Face Hub (HF_ENDPOINT's host, e.g. a mirror): the
+    harness's libraries cannot reach it, and would print a warning a try for 25 s before failing."""
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False
+    try:
+        socket.getaddrinfo(urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname, 443)
+    except OSError:
+        return True
+    return False
+
+
 def harness_results(specs: list[str], model, tok, args, device, dtype) -> dict:
     """The harness's results for its tasks: {task: {metric: value}} (its filters' ",none" and the
     stderrs left out), and its full output."""
+    if hub_out_of_reach():  # the libraries read their caches at once: cached task data still loads
+        os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     try:
         from toolkit import harness
     except ImportError:

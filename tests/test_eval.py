@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main, tensorboard_scalars
+from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main, run_script, tensorboard_scalars
 from model import GPT, GPTConfig
 from toolkit.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.distributed import free_port
@@ -205,7 +205,11 @@ def test_bad_input_is_one_line(gpt2_model, tmp_path):
     items = write_jsonl(tmp_path / "ok.jsonl", hellaswag_rows(2))
     assert_one_line_error(run_main("eval.py", "--ckpt", tmp_path / "junk.pt", "--tasks", items), "junk.pt")
     pytest.importorskip("lm_eval")
-    offline = run_main("eval.py", "--ckpt", ckpt, "--tasks", "hellaswag", "--limit", "2")
+    # a Hub with no address (RFC 2606's .invalid) and no offline mode set: eval.py sets it, or the hub libraries
+    # retry for 25 s with a warning each time (on the real stderr: hence a process of its own)
+    no_hub = {"HF_ENDPOINT": "https://hub.invalid", "HF_HUB_OFFLINE": "", "HF_DATASETS_OFFLINE": "",
+              "HTTPS_PROXY": "", "https_proxy": "", "ALL_PROXY": "", "all_proxy": ""}
+    offline = run_script("eval.py", "--ckpt", ckpt, "--tasks", "hellaswag", "--limit", "2", timeout=120, env=no_hub)
     assert_one_line_error(offline, "cannot load the data of hellaswag", "local file")
     assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", "hellaswagg"),
                           "unknown task 'hellaswagg'")
