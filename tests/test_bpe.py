@@ -9,7 +9,7 @@ import pytest
 import tiktoken
 import torch
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers, trainers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main
@@ -207,3 +207,26 @@ def test_a_tokenizer_file_that_cannot_separate_documents_or_is_not_bpe_is_one_li
                      "--output-dir", tmp_path / "out")
     assert_one_line_error(small, "--vocab-size 256 is too small", "257")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bpe_of_another_kind_encodes_trains_and_samples(tmp_path):
+    """An HF BPE that is not byte-level (SentencePiece's word boundary `▁`, as Llama-style tokenizer.json files
+    have): its own decoder gives the text back, and a model trains on it and samples."""
+    spm = HFTokenizer(models.BPE(unk_token="<unk>"))
+    spm.pre_tokenizer, spm.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    texts = [d[:2000] for d in default_corpus_documents()[:40]]
+    spm.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", EOT_TEXT]))
+    (tmp_path / "spm.json").write_text(spm.to_str())
+    tok = Tokenizer("bpe", tokenizer_json=spm.to_str())
+    assert not tok.byte_level and tok.decode(tok.encode("the return value of a function")) == \
+        "the return value of a function"
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    prepared = run_main("tokenizer.py", "--input", tmp_path / "docs.jsonl", "--tokenizer-file", tmp_path / "spm.json",
+                        "--append-eod", "--output-dir", tmp_path / "data")
+    assert prepared.returncode == 0, prepared.stderr
+    trained = run_main("train.py", "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "ckpt", *TINY_MODEL,
+                       "--max-iters", "2", "--eval-interval", "2")
+    assert trained.returncode == 0 and "val bpb" in trained.stdout, trained.stderr
+    sampled = run_main("test.py", "--ckpt", tmp_path / "ckpt" / "ckpt.pt", "--prompt", "the value",
+                       "--max-new-tokens", "5", "--num-samples", "1", "--device", "cpu")
+    assert sampled.returncode == 0 and sampled.stdout.startswith("the value"), sampled.stderr

@@ -141,7 +141,7 @@ class Tokenizer:
         elif name == "bpe":
             self.bpe, self.tokenizer_json = read_bpe(tokenizer_json, source), tokenizer_json
             self.vocab_size, self.eot_id = self.bpe.get_vocab_size(), self.bpe.token_to_id(EOT_TEXT)
-            self.byte_level = parse_json(tokenizer_json, source).get("decoder", {}).get("type") == "ByteLevel"
+            self.byte_level = isinstance(self.bpe.decoder, decoders.ByteLevel)
         elif name == "char":
             if not chars or len(set(chars)) != len(chars):
                 raise CLIError("a char tokenizer needs its table of distinct characters")
