@@ -29,25 +29,26 @@ class ZstdReader(io.RawIOBase):
     truncated .gz does (zstandard's own reader would end there quietly)."""
 
     def __init__(self, path: str):
-        self.file, self.pending = open(path, "rb"), b""
+        self.file, self.pending, self.at = open(path, "rb"), b"", 0
         self.frame = zstandard.ZstdDecompressor().decompressobj()
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        while not self.pending:
+        while self.at == len(self.pending):
             data = self.file.read(1 << 20)
             if not data:
                 if not self.frame.eof and self.file.tell():
                     raise EOFError("the file ends inside a zstd frame (truncated)")
                 return 0
-            self.pending = self.frame.decompress(data)
+            self.pending, self.at = self.frame.decompress(data), 0
             while self.frame.eof and self.frame.unused_data:  # the next frame
                 rest, self.frame = self.frame.unused_data, zstandard.ZstdDecompressor().decompressobj()
                 self.pending += self.frame.decompress(rest)
-        n = min(len(buffer), len(self.pending))
-        buffer[:n], self.pending = self.pending[:n], self.pending[n:]
+        n = min(len(buffer), len(self.pending) - self.at)  # (an offset: slicing off the front would copy
+        buffer[:n] = self.pending[self.at:self.at + n]      # the rest of the block on every read)
+        self.at += n
         return n
 
     def close(self) -> None:
