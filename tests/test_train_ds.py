@@ -80,7 +80,8 @@ def test_zero3_offload_trains_converts_and_samples(zero3_run, tmp_path):
     assert "ZeRO stage 3, optimizer offload to cpu, param offload to cpu, optimizer DeepSpeedCPUAdam" in result.stdout
     assert "global batch: 4 micro x 2 accumulation x 2 processes = 16 sequences" in result.stdout
     port = result.args[result.args.index("--master_port") + 1]
-    if os.path.isdir("/dev/shm"):  # DeepSpeed's CPU all-reduce buffers are released, not left behind
+    assert "shm_comm" not in result.stdout + result.stderr  # DeepSpeed's shared-memory all-reduce: not built
+    if os.path.isdir("/dev/shm"):  # nor its buffers left behind
         assert not [name for name in os.listdir("/dev/shm") if f"_127.0.0.1_{port}_" in name]
     state = train_state(out)
     assert state["iter_num"] == 12 and state["world_size"] == 2 and state["zero_stage"] == 3

@@ -361,19 +361,9 @@ def init_distributed(cfg: TrainConfig, args) -> None:
         set_job_threads()
     if args.timeout <= 0:
         raise CLIError("--timeout must be positive")
+    # On CPU, DeepSpeed compiles a shared-memory all-reduce (shm_comm) at the first launch, a minute on 2
+    # cores, and leaves a /dev/shm buffer per process after each run. Only inference-mode AutoTP layers call
+    # it; training reduces through torch.distributed (gloo), so it stays unbuilt (deepspeed/comm/torch.py
+    # builds what __compatible_ops__ marks compatible).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=args.timeout))  # nccl on CUDA, gloo on CPU
-    release_shm_buffer()
-
-
-def release_shm_buffer() -> None:
-    """On CPU, DeepSpeed's shared-memory all-reduce creates /dev/shm/deepspeed_allreduce_buffer_*
-    (tens of MB per rank) and never removes it: every run would leak that much RAM until reboot.
-    Once every rank has mapped every buffer (done inside init_distributed), the names can go; the
-    memory is freed when the processes exit."""
-    dist.barrier()
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-            f"{os.environ.get('MASTER_PORT')}_{dist.get_rank()}")
-    try:
-        os.unlink(name)
-    except FileNotFoundError:  # not on CPU, or ranks on several machines: no shared-memory buffer
-        pass
