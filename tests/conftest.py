@@ -98,7 +98,7 @@ def pytest_collection_modifyitems(items: list) -> None:
     """The README's commands first: the longest test, whose lane without DeepSpeed runs while the ops build
     (ds_ops_build); the tests that load DeepSpeed's ops last, so that no worker sits waiting for that build."""
     def needs_ds_ops(item) -> bool:
-        return "ds_ops" in getattr(item, "fixturenames", ()) or item.path.name == "test_gpu_check.py"
+        return "ds_ops" in getattr(item, "fixturenames", ())
 
     items.sort(key=lambda item: 0 if item.path.name == "test_readme.py" else 2 if needs_ds_ops(item) else 1)
 

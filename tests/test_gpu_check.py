@@ -1,6 +1,4 @@
-"""benchmarks/gpu_check.sh --dry-run: every GPU check's steps on the CPU at a tiny size, and its table. Its
-DeepSpeed step loads DeepSpeed's ops; it runs among the last tests (conftest.pytest_collection_modifyitems), once
-their build on a fresh machine (conftest.ds_ops_build) is done, instead of waiting for it with a core idle."""
+"""benchmarks/gpu_check.sh --dry-run: every GPU check's steps on the CPU at a tiny size, and its table."""
 import json
 import subprocess
 

@@ -11,9 +11,11 @@ loop's schedule.
 """
 import copy
 import datetime
+import functools
 import os
 import shutil
 
+import cpuinfo
 import deepspeed
 import torch
 import torch.distributed as dist
@@ -366,4 +368,7 @@ def init_distributed(cfg: TrainConfig, args) -> None:
     # it; training reduces through torch.distributed (gloo), so it stays unbuilt (deepspeed/comm/torch.py
     # builds what __compatible_ops__ marks compatible).
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # DeepSpeed's CPU ops ask py-cpuinfo three times per process (compiler flags, SIMD width, CPUAdam),
+    # and each get_cpu_info() starts a Python subprocess of a second or so: the first answer is kept.
+    cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=args.timeout))  # nccl on CUDA, gloo on CPU
