@@ -62,9 +62,9 @@ def parse_args(argv: list[str] | None):
     if not args.tasks and not args.data_dir:
         raise CLIError("nothing to score: give --tasks, --data-dir or both")
     for name in ("limit", "batch_size"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise CLIError(f"--{name.replace('_', '-')} must be at least 1, got "
-                           f"{getattr(args, name)}")
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     for task in args.tasks:
         if task.endswith((".jsonl", ".yaml", ".yml")) and not os.path.isfile(task):
             raise CLIError(f"task file not found: {task}")
@@ -86,7 +86,7 @@ def hub_out_of_reach() -> bool:
     return False
 
 
-def harness_results(specs: list[str], model, tok, args, device, dtype) -> dict:
+def harness_results(specs: list[str], model, tok, args, device, dtype) -> tuple[dict, dict]:
     """The harness's results for its tasks: {task: {metric: value}} (its filters' ",none" and the
     stderrs left out), and its full output."""
     if hub_out_of_reach():  # the libraries read their caches at once: cached task data still loads

@@ -224,12 +224,6 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of length {idx.size(1)} is longer than block_size "
                              f"{self.config.block_size}")
 
-    def _check_ids(self, idx: torch.Tensor) -> None:
-        vocab = self.config.vocab_size
-        if idx.numel() and (idx.min() < 0 or idx.max() >= vocab):
-            raise ValueError(f"token ids must lie in [0, {vocab}); "
-                             f"got min {idx.min().item()}, max {idx.max().item()}")
-
     def crop_block_size(self, block_size: int) -> None:
         """Shrink the context length, e.g. to fine-tune a pretrained model on shorter blocks."""
         if not 0 < block_size <= self.config.block_size:
@@ -284,7 +278,10 @@ class GPT(nn.Module):
             raise ValueError(f"prompt must be a non-empty (batch, time) tensor, "
                              f"got shape {tuple(idx.shape)}")
         self._check_shape(idx[:, -self.config.block_size :])
-        self._check_ids(idx)
+        vocab = self.config.vocab_size
+        if idx.numel() and (idx.min() < 0 or idx.max() >= vocab):
+            raise ValueError(f"token ids must lie in [0, {vocab}); "
+                             f"got min {idx.min().item()}, max {idx.max().item()}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         check_sampling(temperature, top_k, top_p)

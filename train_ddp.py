@@ -44,7 +44,8 @@ from toolkit.training import TorchEngine
 def resume_after_restart(cfg: TrainConfig, device: torch.device) -> None:
     """After torchrun restarted the workers (a rank died), continue from OUT_DIR/ckpt.pt when it
     exists."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 or cfg.init_from == "resume":
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if not restarted or cfg.init_from == "resume":
         return
     path = os.path.join(cfg.out_dir, CHECKPOINT_FILE)
     seen = distributed.all_reduce_sum([float(os.path.isfile(path))], device)[0]  # every rank decides the same
@@ -57,9 +58,6 @@ def resume_after_restart(cfg: TrainConfig, device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     cfg, given, args = parse_config(argv, description=__doc__, extra_arguments=distributed.add_distributed_flags)
-    if not distributed.launched_by_torchrun():
-        raise cli.CLIError("RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT not set: launch with torchrun "
-                           "--nproc_per_node N train_ddp.py ... (or use train.py for one process)")
     device = distributed.init_torchrun(cfg.device, args.backend, args.timeout)
     resume_after_restart(cfg, device)
     trainer = setup(cfg, given, TorchEngine(os.path.join(cfg.out_dir, CHECKPOINT_FILE)))

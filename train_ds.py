@@ -46,8 +46,8 @@ from toolkit.pretraining import TrainConfig, apply_preset, parse_config, setup
 DEFAULT_DS_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json")
 # DeepSpeed trains with the optimizer its config names (AdamW here): Muon's options are train.py's
 FLAG_OVERRIDES = {"muon_lr": None, "lr": {"help": "peak learning rate"},
-                  "optimizer": {"choices": ["auto", "adamw"], "help": "adamw: the DeepSpeed config's AdamW (auto = "
-                                                                      "adamw)"}}
+                  "optimizer": {"choices": ["auto", "adamw"],
+                                "help": "adamw: the DeepSpeed config's AdamW (auto = adamw)"}}
 
 
 def extra_arguments(parser) -> None:
@@ -99,6 +99,7 @@ def print_memory_estimate(cfg: TrainConfig, given: set[str], args, ds: dict) -> 
     offload_param = (zero.get("offload_param") or {}).get("device") not in (None, "none")
     e = estimate_memory(config, layout, stage, dtype, offload_optimizer, offload_param, cfg.batch_size, micro_steps)
     gib = 2 ** 30
+    param_offload = offload_param and stage == 3  # ZeRO offloads parameters only at stage 3
     device = e.weights + e.gradients + e.optimizer + e.activations
     print(f"model: {cfg.n_layer} layers, width {cfg.n_embd}, {cfg.n_head} heads, block "
           f"{cfg.block_size}, GPT-2 vocabulary: {e.params:,} parameters ({e.params / 1e9:.2f}B)")
@@ -106,9 +107,8 @@ def print_memory_estimate(cfg: TrainConfig, given: set[str], args, ds: dict) -> 
           "attention)")
     print(f"layout: {layout.world_size} devices ({args.num_nodes} nodes x {args.num_gpus}) = "
           f"{layout.describe()}; ZeRO stage {stage}, {dtype}, micro-batch {cfg.batch_size} x "
-          f"{micro_steps} per step"
-          + (", optimizer offload to cpu" if offload_optimizer else "") + (", param offload to cpu" if offload_param
-                                                                            and stage == 3 else ""))
+          f"{micro_steps} per step" + (", optimizer offload to cpu" if offload_optimizer else "")
+          + (", param offload to cpu" if param_offload else ""))
     print(f"per device (the busiest stage: {e.device_params:,} parameters): weights {e.weights / gib:.2f} GiB, "
           f"gradients {e.gradients / gib:.2f}, optimizer {e.optimizer / gib:.2f}, activations {e.activations / gib:.2f}"
           f" = {device / gib:.2f} GiB" + (f"; CPU memory per process {e.cpu / gib:.2f} GiB" if e.cpu else ""))

@@ -84,25 +84,25 @@ def save_checkpoint(checkpoint: dict, path: str) -> None:
     atomic_write(path, lambda tmp: torch.save(checkpoint, tmp))
 
 
-def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict:
+def load_checkpoint(path: str) -> dict:
     """A ckpt.pt of this toolkit; anything else is a CLIError, and no pickled code ever runs."""
     if not os.path.isfile(path):
         raise CLIError(f"checkpoint not found: {path}")
-    checkpoint = load_plain(path, map_location)
-    if not isinstance(checkpoint, dict) or "model_config" not in checkpoint or not ("model" in checkpoint or
-                                                                                    "adapters" in checkpoint):
+    checkpoint = load_plain(path)
+    weights = isinstance(checkpoint, dict) and ("model" in checkpoint or "adapters" in checkpoint)
+    if not weights or "model_config" not in checkpoint:
         raise CLIError(f"{path} is not a checkpoint of this toolkit (needs keys model_config and "
                        "model, or adapters)")
     return checkpoint
 
 
-def load_plain(path: str, map_location="cpu", allowed: tuple = ()):
+def load_plain(path: str, allowed: tuple = ()):
     """torch.load(weights_only=True): tensors and plain data (plus the `allowed` classes), or a
     CLIError."""
     try:
         with warnings.catch_warnings(), torch.serialization.safe_globals(list(allowed)):
             warnings.simplefilter("ignore")  # e.g. about the pickle protocol of files torch.save did not write
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise CLIError(f"{path} holds Python objects other than tensors and plain data, which are "
                        "never unpickled; it is not a checkpoint this toolkit can read "

@@ -217,7 +217,7 @@ class DeepSpeedEngine:
         self.device, self.dtype = device, dtype
         module = pipeline_module(model, self.layout.pipeline_stages) if self.pipelined else model
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, model_parameters=decay_groups((module,), cfg.weight_decay), config=self.ds_config)
+            model=module, model_parameters=decay_groups(module, cfg.weight_decay), config=self.ds_config)
         if cfg.compile:
             self.engine.compile()
         if self.master:

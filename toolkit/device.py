@@ -40,8 +40,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 def cpu_kind() -> str:
     """The CPU's vector extensions as torch uses them: AMX, AVX512-BF16, AVX512, AVX2 or DEFAULT.
     torch's capability honours ATEN_CPU_CAPABILITY, so a run restricted to AVX2 on an AVX512 CPU
-    says AVX2.
-    """
+    says AVX2."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability == "AVX512" and torch.cpu._is_amx_tile_supported():
         return "AMX"
@@ -64,12 +63,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """auto = bfloat16 where the hardware computes it natively (CUDA Ampere+, AVX512-BF16/AMX
     CPUs)."""
     if name == "auto":
-        if device.type == "cuda":
-            name = "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-        elif device.type == "cpu":
-            name = "bfloat16" if cpu_kind() in ("AMX", "AVX512-BF16") else "float32"
-        else:
-            name = "float32"
+        native_cpu = device.type == "cpu" and cpu_kind() in ("AMX", "AVX512-BF16")
+        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else native_cpu
+        name = "bfloat16" if native else "float32"
     if name == "float16" and device.type == "cpu" and not torch.cpu._is_amx_fp16_supported():
         raise CLIError("--dtype float16 is not supported on this CPU (no AMX-FP16); use bfloat16 or float32")
     return DTYPES[name]
@@ -151,13 +147,10 @@ def peak_flops(device: torch.device, peak_tflops: float | None = None) -> float 
 
 def available_memory() -> int | None:
     """Bytes of memory the system can still give (MemAvailable on Linux), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return None
 
 

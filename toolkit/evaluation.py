@@ -80,7 +80,8 @@ def choice_item(record, where: str) -> Choice:
     if not isinstance(record, dict):
         raise CLIError(f"{where}: not a JSON object with ctx, endings and label")
     endings = record.get("endings")
-    if not isinstance(endings, list) or len(endings) < 2 or not all(isinstance(e, str) for e in endings):
+    good_endings = isinstance(endings, list) and len(endings) >= 2 and all(isinstance(e, str) for e in endings)
+    if not good_endings:
         raise CLIError(f"{where}: 'endings' must be a list of at least two strings")
     if isinstance(record.get("ctx_a"), str):
         parts = (record.get("activity_label", ""), record["ctx_a"], record.get("ctx_b", ""))
@@ -124,10 +125,6 @@ def encode_pair(tok: Tokenizer, context: str, continuation: str) -> tuple[list[i
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole, head = tok.encode(context + continuation), tok.encode(context)
     return head, whole[len(head):]
-
-
-def choice_requests(items: list[Choice], tok: Tokenizer) -> list[tuple[list[int], list[int]]]:
-    return [encode_pair(tok, item.query, " " + choice) for item in items for choice in item.choices]
 
 
 def gpt_logits_at(model: GPT, device: torch.device, dtype: torch.dtype) -> LogitsAt:
@@ -190,32 +187,29 @@ def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int
     return scores[0].numpy(), scores[1].numpy() > 0.5
 
 
-def choice_metrics(items: list[Choice], lls: np.ndarray) -> dict[str, float]:
-    """acc and acc_norm of the items from the log-likelihoods of all their endings, in order."""
-    right = right_norm = 0
-    offset = 0
-    for item in items:
-        scores = lls[offset:offset + len(item.choices)]
-        lengths = np.array([len(choice) for choice in item.choices], dtype=np.float64)
-        right += int(np.argmax(scores)) == item.label
-        right_norm += int(np.argmax(scores / lengths)) == item.label
-        offset += len(item.choices)
-    return {"acc": right / len(items), "acc_norm": right_norm / len(items)}
-
-
 class ChoiceTask:
     """A HellaSwag-format file, read and tokenized once, scored whenever asked (the trainers'
     --eval-tasks)."""
 
     def __init__(self, path: str, tok: Tokenizer, limit: int | None = None):
-        self.path, self.name = path, os.path.splitext(os.path.basename(path))[0]
+        self.name = os.path.splitext(os.path.basename(path))[0]
         self.items = read_choices(path, limit)
         try:
-            self.requests = choice_requests(self.items, tok)
+            self.requests = [encode_pair(tok, item.query, " " + choice)
+                             for item in self.items for choice in item.choices]
         except ValueError as e:  # a character outside a char vocabulary
             raise CLIError(f"{path}: {e}") from None
 
     def score(self, logits_at: LogitsAt, block_size: int, batch_size: int, device: torch.device,
               shard: tuple[int, int] | None = None) -> dict:
+        """acc and acc_norm: the items whose likeliest ending (per character, for acc_norm) is the
+        right one."""
         lls, _ = loglikelihoods(logits_at, self.requests, block_size, batch_size, device, shard)
-        return choice_metrics(self.items, lls)
+        right = right_norm = offset = 0
+        for item in self.items:
+            scores = lls[offset:offset + len(item.choices)]
+            lengths = np.array([len(choice) for choice in item.choices], dtype=np.float64)
+            right += int(np.argmax(scores)) == item.label
+            right_norm += int(np.argmax(scores / lengths)) == item.label
+            offset += len(item.choices)
+        return {"acc": right / len(self.items), "acc_norm": right_norm / len(self.items)}

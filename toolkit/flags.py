@@ -15,7 +15,7 @@ flags.
 import argparse
 import math
 import os
-from dataclasses import MISSING, field, fields
+from dataclasses import field, fields
 
 from toolkit.cli import CLIError
 from toolkit.files import read_json
@@ -75,13 +75,9 @@ def add_flags(parser: argparse.ArgumentParser, config_class: type, aliases: dict
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = base_type(f.type)
-        default = f.default if f.default is not MISSING else None
-        if argument_default is not None:
-            kwargs["default"] = argument_default
-        else:
-            kwargs["default"] = default
-            if default is not None and f.type is not bool:
-                kwargs["help"] += f" (default: {default})"
+        kwargs["default"] = f.default if argument_default is None else argument_default
+        if argument_default is None and f.default is not None and f.type is not bool:
+            kwargs["help"] += f" (default: {f.default})"
         (megatron_group(parser) if f.metadata["megatron"] else parser).add_argument(flag(f.name), **kwargs)
         for alias in (aliases or {}).get(f.name, []):
             alias_kwargs = {**kwargs, "default": argparse.SUPPRESS, "help": f"= {flag(f.name)}"}
@@ -134,10 +130,8 @@ def read_config_file(path: str, config_class: type) -> dict:
         f = known[name]
         kind = base_type(f.type)
         nullable = f.type is not kind
-        ok = (value is None and nullable) or (type(value) is bool if kind is bool else
-                                              type(value) is int if kind is int else
-                                              type(value) in (int, float) if kind is float else
-                                              isinstance(value, str))
+        allowed = {bool: (bool,), int: (int,), float: (int, float)}.get(kind, (str,))
+        ok = (value is None and nullable) or type(value) in allowed
         if not ok:
             raise CLIError(f"{path}: {name} must be "
                            f"{'null or ' if nullable else ''}{kind.__name__}, got {value!r}")

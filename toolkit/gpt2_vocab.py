@@ -15,7 +15,7 @@ import tarfile
 import tempfile
 
 from toolkit.cli import CLIError
-from toolkit.files import atomic_write
+from toolkit.files import atomic_open
 
 # the tokenizer facts (as stored in meta.json and checkpoints) of GPT-2's own vocabulary
 GPT2_FACTS = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "encoding": "r50k_base"}
@@ -29,11 +29,8 @@ INSTALL_HINT = "python tokenizer.py --install-gpt2-vocab"
 
 def tiktoken_cache_dir() -> str:
     """Where tiktoken looks for its downloaded vocabularies (same rules as tiktoken.load)."""
-    if "TIKTOKEN_CACHE_DIR" in os.environ:
-        return os.environ["TIKTOKEN_CACHE_DIR"]
-    if "DATA_GYM_CACHE_DIR" in os.environ:
-        return os.environ["DATA_GYM_CACHE_DIR"]
-    return os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    default = os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    return os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get("DATA_GYM_CACHE_DIR", default))
 
 
 def installed() -> bool:
@@ -76,10 +73,6 @@ def install() -> str:
     if hashlib.sha256(data).hexdigest() != R50K_SHA256:
         raise CLIError(f"{WHISPER_MEMBER} from {sdists[0]} has an unexpected sha256; refusing to "
                        "install it")
-
-    def write(tmp_path: str) -> None:
-        with open(tmp_path, "wb") as f:
-            f.write(data)
-
-    atomic_write(path, write)
+    with atomic_open(path, "wb") as f:
+        f.write(data)
     return path

@@ -132,7 +132,7 @@ def run(specs: list[str], lm: GPTHarness, limit: int | None) -> dict:
     try:
         return simple_evaluate(model=lm, tasks=list(names), task_manager=manager, limit=limit, log_samples=True,
                                bootstrap_iters=0)
-    except (ConnectionError, OSError, ValueError, FileNotFoundError) as e:
+    except (OSError, ValueError) as e:  # ConnectionError and FileNotFoundError among them
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CLIError(f"lm-evaluation-harness cannot load the data of {', '.join(names)} "
                        f"({first[:200]}); without internet, score a local file instead: --tasks "

@@ -92,9 +92,7 @@ def adapter_state(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_entries(settings: dict | None, model: GPT) -> dict:
-    """What a LoRA checkpoint holds in place of `model`: the settings (rank, alpha, dropout,
-    targets, base_vocab, base) and the trained tensors; nothing without settings (every weight
-    trained)."""
+    """What a LoRA checkpoint holds in place of `model`; nothing when every weight trained."""
     return {} if settings is None else {"lora": settings, "adapters": adapter_state(model)}
 
 

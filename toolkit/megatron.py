@@ -34,12 +34,10 @@ class MegatronOptions:
     split: str = option("969,30,1", "train,val,test document split of a Megatron "
                                     "prefix", megatron=True)
     global_batch_size: int | None = option(None, "sequences per optimizer step over all processes; "
-                                                 "sets --grad-accum to it / "
-                                                 "--batch-size", check="positive",
-                                           megatron=True)
+                                                 "sets --grad-accum to it / --batch-size",
+                                           check="positive", megatron=True)
     train_samples: int | None = option(None, "train on this many sequences instead; sets "
-                                             "--max-iters",
-                                       check="positive", megatron=True)
+                                             "--max-iters", check="positive", megatron=True)
     lr_warmup_samples: int | None = option(None, "warm up over this many sequences instead; sets "
                                                  "--warmup-iters", check="non-negative", megatron=True)
     lr_decay_samples: int | None = option(None, "decay over this many sequences instead; sets "

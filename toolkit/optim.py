@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-# quintic Newton-Schulz coefficients from the Muon write-up: fast convergence of the singular values
-# near 1
+# the Muon write-up's quintic Newton-Schulz coefficients: singular values converge fast near 1
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
@@ -78,11 +77,10 @@ class Muon(torch.optim.Optimizer):
         p.addcdiv_(state["exp_avg"], denominator, value=-group["lr"] / (1 - beta1 ** step))
 
 
-def decay_groups(modules: tuple[nn.Module, ...], weight_decay: float) -> list[dict]:
-    """Optimizer groups of the modules' trainable parameters: decay on matrices and embeddings (dim
-    >= 2), none on biases and LayerNorm gains (also for the pieces of a GPT laid out over pipeline
-    stages)."""
-    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Optimizer groups of the trainable parameters: decay on matrices and embeddings (dim >= 2),
+    none on biases and LayerNorm gains."""
+    params = [p for p in model.parameters() if p.requires_grad]
     return [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
@@ -92,21 +90,18 @@ def decay_groups(modules: tuple[nn.Module, ...], weight_decay: float) -> list[di
 def make_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, betas: tuple[float, float],
                    muon_lr: float | None = None, device_type: str = "cpu",
                    dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
-    """The optimizer of a model's trainable parameters. adamw: torch's AdamW over decay_groups
-    (fused on CUDA, foreach elsewhere). muon: Muon at muon_lr (no weight decay: its updates have a
-    fixed size, and decay at its rates is too strong) for the 2-D weights of the model's transformer
-    blocks (model.transformer.h, as in GPT and in anything wrapping one as .body), AdamW at lr for
-    the rest. The Muon group's lr_scale (muon_lr / lr) tells the trainer to move it along the same
-    schedule. dtype: the run's autocast dtype; Muon's Newton-Schulz iterations run in
-    bfloat16 when the run computes in it (hardware that has it natively, or asked for), else in
-    float32."""
+    """adamw: torch's AdamW over decay_groups (fused on CUDA). muon: Muon at muon_lr without weight
+    decay (its updates have a fixed size) for the 2-D weights of the transformer blocks (of the GPT
+    or its .body), AdamW at lr for the rest; lr_scale (muon_lr / lr) moves the Muon group along the
+    schedule. Newton-Schulz runs in bfloat16 when the run computes in it (dtype), else float32."""
     if name == "adamw":
         impl = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
-        return torch.optim.AdamW(decay_groups((model,), weight_decay), lr=lr, betas=betas, **impl)
+        return torch.optim.AdamW(decay_groups(model, weight_decay), lr=lr, betas=betas, **impl)
     blocks = getattr(model, "body", model).transformer.h
     matrices = [p for p in blocks.parameters() if p.requires_grad and p.dim() == 2]
     chosen = set(matrices)
-    rest = [g | {"params": [p for p in g["params"] if p not in chosen]} for g in decay_groups((model,), weight_decay)]
+    rest = [g | {"params": [p for p in g["params"] if p not in chosen]}
+            for g in decay_groups(model, weight_decay)]
     muon = {"params": matrices, "muon": True, "weight_decay": 0.0, "lr": muon_lr, "lr_scale": muon_lr / lr}
     ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return Muon([muon, *rest], lr=lr, betas=betas, ns_dtype=ns_dtype)

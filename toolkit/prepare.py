@@ -13,12 +13,11 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from toolkit.data import NANOGPT_FILES
 from toolkit.tokenizers import CUT, Tokenizer, load_tokenizer
 from toolkit.writers import write_nanogpt
 
 DEFAULT_CORPUS_DIR = "data/pydoc_char"
-
-
 PIECE_CHARS = 1 << 22  # a longer piece of text is tokenized 4M characters at a time: bounded memory
 
 
@@ -92,8 +91,7 @@ def encode_in_order(chunks: Iterator[tuple[list[list[str]], int]], tokenizer: To
         for texts, nbytes in chunks:
             yield *encode_chunk(tokenizer, texts, eod, dtype), nbytes
         return
-    # Pool.imap would read the whole input ahead (its feeder thread); apply_async + a bounded deque does
-    # not
+    # Pool.imap reads all input ahead (its feeder thread); apply_async + a bounded deque does not
     with multiprocessing.Pool(workers, _init_worker, (tokenizer.facts(), eod, dtype.name)) as pool:
         pending = deque()
         for texts, nbytes in chunks:
@@ -132,6 +130,6 @@ def describe_default_corpus(data_dir: str, meta: dict) -> str:
 
 def ensure_default_corpus(data_dir: str = DEFAULT_CORPUS_DIR) -> str:
     """Prepare the default corpus in data_dir unless it is already there; returns data_dir."""
-    if not all(os.path.exists(os.path.join(data_dir, n)) for n in ("train.bin", "val.bin", "meta.json")):
+    if not all(os.path.exists(os.path.join(data_dir, n)) for n in NANOGPT_FILES):
         print(describe_default_corpus(data_dir, prepare_default_corpus(data_dir)), file=sys.stderr)
     return data_dir

@@ -49,23 +49,20 @@ class TrainConfig(RunConfig, megatron.MegatronOptions):
     block_size: int = option(64, "context length in tokens", check="positive")
     dropout: float = option(0.0, "dropout probability (may change on resume)", check="probability")
     bias: bool = option(True, "biases in Linear and LayerNorm layers, as GPT-2")
-    attn_kernel: str = option("auto", "attention: manual (written out; auto's pick for bfloat16 on "
-                                      "CPU up to 512 keys) or an SDPA kernel (may change on "
-                                      "resume)",
-                              choices=list(ATTN_KERNELS))
+    attn_kernel: str = option("auto", "attention: manual (written out; auto's pick for bfloat16 "
+                                      "on CPU up to 512 keys) or an SDPA kernel (may change on "
+                                      "resume)", choices=list(ATTN_KERNELS))
     # optimisation
     grad_accum: int | None = option(None, "micro-batches per optimizer step over ALL processes "
                                           "(default: one per process)", check="positive")
     max_iters: int = option(300, "optimizer steps in total (a resumed run continues up to this "
-                                 "number)",
-                            check="non-negative")
+                                 "number)", check="non-negative")
     optimizer: str = option("auto", "muon: Muon for the blocks' matrices, AdamW for the rest; "
                                     "adamw; auto: muon from scratch, adamw from pretrained weights",
                             choices=["auto", "muon", "adamw"])
     lr: float | None = option(None, "peak learning rate of AdamW (Muon's is --muon-lr); default "
                                     "4e-3, or 4e-3 x 128 / n-embd where AdamW trains the blocks' "
-                                    "matrices from scratch",
-                              check="positive-number")
+                                    "matrices from scratch", check="positive-number")
     muon_lr: float = option(0.05, "Muon's peak learning rate (it follows --lr's schedule)",
                             check="non-negative-number")
     min_lr: float | None = option(None, "final learning rate of the cosine decay (default lr/10)",
@@ -83,9 +80,8 @@ class TrainConfig(RunConfig, megatron.MegatronOptions):
                                 check="non-negative")
     # system
     compile: bool = option(False, "torch.compile the model")
-    peak_tflops: float | None = option(None, "device peak TFLOP/s for MFU (known GPUs are looked "
-                                             "up)",
-                                       check="non-negative-number")
+    peak_tflops: float | None = option(None, "device peak TFLOP/s for MFU (known GPUs are "
+                                             "looked up)", check="non-negative-number")
 
 
 CONFIG_FIELDS = {f.name for f in fields(TrainConfig)}
@@ -139,9 +135,8 @@ def settle_optimizer(cfg: TrainConfig) -> None:
     """--optimizer auto: Muon from scratch (measured), AdamW for pretrained weights. Then AdamW's
     default --lr: 4e-3, measured at the quick start's width of 128; where AdamW trains the blocks'
     matrices from scratch it falls as 1/width, as GPT-3's rates do (a 124M body at 4e-3 stays near
-    letter statistics:
-    docs/performance.md). Muon scales its own updates, and what it leaves to AdamW keeps 4e-3 (as
-    muP does)."""
+    letter statistics: docs/performance.md). Muon scales its own updates, and what it leaves to
+    AdamW keeps 4e-3 (as muP does)."""
     if cfg.optimizer == "auto":
         cfg.optimizer = "muon" if cfg.init_from == "scratch" else "adamw"
     adamw_from_scratch = cfg.optimizer == "adamw" and cfg.init_from == "scratch"
