@@ -26,7 +26,7 @@ from dataclasses import asdict
 import torch
 
 from model import GPT, GPTConfig, check_config
-from toolkit.cli import CLIError
+from toolkit.cli import CLIError, first_line
 from toolkit.device import check_memory
 from toolkit.files import atomic_write, read_json
 
@@ -122,7 +122,7 @@ def load_weights(model: GPT, weights: dict, source: str) -> None:
         model.load_state_dict({k: v.float() for k, v in weights.items()})
     except (RuntimeError, AttributeError) as e:
         raise CLIError(f"the weights in {source} do not fit its model config: "
-                       f"{str(e).splitlines()[0]}") from None
+                       f"{first_line(e)}") from None
 
 
 def usable_config(model_config: dict, source: str, weights: dict | None = None, **overrides) -> GPTConfig:
@@ -183,7 +183,7 @@ def read_weights_file(path: str) -> dict[str, torch.Tensor]:
             state = load_file(path)
         except (SafetensorError, OSError) as e:
             raise CLIError(f"{path} is not a readable safetensors file "
-                           f"({str(e).splitlines()[0]})") from None
+                           f"({first_line(e)})") from None
     else:
         state = load_plain(path)
     if isinstance(state, dict) and isinstance(state.get("module"), dict):

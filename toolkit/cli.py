@@ -54,6 +54,12 @@ def error_message(error: Exception) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an error's text (a library's may run on for pages), or its type's name."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def run(main: Callable[[], None]) -> None:
     """Run a script's main(); user-facing errors (CLIError, ValueError, OSError) print one line and
     exit 1. SIGTERM interrupts like Ctrl-C, so the script's cleanup (temporary files) runs either
@@ -130,9 +136,8 @@ def run_distributed(main: Callable[[], None]) -> None:
         if not isinstance(e, dist.DistError) and "gloo" not in str(e):
             raise
         if int(os.environ.get("RANK", "0")) == 0:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print("error: lost contact with another process "
-                  f"({first})", file=sys.stderr, flush=True)
+            print(f"error: lost contact with another process ({first_line(e)})", file=sys.stderr,
+                  flush=True)
         status = 1
     except KeyboardInterrupt:  # a second SIGINT/SIGTERM while saving
         if int(os.environ.get("RANK", "0")) == 0:

@@ -134,21 +134,20 @@ def load_llmc(folder: str) -> Corpus:
     for split, arrays in shards.items():
         if not arrays:
             raise CLIError(f"{folder} holds llm.c shards but none for {split} (*_{split}_*.bin)")
-    meta_path = os.path.join(folder, "meta.json")
-    if os.path.isfile(meta_path):
-        meta = read_meta(meta_path)
-    else:
-        print(f"warning: {meta_path} is missing; assuming the GPT-2 tokenizer (as llm.c's shards use)",
-              file=sys.stderr)
-        meta = dict(GPT2_FACTS)
+    meta = read_meta(os.path.join(folder, "meta.json"), gpt2_source="as llm.c's shards use")
     for name, tokens in named:
         check_token_ids(tokens, meta["vocab_size"], os.path.join(folder, name))
     train, val = (arrays[0] if len(arrays) == 1 else Shards(arrays) for arrays in shards.values())
     return Corpus(train=train, val=val, meta=meta)
 
 
-def read_meta(path: str) -> dict:
-    """Tokenizer facts of prepared data (meta.json or a Megatron .json sidecar)."""
+def read_meta(path: str, gpt2_source: str | None = None) -> dict:
+    """Tokenizer facts of prepared data (meta.json or a Megatron .json sidecar); GPT-2's, with a
+    warning, when there is none and gpt2_source says why those are likely."""
+    if gpt2_source and not os.path.isfile(path):
+        print(f"warning: {path} is missing; assuming the GPT-2 tokenizer ({gpt2_source})",
+              file=sys.stderr)
+        return dict(GPT2_FACTS)
     meta = read_json(path, "token data metadata")
     vocab_size = meta.get("vocab_size")
     if type(vocab_size) is not int or not 0 < vocab_size <= 2**32:
@@ -269,15 +268,9 @@ def load_megatron(prefix: str, split: str) -> Corpus:
         item = int(doc_idx[doc])
         return int(pointers[item]) // dtype.itemsize if item < len(pointers) else n_tokens
 
-    if os.path.exists(prefix + ".json"):
-        meta = read_meta(prefix + ".json")
-    else:
-        if dtype != np.uint16:
-            raise CLIError(f"{prefix}.json (tokenizer facts) is missing and {dtype.name} tokens are not GPT-2's")
-        print(f"warning: {prefix}.json is missing; assuming the GPT-2 tokenizer (Megatron's "
-              "preprocess_data.py)",
-              file=sys.stderr)
-        meta = dict(GPT2_FACTS)
+    if not os.path.exists(prefix + ".json") and dtype != np.uint16:
+        raise CLIError(f"{prefix}.json (tokenizer facts) is missing and {dtype.name} tokens are not GPT-2's")
+    meta = read_meta(prefix + ".json", gpt2_source="Megatron's preprocess_data.py")
     check_token_ids(tokens, meta["vocab_size"], prefix + ".bin")
     train, val = tokens[: token_offset(train_end)], tokens[token_offset(train_end): token_offset(val_end)]
     if len(train) == 0 or len(val) == 0:

@@ -24,7 +24,7 @@ from deepspeed.accelerator import get_accelerator
 from model import GPT, GPTConfig
 from toolkit import distributed
 from toolkit.checkpoint import capture_rng, restore_rng
-from toolkit.cli import CLIError
+from toolkit.cli import CLIError, first_line
 from toolkit.device import resolve_device, resolve_dtype, set_job_threads
 from toolkit.distributed import free_port
 from toolkit.ds_checkpoint import (check_deepspeed_files, mark_complete, prune_deepspeed_tags,
@@ -72,9 +72,10 @@ def config_precision(ds: dict) -> str | None:
     fp16 = ds.get("fp16")
     if bf16 is None and fp16 is None:
         return None
-    if (bf16 or {}).get("enabled") and (fp16 or {}).get("enabled"):
+    bf16_on, fp16_on = bool((bf16 or {}).get("enabled")), bool((fp16 or {}).get("enabled"))
+    if bf16_on and fp16_on:
         raise CLIError("the DeepSpeed config enables both bf16 and fp16; enable at most one")
-    return "bfloat16" if (bf16 or {}).get("enabled") else "float16" if (fp16 or {}).get("enabled") else "float32"
+    return "bfloat16" if bf16_on else "float16" if fp16_on else "float32"
 
 
 def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size: int, device: torch.device,
@@ -247,8 +248,7 @@ class DeepSpeedEngine:
         try:
             path, client_state = self.engine.load_checkpoint(folder, tag=tag)
         except ZeRORuntimeException as e:
-            raise CLIError(f"cannot resume from {self.path}: "
-                           f"{str(e).strip().splitlines()[0]}") from None
+            raise CLIError(f"cannot resume from {self.path}: {first_line(e)}") from None
         if path is None:
             raise CLIError(f"cannot resume: no DeepSpeed checkpoint {tag} in {self.path}")
         restore_rng((client_state or {}).get("rng") or {}, self.device)
@@ -256,7 +256,7 @@ class DeepSpeedEngine:
         # decay the biases and LayerNorm gains too: each group keeps its own weight decay
         for group, decay in zip(self.engine.optimizer.param_groups, decays):
             group["weight_decay"] = decay
-        if folder != self.path:
+        if self.universal:
             dist.barrier()
             if self.master:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -299,9 +299,7 @@ class DeepSpeedEngine:
         """This process's share of the weights (its ZeRO-3 partition) holds no NaN or inf, in every
         process."""
         local = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in self.engine.module.parameters())
-        flag = torch.tensor([float(local)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return distributed.all_reduce_sum([float(local)], self.device)[0] == distributed.world_size()
 
     def save(self, state: dict, path: str | None = None, resumable: bool | None = None) -> None:
         """A tag folder global_stepN in path (default: OUT_DIR/ds); always resumable."""

@@ -11,7 +11,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from toolkit.cli import CLIError
+from toolkit.cli import CLIError, first_line
 from toolkit.device import resolve_device, set_job_threads
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -93,5 +93,5 @@ def init_torchrun(device_name: str, backend: str | None, timeout: float) -> torc
                                 device_id=device if device.type == "cuda" else None)
     except (RuntimeError, ValueError) as e:  # DistStoreError / DistNetworkError on a missing peer
         raise CLIError(f"rendezvous at {where} failed ({os.environ['WORLD_SIZE']} processes expected): "
-                       f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+                       f"{first_line(e)}") from None
     return device

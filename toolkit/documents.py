@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import zstandard
 
 from toolkit.cli import CLIError
-from toolkit.files import parse_json
+from toolkit.files import parse_json, read_json
 from toolkit.tokenizers import CUT
 
 
@@ -61,6 +61,8 @@ COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open,
 TABLES = (".parquet", ".arrow")  # a row a document, the text in one column
 BLOCK = 1 << 24  # a text file is read and decoded 16 MB at a time
 JSON_SUFFIXES = (".jsonl", ".json")
+# what reading a (compressed) file raises when it is unreadable, corrupt or cut short
+READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError)
 
 
 @dataclass
@@ -94,16 +96,16 @@ def input_files(paths: list[str], pattern: str) -> list[str]:
 
 def saved_dataset_files(folder: str) -> list[str]:
     """The arrow files of a dataset that HF `datasets` saved (save_to_disk), in its order."""
-    state = parse_json(read_text(os.path.join(folder, "state.json")), os.path.join(folder, "state.json"))
-    names = [entry.get("filename") for entry in (state.get("_data_files") or [])] if isinstance(state, dict) \
-        else []
+    state = read_json(os.path.join(folder, "state.json"), "datasets state")
+    names = [entry.get("filename") for entry in (state.get("_data_files") or [])]
     if not names or not all(isinstance(n, str) and os.path.basename(n) == n for n in names):
         raise CLIError(f"{folder}/state.json lists no arrow files: not a folder of datasets' save_to_disk")
     return [os.path.join(folder, name) for name in names]
 
 
-def table_documents(path: str, key: str, skip_bad_lines: bool, stats: ReadStats) -> Iterator[tuple[str, int]]:
-    """(text, input bytes) of each row of a parquet file (a row group at a time) or an arrow file (a
+def table_documents(path: str, key: str, skip_bad_lines: bool,
+                    stats: ReadStats) -> Iterator[tuple[list[str], int]]:
+    """([text], input bytes) of each row of a parquet file (a row group at a time) or an arrow file (a
     record batch at a time, the file or the stream format): the column named key."""
     try:
         if path.endswith(".parquet"):
@@ -133,7 +135,7 @@ def table_documents(path: str, key: str, skip_bad_lines: bool, stats: ReadStats)
                 if text is None:
                     stats.bad_lines += 1
                     continue
-                yield text, sizes or len(text)
+                yield [text], sizes or len(text)
     except (pa.ArrowException, OSError) as e:  # not parquet or arrow, corrupt, truncated
         raise CLIError(f"cannot read {path}: {' '.join(str(e).split())[:200]}") from None
 
@@ -151,13 +153,6 @@ def is_json_lines(path: str) -> bool:
     return without_compression(path).endswith(JSON_SUFFIXES)
 
 
-def decode_utf8(data: bytes, path: str, offset: int, errors: str, where: str = "") -> str:
-    try:
-        return data.decode("utf-8", errors=errors)
-    except UnicodeDecodeError as e:
-        raise invalid_utf8(path, offset + e.start, where) from None
-
-
 def invalid_utf8(path: str, offset: int, where: str = "") -> CLIError:
     compressed = " (after decompression)" if os.path.splitext(path)[1] in COMPRESSED else ""
     return CLIError(f"{path}{where}: invalid UTF-8 at byte offset {offset}{compressed}; use --errors "
@@ -165,12 +160,16 @@ def invalid_utf8(path: str, offset: int, where: str = "") -> CLIError:
 
 
 def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
-                   stats: ReadStats) -> Iterator[tuple[str, int]]:
+                   stats: ReadStats) -> Iterator[tuple[list[str], int]]:
+    """([text], input bytes) of each JSON line: the string under key."""
     offset = number = 0
     with open_binary(path) as f:
         for line in f:  # (not enumerate(f), whose cached result tuple would keep the last line alive)
             number += 1
-            text = decode_utf8(line, path, offset, errors, where=f" line {number}")
+            try:
+                text = line.decode("utf-8", errors=errors)
+            except UnicodeDecodeError as e:
+                raise invalid_utf8(path, offset + e.start, f" line {number}") from None
             offset, size = offset + len(line), len(line)
             del line  # a single huge record: its bytes go before its text is tokenized
             if text.isspace() or not text:
@@ -185,7 +184,7 @@ def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
                 stats.bad_lines += 1
                 continue
             del text
-            yield value.pop(key), size
+            yield [value.pop(key)], size
 
 
 def text_pieces(f, path: str, errors: str) -> tuple[list[str], int]:
@@ -220,15 +219,13 @@ def read_documents(files: list[str], key: str = "text", errors: str = "strict", 
     for path in files:
         try:
             if is_json_lines(path):
-                yield from (([text], size) for text, size in json_documents(path, key, errors,
-                                                                             skip_bad_lines, stats))
+                yield from json_documents(path, key, errors, skip_bad_lines, stats)
             elif path.endswith(TABLES):
-                yield from (([text], size) for text, size in table_documents(path, key, skip_bad_lines,
-                                                                              stats))
+                yield from table_documents(path, key, skip_bad_lines, stats)
             else:
                 with open_binary(path) as f:
                     yield text_pieces(f, path, errors)
-        except (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError) as e:  # corrupt or cut
+        except READ_ERRORS as e:  # corrupt or cut
             raise CLIError(f"cannot read {path}: {e}") from None
 
 
@@ -240,7 +237,7 @@ def read_text(path: str, what: str = "file") -> str:
     try:
         with open_binary(path) as f:
             data = f.read()
-    except (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError) as e:
+    except READ_ERRORS as e:
         raise CLIError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     try:
         return data.decode("utf-8")

@@ -22,7 +22,7 @@ import torch
 
 from model import GPT
 from toolkit.checkpoint import load_plain, model_from_weights, read_weights
-from toolkit.cli import CLIError
+from toolkit.cli import CLIError, first_line
 from toolkit.files import read_json, write_json, write_text
 from toolkit.parallel import gpt_state_from_universal
 
@@ -125,9 +125,8 @@ def to_universal(ds_dir: str, tag: str, out_root: str) -> str:
         with contextlib.redirect_stdout(sys.stderr):  # its progress lines
             ds_to_universal(args)
     except (ValueError, FileNotFoundError, AssertionError, KeyError, RuntimeError, NotImplementedError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CLIError(f"DeepSpeed cannot convert {ds_dir}/{tag} to a universal checkpoint: "
-                       f"{first}") from None
+                       f"{first_line(e)}") from None
     return out
 
 
@@ -162,8 +161,7 @@ def gather_deepspeed_weights(ds_dir: str, tag: str, pipeline_stages: int = 1,
         with contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout is for samples
             return get_fp32_state_dict_from_zero_checkpoint(ds_dir, tag=tag)
     except (ValueError, FileNotFoundError, AssertionError, KeyError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CLIError(f"cannot read the ZeRO checkpoint {ds_dir}/{tag}: {first}") from None
+        raise CLIError(f"cannot read the ZeRO checkpoint {ds_dir}/{tag}: {first_line(e)}") from None
 
 
 def prune_deepspeed_tags(ds_dir: str, keep: int) -> None:

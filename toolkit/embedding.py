@@ -32,7 +32,7 @@ from toolkit.load import is_hf_source, load_model
 from toolkit.optim import Schedule
 from toolkit.run import RunConfig, claim_out_dir, prepare_run
 from toolkit.tokenizers import Tokenizer, load_tokenizer
-from toolkit.training import Engine, LoopConfig, TorchEngine, Trainer
+from toolkit.training import Engine, LoopConfig, Objective, TorchEngine, Trainer
 
 POOLINGS = ("weighted-mean", "mean", "last")
 SEARCH_BLOCK_BYTES = 64 * 2**20  # vectors scored per product: memory bounded whatever the index
@@ -172,15 +172,7 @@ def chunk_records(documents: list[Document], rows: np.ndarray) -> list[dict]:
     return records
 
 
-# ----- search and the loss -----
-
-def info_nce(queries: torch.Tensor, documents: torch.Tensor, temperature: float) -> torch.Tensor:
-    """InfoNCE with in-batch negatives: documents[i] is the positive of queries[i]; every other
-    document (the other queries' positives, and any hard negatives appended after them) is a
-    negative."""
-    logits = queries @ documents.T / temperature
-    return F.cross_entropy(logits, torch.arange(len(queries), device=queries.device))
-
+# ----- search -----
 
 def top_k(vectors: np.ndarray, queries: torch.Tensor, k: int,
           block_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,21 +185,16 @@ def top_k(vectors: np.ndarray, queries: torch.Tensor, k: int,
     best_scores = queries.new_empty(len(queries), 0)
     best_rows = torch.empty(len(queries), 0, dtype=torch.long)
     for start in range(0, n, block_rows):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that a read-only memory map is not writable
+            block = torch.from_numpy(vectors[start:start + block_rows])  # its memory, not a copy
         # block @ queries.T reads the row-major block as it lies (faster than queries @ block.T)
-        scores = (as_tensor(vectors[start:start + block_rows]) @ queries.T).T
+        scores = (block @ queries.T).T
         rows = torch.arange(start, start + scores.size(1)).expand(len(queries), -1)
         candidates = torch.cat([best_scores, scores], dim=1)
         best_scores, picked = candidates.topk(min(k, candidates.size(1)), dim=1)
         best_rows = torch.cat([best_rows, rows], dim=1).gather(1, picked)
     return best_scores, best_rows
-
-
-def as_tensor(array: np.ndarray) -> torch.Tensor:
-    """A tensor sharing the array's memory, also of a read-only memory map (it is only ever
-    read)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch warns that the array is not writable
-        return torch.from_numpy(array)
 
 
 # ----- contrastive tuning: embed.py tune -----
@@ -264,7 +251,7 @@ def train_bias_only(model: GPT) -> None:
                        "--no-bias)")
 
 
-class Contrastive:
+class Contrastive(Objective):
     """The loop's objective for tune: InfoNCE of each batch of pairs, each query against all
     positives of the batch, then the hard negatives it holds. Every epoch is a new seeded
     permutation of the pairs; an incomplete last batch is left out, so every batch has the same
@@ -287,18 +274,17 @@ class Contrastive:
         negatives = [pair[2] for pair in batch if len(pair) > 2]
         queries = embed(model, [pair[0] for pair in batch], self.cfg.pooling, self.dtype)
         documents = embed(model, positives + negatives, self.cfg.pooling, self.dtype)
-        # the scores in float32, whatever dtype the model ran in
+        # InfoNCE in float32, whatever dtype the model ran in: documents[i] is the positive of
+        # queries[i], every other document (other positives, hard negatives after them) a negative
         with torch.autocast(queries.device.type, enabled=False):
-            return info_nce(queries, documents, self.cfg.temperature)
+            logits = queries @ documents.T / self.cfg.temperature
+            return F.cross_entropy(logits, torch.arange(len(queries), device=queries.device))
 
     def throughput(self) -> tuple[int, str, None]:
         return self.batch_size, "pairs", None
 
     def evaluate(self, engine: Engine) -> dict[str, float]:
         return {}  # `embed.py eval` measures recall against an index
-
-    def good_weights(self, engine: Engine) -> bool:
-        return engine.weights_finite()
 
     def checkpoint_state(self, best: dict | None) -> dict:
         cfg = self.cfg

@@ -93,7 +93,7 @@ def _why_write_failed(error: Exception, tmp: str) -> str:
         return f"no space left on device ({free:,} bytes free)"
     if isinstance(error, OSError) and error.strerror:
         return error.strerror.lower()
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return cli.first_line(error)
 
 
 def make_folder(path: str, flag: str | None = None) -> None:
@@ -194,11 +194,8 @@ def fingerprint(path: str) -> str:
 
 def write_text(path: str, text: str) -> None:
     """Write a text file (UTF-8), atomically."""
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    atomic_write(path, write)
+    with atomic_open(path) as f:
+        f.write(text)
 
 
 def write_json(path: str, obj: Any) -> None:

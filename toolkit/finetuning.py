@@ -35,7 +35,7 @@ from toolkit.tasks import (TASKS, Example, TaskModel, add_special_tokens, classi
                            encode_records, label_names, over_examples, pad_batch, prediction,
                            read_records, regression_metrics, score)
 from toolkit.tokenizers import Tokenizer, load_tokenizer
-from toolkit.training import Engine, LoopConfig, TorchEngine, Trainer
+from toolkit.training import Engine, LoopConfig, Objective, TorchEngine, Trainer
 
 EPOCHS, MIN_STEPS = 3, 200  # GPT-1's epochs; a set too small for them gets more (docs/finetune.md)
 LR_WIDTH = 0.128  # lr = LR_WIDTH / n_embd: a larger model takes smaller steps (docs/finetune.md)
@@ -206,7 +206,7 @@ def write_predictions(cfg: FinetuneConfig, checkpoint_path: str, device: torch.d
 
 # ----- the objective -----
 
-class TaskObjective:
+class TaskObjective(Objective):
     """What the loop learns when fine-tuning for a task: the task's loss (cross-entropy, or squared
     error for a regression) plus lm_weight times the LM loss on the same inputs, over one epoch
     order per epoch; evaluated on the val set after each epoch."""
@@ -286,9 +286,6 @@ class TaskObjective:
             two_classes = self.names is not None and len(self.names) == 2
             metrics = classification_metrics(logits, self.val_labels, binary=two_classes)
         return {name: round(value, 4) for name, value in metrics.items()}
-
-    def good_weights(self, engine: Engine) -> bool:
-        return engine.weights_finite()
 
     def checkpoint_state(self, best: dict | None) -> dict:
         """train.py's format plus the head's weights and the task (no optimizer: the best epoch's

@@ -18,7 +18,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
 
 from model import GPT
-from toolkit.cli import CLIError
+from toolkit.cli import CLIError, first_line
 from toolkit.device import autocast
 from toolkit.documents import read_text
 from toolkit.evaluation import gpt_logits_at, loglikelihoods
@@ -133,8 +133,7 @@ def run(specs: list[str], lm: GPTHarness, limit: int | None) -> dict:
         return simple_evaluate(model=lm, tasks=list(names), task_manager=manager, limit=limit, log_samples=True,
                                bootstrap_iters=0)
     except (OSError, ValueError) as e:  # ConnectionError and FileNotFoundError among them
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CLIError(f"lm-evaluation-harness cannot load the data of {', '.join(names)} "
-                       f"({first[:200]}); without internet, score a local file instead: --tasks "
+                       f"({first_line(e)[:200]}); without internet, score a local file instead: --tasks "
                        "FILE.jsonl (HellaSwag's format) or a task YAML over local data "
                        "(docs/eval.md)") from None

@@ -37,7 +37,7 @@ def write_index(folder: str, documents: list[Document], rows: np.ndarray, vector
     One writer at a time; an old index.json goes first, so the folder is no index until the new one
     is complete."""
     paths = {name: os.path.join(folder, name) for name in INDEX_FILES}
-    lock_folder(folder)
+    lock_folder(folder, "--out")  # embed.py index --out
     if os.path.exists(paths[INDEX_FILE]):
         os.remove(paths[INDEX_FILE])
     save_array(paths["vectors.npy"], vectors)

@@ -136,25 +136,19 @@ class FinalNorm(nn.Module):
         return self.ln_f(x)
 
 
-def head_inputs(embedding: TokenEmbedding, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last layer hands the loss the hidden states and the tied weight: the fused loss never
-    builds logits."""
-    return x, embedding.wte.weight
-
-
-def pipeline_loss(outputs: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
-    return chunked_cross_entropy(*outputs, targets)
-
-
 def pipeline_module(model: GPT, stages: int):
     """model as a deepspeed.pipe.PipelineModule of `stages` stages (needs the process group)."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    # the last layer hands the loss the hidden states and the tied weight: the fused loss never
+    # builds logits
+    head = lambda embedding, x: (x, embedding.wte.weight)
+    loss = lambda outputs, targets: chunked_cross_entropy(*outputs, targets)
     layers = [TiedLayerSpec("wte", TokenEmbedding, model, tied_weight_attr=["wte.weight"]),
               LayerSpec(PositionEmbedding, model),
               *[LayerSpec(BlockPipe, model, i) for i in range(model.config.n_layer)],
               LayerSpec(FinalNorm, model),
-              TiedLayerSpec("wte", TokenEmbedding, model, forward_fn=head_inputs, tied_weight_attr=["wte.weight"])]
-    return PipelineModule(layers, num_stages=stages, loss_fn=pipeline_loss, partition_method="type:BlockPipe")
+              TiedLayerSpec("wte", TokenEmbedding, model, forward_fn=head, tied_weight_attr=["wte.weight"])]
+    return PipelineModule(layers, num_stages=stages, loss_fn=loss, partition_method="type:BlockPipe")
 
 
 def gpt_state_from_universal(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -181,8 +175,9 @@ def gpt_state_from_universal(weights: dict[str, torch.Tensor]) -> dict[str, torc
 def tp_share(name: str, numel: int, tp_size: int) -> int:
     """Elements of one parameter that a tensor-parallel shard holds (TP_RULES; a row-parallel bias
     stays whole)."""
+    weight = re.sub(r"\.bias$", ".weight", name)  # a column-parallel bias is split as its weight
     for pattern, kind, _ in TP_RULES:
-        if re.match(pattern, name) or kind == "column" and re.match(pattern, re.sub(r"\.bias$", ".weight", name)):
+        if re.match(pattern, name) or kind == "column" and re.match(pattern, weight):
             return numel // tp_size
     return numel
 
@@ -224,19 +219,19 @@ def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: s
         device_params = max(wte + wpe, wte + ln_f) + blocks * per_block
     largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
 
-    mixed = dtype != "float32"
+    width = 2 if dtype != "float32" else 4  # bytes per weight, gradient or activation
     dp = layout.data_parallel
-    weights = device_params * (2 if mixed else 4) / (dp if zero_stage == 3 else 1)
-    gradients = device_params * (2 if mixed else 4) / (dp if zero_stage >= 2 else 1)
-    optimizer = device_params * (16 if mixed else 8) / (dp if zero_stage >= 1 else 1)
+    weights = device_params * width / (dp if zero_stage == 3 else 1)
+    gradients = device_params * width / (dp if zero_stage >= 2 else 1)
+    optimizer = device_params * (16 if width == 2 else 8) / (dp if zero_stage >= 1 else 1)
     cpu = 0.0
     if offload_optimizer:
         cpu, optimizer = cpu + optimizer, 0.0
     if offload_param and zero_stage == 3:  # parameters wait in CPU memory; one layer at a time is gathered
-        cpu, weights = cpu + weights, largest_layer * (2 if mixed else 4)
-    in_flight = min(layout.pipeline_stages, micro_steps) if layout.pipeline_stages > 1 else 1
-    per_block_activations = config.block_size * micro_batch * config.n_embd * (10 + 24 / layout.tp_size) * \
-        (2 if mixed else 4) / 2
+        cpu, weights = cpu + weights, largest_layer * width
+    in_flight = min(layout.pipeline_stages, micro_steps)
+    per_block_activations = (config.block_size * micro_batch * config.n_embd * (10 + 24 / layout.tp_size)
+                             * width / 2)
     activations = per_block_activations * blocks * in_flight
     return MemoryEstimate(config.num_params(non_embedding=False), device_params, largest_layer,
                           model.flops_per_token(), weights, gradients, optimizer, activations, cpu)

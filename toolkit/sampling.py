@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from contextlib import nullcontext
 from typing import IO
 
 import torch
@@ -58,13 +59,6 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                           help="= --max-new-tokens")
     megatron.add_argument("--micro-batch-size", dest="batch_size", type=int, default=argparse.SUPPRESS,
                           help="= --batch-size")
-
-
-def read_prompt(prompt: str) -> str:
-    """The prompt text: the flag's value, or the contents of the file a FILE:path names."""
-    if prompt.startswith(PROMPT_FILE):
-        return read_text(prompt[len(PROMPT_FILE):], f"--prompt {PROMPT_FILE}")
-    return prompt
 
 
 def prompt_ids(text: str, tok: Tokenizer) -> list[int]:
@@ -209,14 +203,13 @@ def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: s
     if args.chat:
         chat(Sampler(model, tok, args, None))
         return
-    prompt = read_prompt(args.prompt) if not args.interactive else None
-    if args.genfile:
-        with atomic_open(args.genfile) as genfile:
-            sampler = Sampler(model, tok, args, genfile)
-            sample_prompts(sampler, prompt)
-            sampler.progress.close()
-    else:
-        sample_prompts(Sampler(model, tok, args, None), prompt)
+    prompt = None if args.interactive else args.prompt
+    if prompt and prompt.startswith(PROMPT_FILE):  # FILE:path: the file's text
+        prompt = read_text(prompt[len(PROMPT_FILE):], f"--prompt {PROMPT_FILE}")
+    with atomic_open(args.genfile) if args.genfile else nullcontext() as genfile:
+        sampler = Sampler(model, tok, args, genfile)
+        sample_prompts(sampler, prompt)
+        sampler.progress.close()
 
 
 def chat(sampler: Sampler) -> None:

@@ -14,10 +14,10 @@ from toolkit.batches import epoch_batches, rank_share, step_batches
 from toolkit.device import autocast
 from toolkit.run import RunConfig
 from toolkit.tokenizers import Tokenizer
-from toolkit.training import Engine
+from toolkit.training import Engine, Objective
 
 
-class ChatObjective:
+class ChatObjective(Objective):
     """What the loop learns in instruction tuning: the LM loss on the assistant turns' tokens alone
     (toolkit/chat.py's mask), averaged over all of a global batch's learnt tokens; evaluated by the same
     loss on the held-out conversations. cfg: finetune.py's options (FinetuneConfig)."""
@@ -62,9 +62,6 @@ class ChatObjective:
             torch.distributed.all_reduce(total)
         self.model.train(was_training)
         return {"val_loss": round((total[0] / total[1]).item(), 4)}
-
-    def good_weights(self, engine: Engine) -> bool:
-        return engine.weights_finite()
 
     def checkpoint_state(self, best: dict | None) -> dict:
         task = {"task": "sft", "metrics": best, "init_from": self.cfg.init_from}

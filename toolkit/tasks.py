@@ -140,9 +140,12 @@ def layout(task: str, texts: list[list[int]], special: dict[str, int],
         return [[start, *kept, extract]], len(kept) < len(text)
     if task == "similarity":
         a, b = texts
-        cut = len(a) + len(b) > block_size - 3
-        kept_a, kept_b = share(len(a), len(b), block_size - 3)
-        a, b = keep_last(a, kept_a), keep_last(b, kept_b)
+        room = block_size - 3
+        cut = len(a) + len(b) > room
+        if cut:  # the longer text gives way first
+            short = min(len(a), len(b), room // 2)
+            kept_a, kept_b = (short, room - short) if len(a) <= len(b) else (room - short, short)
+            a, b = keep_last(a, kept_a), keep_last(b, kept_b)
         return [[start, *a, delimiter, *b, extract], [start, *b, delimiter, *a, extract]], cut
     context, answers = texts[0], texts[1:]  # entail: the premise and the hypothesis
     room = block_size - 3 - max(map(len, answers))
@@ -159,18 +162,6 @@ def layout(task: str, texts: list[list[int]], special: dict[str, int],
 
 def keep_last(tokens: list[int], n: int) -> list[int]:
     return tokens[max(0, len(tokens) - n):]
-
-
-def share(a: int, b: int, room: int) -> tuple[int, int]:
-    """Lengths to keep of two texts that must fit in room together: the longer one gives way
-    first."""
-    if a + b <= room:
-        return a, b
-    if a <= b:
-        kept_a = min(a, room // 2)
-        return kept_a, room - kept_a
-    kept_b = min(b, room // 2)
-    return room - kept_b, kept_b
 
 
 def encode_records(records: list[tuple[int, dict]], path: str, task: str, tokenizer: Tokenizer,
@@ -306,10 +297,7 @@ def score(model: TaskModel, examples: list[Example], batch_size: int, device: to
           dtype: torch.dtype) -> torch.Tensor:
     """The head's logits for every example (N, outputs or answers), in eval mode."""
     columns = len(examples[0].sequences) if model.task == "choice" else model.head.out_features
-
-    def logits(idx: torch.Tensor, extract: torch.Tensor, per_example: int) -> list[torch.Tensor]:
-        return [model(idx, extract, per_example)[0]]
-
+    logits = lambda idx, extract, per_example: [model(idx, extract, per_example)[0]]
     (scores,) = over_examples(model, examples, batch_size, device, dtype, [(columns,)], logits)
     return scores.cpu()
 

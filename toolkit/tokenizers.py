@@ -81,8 +81,7 @@ def load_local_ranks(vocab_file: str, merge_file: str | None) -> dict[bytes, int
     for path in (vocab_file, merge_file):
         if path is not None and not os.path.isfile(path):
             raise CLIError(f"vocabulary file not found: {path}")
-    # tiktoken caches even local files, keyed by their path (a stale copy would win): turn its cache off
-    # here
+    # tiktoken caches even local files, keyed by their path (a stale copy would win): turn it off
     saved = os.environ.get("TIKTOKEN_CACHE_DIR")
     os.environ["TIKTOKEN_CACHE_DIR"] = ""
     try:
@@ -305,15 +304,10 @@ def load_tokenizer(facts: dict) -> Tokenizer:
     """The tokenizer that facts() described (e.g. the meta.json of a prepared corpus, or a
     fine-tuned checkpoint's facts, whose special tokens count in its vocab_size)."""
     check_facts(facts)
-    name = facts.get("tokenizer")
-    if name == "char":
-        tokenizer = Tokenizer("char", chars=facts.get("chars"), char_eot=facts.get("eot_id") is not None)
-    elif name in ("gpt2", "byte"):
-        tokenizer = Tokenizer(name, vocab_file=facts.get("vocab_file"), merge_file=facts.get("merge_file"))
-    elif name == "bpe":
-        tokenizer = Tokenizer(name, tokenizer_json=facts.get("json"))
-    else:
-        raise CLIError(f"unknown tokenizer {name!r} in the tokenizer facts (expected {', '.join(KINDS)})")
+    name = facts.get("tokenizer")  # each kind takes the facts it needs (Tokenizer.__init__)
+    tokenizer = Tokenizer(name, chars=facts.get("chars"), char_eot=facts.get("eot_id") is not None,
+                          vocab_file=facts.get("vocab_file"), merge_file=facts.get("merge_file"),
+                          tokenizer_json=facts.get("json"))
     tokenizer.add_special_tokens(facts.get("special_tokens") or {})
     if "vocab_size" in facts and facts["vocab_size"] != tokenizer.vocab_size:
         raise CLIError(f"rebuilt {name} tokenizer has vocab_size {tokenizer.vocab_size}, the facts "

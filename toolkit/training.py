@@ -79,7 +79,7 @@ class Engine(Protocol):
 
 class Objective(Protocol):
     """What is learnt: LanguageModeling below, TaskObjective (toolkit/finetuning.py), ChatObjective
-    (toolkit/chat.py), Contrastive (toolkit/embedding.py)."""
+    (toolkit/sft.py), Contrastive (toolkit/embedding.py); each declares it as its base."""
 
     def micro_batches(self, step: int) -> list[tuple[Batch, float]]:
         """This process's micro-batches of a step, each with its share of the global batch's
@@ -95,8 +95,9 @@ class Objective(Protocol):
         """The metrics of an evaluation (val_loss among them, unless there is none)."""
 
     def good_weights(self, engine: Engine) -> bool:
-        """Weights fit to be saved: finite, and giving a finite loss where the objective checks
-        one."""
+        """Weights fit to be saved: finite (and giving a finite loss, where the objective checks
+        one)."""
+        return engine.weights_finite()
 
     def checkpoint_state(self, best: dict | None) -> dict:
         """What a checkpoint keeps besides the weights and the loop's state."""
@@ -111,7 +112,7 @@ class LoopConfig:
     metric: str = "val_loss"  # the metric "best" refers to
     maximize: bool = False
     keep_best: bool = False  # save at each evaluation that beats the best, not the latest state
-    latest_path: str | None = None  # keep_best: the latest state (exact resume) until the end
+    latest_path: str | None = None  # with keep_best: the latest state (exact resume) until the end
     peak_tflops: float | None = None  # the device's peak, for MFU (known GPUs are looked up)
     hint: str = "a lower --lr or --dtype bfloat16"  # what to try when the run goes non-finite
 
@@ -214,7 +215,7 @@ def evaluation_windows(n_tokens: int, block_size: int, count: int, seed: int,
     return window_offsets(n_tokens, block_size, count, seed, 0, stream)
 
 
-class LanguageModeling:
+class LanguageModeling(Objective):
     """Pretraining's objective: next-token cross-entropy on random windows of the corpus. Each
     step's windows come from (seed, step) alone and the data-parallel ranks take slices of them, so
     N ranks train exactly like one process and the step is the data position; evaluation scores
@@ -351,16 +352,13 @@ class Trainer:
         """After the last step: a stopped run saves its latest state, a finished one evaluates and
         saves (with keep_best the best is on disk already, and the latest state goes)."""
         loop = self.loop
-        if self.stopped and loop.latest_path:
-            self.save_latest()
-        elif self.stopped and not loop.keep_best:
-            self.save()
-        if self.stopped:
-            return
-        self.evaluate()
+        if not self.stopped:
+            self.evaluate()
         if not loop.keep_best:
             self.save()
-        elif loop.latest_path and self.master and os.path.exists(loop.latest_path):
+        elif self.stopped:
+            self.save(latest=True)
+        elif self.master and os.path.exists(loop.latest_path):
             os.remove(loop.latest_path)
 
     def outcome(self) -> str:
@@ -404,24 +402,18 @@ class Trainer:
         if saved:
             self.save()
         if self.loop.keep_best and self.step < self.loop.max_iters:
-            self.save_latest()
+            self.save(latest=True)
 
-    def save(self) -> None:
-        """A checkpoint through the engine, unless the weights went bad: a non-finite step never
-        reaches disk (the loss check_finite saw was computed before the last update)."""
+    def save(self, latest: bool = False) -> None:
+        """A checkpoint through the engine (latest: keep_best's latest state, resumable, at
+        latest_path), unless the weights went bad: a non-finite step never reaches disk (the loss
+        check_finite saw was computed before the last update)."""
         if not self.objective.good_weights(self.engine):
             raise diverged(f"the weights after iteration {self.step} are not finite or give a "
                            "non-finite loss", self.loop.hint)
-        self.engine.save(self.state())
+        path, resumable = (self.loop.latest_path, True) if latest else (None, None)
+        self.engine.save(self.state(), path, resumable)
         self.log.flush()
-        distributed.barrier()
-
-    def save_latest(self) -> None:
-        """keep_best: the latest state, with what exact resume needs, at latest_path."""
-        if not self.objective.good_weights(self.engine):
-            raise diverged(f"the weights after iteration {self.step} are not finite",
-                           self.loop.hint)
-        self.engine.save(self.state(), self.loop.latest_path, resumable=True)
         distributed.barrier()
 
     def state(self) -> dict:
