@@ -38,8 +38,7 @@ def check_outputs(outputs: list[str], inputs: list[str], overwrite: bool) -> Non
 
 
 def encode_input(args: argparse.Namespace) -> tuple[list[Document], np.ndarray, np.ndarray, dict]:
-    """Read, chunk and encode --input with --ckpt: (documents, rows, vectors, how they were
-    encoded)."""
+    """Read, chunk and encode --input with --ckpt: (documents, rows, vectors, their encoding)."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model, tokenizer, facts = load_encoder(args.ckpt, device)

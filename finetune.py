@@ -67,8 +67,7 @@ def check_outputs(cfg: FinetuneConfig, resuming: bool) -> None:
 
 
 def write_merged(cfg: FinetuneConfig) -> dict:
-    """--merge-lora: the LoRA checkpoint with its adapters added into its base's weights, as
-    OUT_DIR/ckpt.pt."""
+    """--merge-lora: the LoRA checkpoint's base with its adapters added in, as OUT_DIR/ckpt.pt."""
     checkpoint = load_checkpoint(cfg.merge_lora)
     if "adapters" not in checkpoint:
         raise CLIError(f"{cfg.merge_lora} holds no LoRA adapters; it is already a full checkpoint")

@@ -218,8 +218,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def outputs(args: argparse.Namespace) -> list[str]:
-    """The files a run would write (or, for llm.c's shards, find in its folder), which it replaces only
-    with --overwrite."""
+    """The files a run would write (or find, for llm.c's shards); only --overwrite replaces them."""
     trained = args.tokenizer == "bpe"
     if args.format == "megatron":
         prefix = megatron_document_prefix(args.output_prefix, args.json_key)

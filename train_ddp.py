@@ -42,8 +42,7 @@ from toolkit.training import TorchEngine
 
 
 def resume_after_restart(cfg: TrainConfig, device: torch.device) -> None:
-    """After torchrun restarted the workers (a rank died), continue from OUT_DIR/ckpt.pt when it
-    exists."""
+    """After torchrun restarts the workers (a rank died), resume from OUT_DIR/ckpt.pt if present."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if not restarted or cfg.init_from == "resume":
         return

@@ -36,8 +36,7 @@ class Conversation:
 
 
 def add_chat_tokens(model: GPT, tokenizer: Tokenizer) -> dict[str, int]:
-    """The template's four tokens as new rows of the model's (tied) embedding and ids of the
-    tokenizer."""
+    """The template's four tokens as new rows of the (tied) embedding and ids of the tokenizer."""
     return add_tokens(model, tokenizer, CHAT_TOKENS)
 
 
@@ -74,8 +73,7 @@ def messages_of(record) -> list[dict]:
 
 
 def read_conversations(path: str) -> list[tuple[int, list[dict]]]:
-    """(line number, messages) of each non-blank line of a JSON-lines file; a problem names the file
-    and line."""
+    """(line number, messages) of each non-blank JSON line; a problem names the file and line."""
     conversations = []
     for number, record in json_lines(path):
         try:
@@ -109,8 +107,7 @@ def encode_conversation(messages: list[dict], tokenizer: Tokenizer,
 
 def encode_conversations(conversations: list[tuple[int, list[dict]]], tokenizer: Tokenizer,
                          block_size: int) -> tuple[list[Conversation], int]:
-    """The encoded conversations that still hold an assistant token after the cut, and how many were
-    left out."""
+    """Encoded conversations that keep an assistant token after the cut, and the number left out."""
     encoded = [encode_conversation(messages, tokenizer, block_size)
                for _, messages in conversations]
     kept = [c for c in encoded if any(c.trained[1:])]
@@ -136,8 +133,7 @@ def trained_tokens(conversations: list[Conversation]) -> int:
 
 
 def chat_prompt(history: list[dict], tokenizer: Tokenizer) -> list[int]:
-    """The tokens that ask for the next assistant turn: every turn of the history, then
-    <|assistant|>."""
+    """The prompt for the next assistant turn: every turn of the history, then <|assistant|>."""
     ids = [token for message in history for token in turn_ids(message, tokenizer)]
     return ids + [tokenizer.special_tokens["<|assistant|>"]]
 

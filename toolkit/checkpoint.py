@@ -97,8 +97,7 @@ def load_checkpoint(path: str) -> dict:
 
 
 def load_plain(path: str, allowed: tuple = ()):
-    """torch.load(weights_only=True): tensors and plain data (plus the `allowed` classes), or a
-    CLIError."""
+    """torch.load(weights_only=True): tensors, plain data and `allowed` classes, or a CLIError."""
     try:
         with warnings.catch_warnings(), torch.serialization.safe_globals(list(allowed)):
             warnings.simplefilter("ignore")  # e.g. about the pickle protocol of files torch.save did not write
@@ -157,8 +156,7 @@ def check_shape(config: GPTConfig, weights: dict, source: str) -> None:
 
 
 def model_from_weights(model_config: dict, weights: dict, source: str, **overrides) -> GPT:
-    """A GPT of model_config with the given weights; overrides change e.g. attn_kernel or
-    dropout."""
+    """A GPT of model_config with the weights; overrides change e.g. attn_kernel or dropout."""
     model = GPT(usable_config(model_config, source, weights, **overrides))
     load_weights(model, weights, source)
     return model
@@ -194,8 +192,7 @@ def read_weights_file(path: str) -> dict[str, torch.Tensor]:
 
 
 def read_weights(path: str) -> dict[str, torch.Tensor]:
-    """A weights file, or a folder holding one (or shards listed in an index), as HF and
-    zero_to_fp32 write."""
+    """A weights file, or a folder holding one or indexed shards, as HF and zero_to_fp32 write."""
     if os.path.isfile(path):
         return read_weights_file(path)
     for index_name in INDEX_FILES:

@@ -18,8 +18,7 @@ _at_end: list[Callable[[], None]] = []  # what run() does when main() ends, howe
 
 
 class CLIError(Exception):
-    """A problem with the user's input or files; printed as `error: <message>` with exit status
-    1."""
+    """A problem with the user's input or files, printed as `error: <message>`, exit status 1."""
 
 
 def at_end(action: Callable[[], None]) -> None:
@@ -29,8 +28,7 @@ def at_end(action: Callable[[], None]) -> None:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser, whose usage errors are one line too: `error: ... (see --help)`, exit
-    status 2."""
+    """argparse's parser, whose usage errors are one line too: `error: ... (see --help)`, exit 2."""
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
@@ -61,9 +59,8 @@ def first_line(error: BaseException) -> str:
 
 
 def run(main: Callable[[], None]) -> None:
-    """Run a script's main(); user-facing errors (CLIError, ValueError, OSError) print one line and
-    exit 1. SIGTERM interrupts like Ctrl-C, so the script's cleanup (temporary files) runs either
-    way."""
+    """Run a script's main(); user errors (CLIError, ValueError, OSError) print one line and exit 1.
+    SIGTERM interrupts like Ctrl-C, so the script's cleanup (temporary files) runs either way."""
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         main()
@@ -84,9 +81,8 @@ def _interrupt(signum, frame):
 
 
 def report_distributed_error(message: str) -> None:
-    """In a process group: rank 0 prints the error; another rank prints its own only when rank 0 did
-    not report the same one (e.g. data missing on one node only), found through the group's
-    key-value store."""
+    """In a process group, rank 0 prints the error; another rank prints its own only when rank 0 did
+    not report the same one (e.g. data missing on one node only) in the group's key-value store."""
     import torch.distributed as dist
     rank = int(os.environ.get("RANK", "0"))
     key = "cli_error/0"
@@ -109,9 +105,8 @@ def report_distributed_error(message: str) -> None:
 
 
 def stop_torchrun_restarts() -> None:
-    """torchrun restarts failed workers while --max-restarts allows, and a bad input would fail (and
-    print) the same way each time: after reporting it, local rank 0 asks its torchrun agent to stop
-    the job instead."""
+    """torchrun restarts failed workers up to --max-restarts, but a bad input fails (and prints) the
+    same way each time: after reporting it, local rank 0 asks its torchrun agent to stop the job."""
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
         return
     if os.environ.get("LOCAL_RANK") == "0":
@@ -121,9 +116,8 @@ def stop_torchrun_restarts() -> None:
 
 
 def run_distributed(main: Callable[[], None]) -> None:
-    """run()'s contract in every rank of a launcher (torchrun, deepspeed, mpirun): user errors are
-    one line from rank 0, a lost peer is one line, and the process group is always destroyed before
-    the non-zero exit."""
+    """run()'s contract under a launcher (torchrun, deepspeed, mpirun): a user error or a lost peer
+    is one line from rank 0; every rank destroys the process group before its non-zero exit."""
     import torch.distributed as dist
     status = 0
     try:

@@ -122,9 +122,8 @@ def read_llmc_shard(path: str) -> np.ndarray:
 
 
 def load_llmc(folder: str) -> Corpus:
-    """llm.c's shards: NAME_val_*.bin validate, NAME_train_*.bin train, each split read in its shards'
-    order as one sequence; meta.json holds the tokenizer facts (GPT-2's when there is none, as llm.c
-    writes them)."""
+    """llm.c's shards: NAME_val_*.bin validate, NAME_train_*.bin train, each split one sequence in
+    shard order; meta.json holds the tokenizer facts (GPT-2's without one, as llm.c writes them)."""
     shards, named = {"train": [], "val": []}, []
     for name in sorted(os.listdir(folder)):
         match = LLMC_SHARD.fullmatch(name)
@@ -194,8 +193,7 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, path: str) -> np.ndarra
 
 
 def read_megatron_index(idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
-    """(dtype, sizes, pointers, doc_idx) of a Megatron MMapIndexedDataset .idx, checked for
-    consistency."""
+    """(dtype, sizes, pointers, doc_idx) of an MMapIndexedDataset .idx, checked for consistency."""
     file_size = os.path.getsize(idx_path)
     with open(idx_path, "rb") as f:
         header = f.read(MEGATRON_HEADER.size)
@@ -225,8 +223,7 @@ def read_megatron_index(idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray
 
 
 def megatron_split(n_docs: int, split: str) -> tuple[int, int]:
-    """Document boundaries (end of train, end of val) for Megatron's --split weights, e.g.
-    "969,30,1"."""
+    """Document boundaries (train end, val end) for Megatron's --split weights, e.g. "969,30,1"."""
     try:
         weights = [float(w) for w in split.replace("/", ",").split(",")]
     except ValueError:

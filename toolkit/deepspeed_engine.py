@@ -66,8 +66,7 @@ def set_key(ds: dict, key: str, value) -> None:
 
 
 def config_precision(ds: dict) -> str | None:
-    """float32 / bfloat16 / float16 as the config's bf16 and fp16 sections set it; None when it has
-    neither."""
+    """float32/bfloat16/float16 per the config's bf16 and fp16 sections; None if it has neither."""
     bf16 = ds.get("bf16", ds.get("bfloat16"))
     fp16 = ds.get("fp16")
     if bf16 is None and fp16 is None:
@@ -138,9 +137,8 @@ def zero_stage(ds: dict) -> int:
 
 
 class DeepSpeedEngine:
-    """The Engine of train_ds.py: made from the DeepSpeed config and the layout, it reads what a run
-    resumes from and settles the options the config also sets; started with the model, it runs
-    DeepSpeed's engine."""
+    """The Engine of train_ds.py, made from the DeepSpeed config and the layout: it reads the resume
+    state, settles the options the config also sets, and runs DeepSpeed's engine on the model."""
 
     def __init__(self, ds: dict, ds_path: str, out_dir: str, keep_checkpoints: int, pipeline_stages: int = 1,
                  tp_size: int = 1, world_size: int | None = None):
@@ -212,9 +210,8 @@ class DeepSpeedEngine:
 
     def start(self, model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, loss,
               resume: dict | None) -> None:
-        """deepspeed.initialize with the settled config (and the checkpoint's state on resume); the
-        loss is always the model's own (its chunked cross-entropy), as DeepSpeed calls the module
-        itself."""
+        """deepspeed.initialize with the settled config (and the checkpoint's state on resume); as
+        DeepSpeed calls the module itself, the loss is the model's own (chunked cross-entropy)."""
         self.device, self.dtype = device, dtype
         module = pipeline_module(model, self.layout.pipeline_stages) if self.pipelined else model
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
@@ -296,8 +293,7 @@ class DeepSpeedEngine:
         return self.engine(idx)[0][rows, cols].float()
 
     def weights_finite(self) -> bool:
-        """This process's share of the weights (its ZeRO-3 partition) holds no NaN or inf, in every
-        process."""
+        """Every process's share of the weights (its ZeRO-3 partition) holds no NaN or inf."""
         local = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in self.engine.module.parameters())
         return distributed.all_reduce_sum([float(local)], self.device)[0] == distributed.world_size()
 
@@ -324,8 +320,7 @@ MPI_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COM
 
 def discover_mpi() -> None:
     """Under mpirun: RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR from DeepSpeed's MPI discovery
-    (mpi4py), at MASTER_PORT or 29500; LOCAL_WORLD_SIZE from MPI, for the CPU threads of each
-    process."""
+    (mpi4py), at MASTER_PORT or 29500; LOCAL_WORLD_SIZE from MPI, for each process's CPU threads."""
     try:
         from deepspeed.comm.comm import mpi_discovery
         mpi_discovery(distributed_port=int(os.environ.get("MASTER_PORT", 29500)), verbose=False)

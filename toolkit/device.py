@@ -39,8 +39,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 def cpu_kind() -> str:
     """The CPU's vector extensions as torch uses them: AMX, AVX512-BF16, AVX512, AVX2 or DEFAULT.
-    torch's capability honours ATEN_CPU_CAPABILITY, so a run restricted to AVX2 on an AVX512 CPU
-    says AVX2."""
+    torch honours ATEN_CPU_CAPABILITY, so an AVX512 CPU restricted to AVX2 says AVX2."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability == "AVX512" and torch.cpu._is_amx_tile_supported():
         return "AMX"
@@ -50,8 +49,7 @@ def cpu_kind() -> str:
 
 
 def describe(device: torch.device) -> str:
-    """The device in words for run headers, e.g. 'cpu (AVX512-BF16, 2 threads)' or 'cuda:0 (NVIDIA
-    H200)'."""
+    """The device for run headers, e.g. 'cpu (AVX512-BF16, 2 threads)' or 'cuda:0 (NVIDIA H200)'."""
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     if device.type == "cpu":
@@ -60,8 +58,7 @@ def describe(device: torch.device) -> str:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto = bfloat16 where the hardware computes it natively (CUDA Ampere+, AVX512-BF16/AMX
-    CPUs)."""
+    """auto = bfloat16 where the hardware runs it natively (CUDA Ampere+, AVX512-BF16/AMX CPUs)."""
     if name == "auto":
         native_cpu = device.type == "cpu" and cpu_kind() in ("AMX", "AVX512-BF16")
         native = torch.cuda.is_bf16_supported() if device.type == "cuda" else native_cpu
@@ -106,8 +103,7 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
 def set_job_threads() -> None:
     """CPU threads of one process in a multi-process job: OMP_NUM_THREADS when set, else the cores
     shared out over this machine's processes (torchrun sets OMP_NUM_THREADS=1; the deepspeed
-    launcher sets nothing, and N processes that each use every core slow each other down many times
-    over)."""
+    launcher sets nothing, and N processes each using every core slow each other down many-fold)."""
     if "OMP_NUM_THREADS" in os.environ:
         threads = int(os.environ["OMP_NUM_THREADS"] or 1)
     else:
@@ -155,8 +151,7 @@ def available_memory() -> int | None:
 
 
 def check_memory(config: GPTConfig) -> None:
-    """Refuse (ValueError) a model whose float32 weights alone exceed the memory available, before
-    it is built."""
+    """Refuse (ValueError) a config whose model's float32 weights alone exceed available memory."""
     n, available = config.num_params(non_embedding=False), available_memory()
     if available is not None and 4 * n > available:
         raise ValueError(f"model config: {n:,} parameters need {4 * n / 2**30:,.1f} GiB for their "

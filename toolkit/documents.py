@@ -71,8 +71,7 @@ class ReadStats:
 
 
 def input_files(paths: list[str], pattern: str) -> list[str]:
-    """The files to read, in a fixed order: files as given, directories walked recursively (sorted,
-    glob-filtered)."""
+    """Files to read, in fixed order: files as given, whole folder trees (sorted, glob-filtered)."""
     files = []
     for path in paths:
         if os.path.isfile(path):
@@ -246,8 +245,7 @@ def read_text(path: str, what: str = "file") -> str:
 
 
 def read_lines(path: str) -> Iterator[tuple[int, str]]:
-    """(line number, line without its newline) of a text or JSON-lines file, .gz/.bz2/.xz
-    decompressed."""
+    """(line number, line without its newline) of a text file, .gz/.bz2/.xz decompressed."""
     if not os.path.isfile(path):
         raise CLIError(f"file not found: {path}")
     with open_binary(path) as f:

@@ -131,8 +131,7 @@ def to_universal(ds_dir: str, tag: str, out_root: str) -> str:
 
 
 def read_universal_weights(universal_dir: str) -> dict[str, torch.Tensor]:
-    """{parameter name: float32 tensor} from a universal checkpoint (its zero/NAME/fp32.pt
-    files)."""
+    """{parameter name: float32 tensor} of a universal checkpoint (its zero/NAME/fp32.pt files)."""
     zero = os.path.join(universal_dir, "zero")
     weights = {}
     for name in sorted(os.listdir(zero)):
@@ -147,10 +146,9 @@ def read_universal_weights(universal_dir: str) -> dict[str, torch.Tensor]:
 
 def gather_deepspeed_weights(ds_dir: str, tag: str, pipeline_stages: int = 1,
                              tp_size: int = 1) -> dict[str, torch.Tensor]:
-    """The full float32 weights of a DeepSpeed checkpoint, consolidated in memory: by DeepSpeed's
-    zero_to_fp32 for ZeRO data parallel, through its universal checkpoint (to a temporary folder)
-    for pipeline or tensor parallel, which zero_to_fp32 cannot read; pipeline layer names become
-    GPT's."""
+    """The full float32 weights of a DeepSpeed checkpoint, consolidated in memory: by zero_to_fp32
+    for ZeRO data parallel, through its universal checkpoint (to a temporary folder) for pipeline or
+    tensor parallel, which zero_to_fp32 cannot read; pipeline layer names become GPT's."""
     if pipeline_stages > 1 or tp_size > 1:
         with tempfile.TemporaryDirectory(prefix="universal-") as tmp:
             weights = read_universal_weights(to_universal(ds_dir, tag, tmp))

@@ -102,16 +102,14 @@ def encode(model: GPT, token_lists: list[list[int]], pooling: str, batch_size: i
 # ----- the encoder, and texts as token chunks -----
 
 def load_encoder(path: str, device: torch.device) -> tuple[GPT, Tokenizer, dict]:
-    """(model in eval mode on device, its tokenizer, its tokenizer facts) of a ckpt.pt or an HF
-    GPT-2 folder."""
+    """(model in eval mode on device, tokenizer, its facts) of a ckpt.pt or an HF GPT-2 folder."""
     model, facts = load_model(path)
     return model.to(device).eval(), load_tokenizer(facts), facts
 
 
 def encoder_identity(path: str) -> dict:
-    """What an index (or a tuned checkpoint) records of its encoder: where it was, and what it was
-    (the fingerprint of the ckpt.pt, or of the HF folder, also one found in the Hugging Face cache
-    by name)."""
+    """What an index (or a tuned checkpoint) records of its encoder: its path, and the fingerprint
+    of its ckpt.pt or HF folder (even one found by name in the Hugging Face cache)."""
     if os.path.exists(path):
         return {"path": os.path.abspath(path), "sha256": fingerprint(path)}
     if is_hf_source(path):
@@ -149,8 +147,7 @@ def chunk_spans(n: int, chunk_tokens: int, overlap: int) -> list[tuple[int, int]
 
 def chunk_documents(documents: list[Document], tokenizer: Tokenizer, chunk_tokens: int,
                     overlap: int) -> tuple[list[list[int]], np.ndarray]:
-    """The tokens of every chunk, and one row per chunk: (document number, first token, end
-    token)."""
+    """Each chunk's tokens, and one row per chunk: (document number, first token, end token)."""
     chunks, rows = [], []
     for number, document in enumerate(documents):
         ids = token_ids(tokenizer, document.text, document.where())
@@ -177,9 +174,8 @@ def chunk_records(documents: list[Document], rows: np.ndarray) -> list[dict]:
 def top_k(vectors: np.ndarray, queries: torch.Tensor, k: int,
           block_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k rows of vectors (N, C) by dot product with each query (Q, C): (scores, rows),
-    each (Q, k), best first. The rows are scored a block at a time with a running top-k, so a
-    memory-mapped array is read once and never copied whole (default block: SEARCH_BLOCK_BYTES of
-    vectors)."""
+    each (Q, k), best first. Rows are scored in blocks with a running top-k, so a memory-mapped
+    array is read once, never copied whole (default block: SEARCH_BLOCK_BYTES of vectors)."""
     n, dim = vectors.shape
     block_rows = block_rows or max(1, SEARCH_BLOCK_BYTES // (4 * dim))
     best_scores = queries.new_empty(len(queries), 0)
@@ -221,8 +217,7 @@ class TuneConfig(RunConfig):
 
 def read_tune_pairs(path: str, tokenizer: Tokenizer,
                     max_tokens: int) -> list[tuple[list[int], ...]]:
-    """(query, positive[, negative]) token lists from JSON lines, each cut to max_tokens (the block
-    size)."""
+    """(query, positive[, negative]) token lists from JSON lines, cut to max_tokens (block size)."""
     pairs = []
     for number, record in json_records(path, ("query", "positive")):
         fields = ["query", "positive"]

@@ -67,8 +67,7 @@ class Choice:
 
 
 def preprocess(text: str) -> str:
-    """lm-eval's hellaswag preprocessing: brackets are artifacts of the WikiHow part of
-    HellaSwag."""
+    """lm-eval's hellaswag preprocessing: brackets are artifacts of HellaSwag's WikiHow part."""
     text = text.strip().replace(" [title]", ". ")
     text = re.sub("\\[.*?\\]", "", text)
     return text.replace("  ", " ")
@@ -114,8 +113,7 @@ def read_choices(path: str, limit: int | None = None) -> list[Choice]:
 
 
 def encode_pair(tok: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """(context tokens, continuation tokens) as the harness makes them (see the module's
-    docstring)."""
+    """(context, continuation) tokens as the harness makes them (see the module's docstring)."""
     if not context:
         ids = tok.encode(continuation)
         eot = tok.eot_id if tok.eot_id is not None else tok.encode("\n")[0]
@@ -188,8 +186,7 @@ def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int
 
 
 class ChoiceTask:
-    """A HellaSwag-format file, read and tokenized once, scored whenever asked (the trainers'
-    --eval-tasks)."""
+    """A HellaSwag-format file, tokenized once, scored on demand (the trainers' --eval-tasks)."""
 
     def __init__(self, path: str, tok: Tokenizer, limit: int | None = None):
         self.name = os.path.splitext(os.path.basename(path))[0]
@@ -202,8 +199,7 @@ class ChoiceTask:
 
     def score(self, logits_at: LogitsAt, block_size: int, batch_size: int, device: torch.device,
               shard: tuple[int, int] | None = None) -> dict:
-        """acc and acc_norm: the items whose likeliest ending (per character, for acc_norm) is the
-        right one."""
+        """acc and acc_norm: items whose likeliest ending (per character for acc_norm) is right."""
         lls, _ = loglikelihoods(logits_at, self.requests, block_size, batch_size, device, shard)
         right = right_norm = offset = 0
         for item in self.items:

@@ -97,8 +97,7 @@ def _why_write_failed(error: Exception, tmp: str) -> str:
 
 
 def make_folder(path: str, flag: str | None = None) -> None:
-    """os.makedirs(path, exist_ok=True), failing in one line that names the flag (a file in the way,
-    no permission)."""
+    """os.makedirs(path, exist_ok=True); failures (file in the way, no permission) name the flag."""
     try:
         os.makedirs(path, exist_ok=True)
     except FileExistsError:
@@ -113,9 +112,8 @@ _locks: dict[str, int] = {}  # folder -> the open lock file this process holds
 
 
 def lock_folder(folder: str, flag: str = "--out-dir") -> None:
-    """Hold an advisory lock on folder/.lock until release_locks() or the end of this process (which
-    also proves the folder writable); another process that asks gets a CLIError naming the first
-    one's PID."""
+    """Hold an advisory lock on folder/.lock until release_locks() or this process ends (also
+    proving the folder writable); another process asking gets a CLIError naming the holder's PID."""
     make_folder(folder, flag)
     key = os.path.realpath(folder)
     if key in _locks:
@@ -142,8 +140,7 @@ def release_locks() -> None:
 
 
 def remove_temporaries(folder: str) -> None:
-    """Delete temporary files a killed writer left in folder (call it while holding the folder's
-    lock)."""
+    """Delete temporary files a killed writer left in folder (call it holding the folder's lock)."""
     for name in os.listdir(folder):
         if TEMPORARY.fullmatch(name) and os.path.isfile(os.path.join(folder, name)):
             os.remove(os.path.join(folder, name))

@@ -164,8 +164,7 @@ def load_body(cfg: FinetuneConfig) -> tuple[GPT, Tokenizer, dict]:
 
 
 def load_finetuned(path: str, device: torch.device) -> tuple[TaskModel, Tokenizer, dict]:
-    """(model with its head, tokenizer with the special tokens, the task facts) of a fine-tuned
-    ckpt.pt."""
+    """(model with its head, tokenizer with special tokens, task facts) of a fine-tuned ckpt.pt."""
     checkpoint = load_checkpoint(path)
     task = checkpoint.get("finetune")
     if isinstance(task, dict) and task.get("task") == "sft":
@@ -224,8 +223,7 @@ class TaskObjective(Objective):
         self.adapters = None  # LoRA's settings when the body trains adapters (setup)
 
     def micro_batches(self, step: int) -> list[tuple[list[Example], float]]:
-        """This rank's micro-batches of the step's global batch, each weighted by its share of the
-        examples."""
+        """This rank's micro-batches of the step, each weighted by its share of the global batch."""
         batch, mine = step_batches(step, len(self.train_set), self.cfg, self.steps_per_epoch)
         return [([self.train_set[i] for i in rows], len(rows) / len(batch)) for rows in mine]
 
@@ -243,12 +241,11 @@ class TaskObjective(Objective):
         return F.cross_entropy(logits, labels)
 
     def fit_head(self) -> None:
-        """Start the head as the best linear probe of the pretrained body (LP-FT: Kumar et al.
-        2022, "Fine-Tuning can Distort Pretrained Features and Underperform Out-of-Distribution"):
-        the task's loss of the head alone on what it reads from the frozen body, L2-regularised,
-        minimised by L-BFGS (convex: one answer whatever the start, the same in every rank). A
-        random head would first pull the body towards itself; a fitted one starts from what the
-        body already knows."""
+        """Start the head as the best linear probe of the pretrained body (LP-FT: Kumar et al. 2022,
+        "Fine-Tuning can Distort Pretrained Features and Underperform Out-of-Distribution"): the
+        task's loss of the head alone on the frozen body's features, L2-regularised, minimised by
+        L-BFGS (convex: one answer whatever the start, the same in every rank). A random head would
+        first pull the body towards itself; a fitted one builds on what the body knows."""
         model, answers = self.model, len(self.train_set[0].sequences)
         width = model.head.in_features
         choice = model.task == "choice"  # the head reads each answer, and adds its log-likelihood
@@ -404,8 +401,7 @@ def describe_run(cfg: FinetuneConfig, objective: TaskObjective | ChatObjective, 
 
 
 def learning_warning(trainer: Trainer) -> str | None:
-    """One line when the run learnt nothing: its best is no better than chance, or than its first
-    evaluation."""
+    """A warning line when the run's best is no better than chance, or than its first evaluation."""
     objective, loop = trainer.objective, trainer.loop
     metrics = trainer.history["metrics"]
     if not metrics:

@@ -37,8 +37,7 @@ MEGATRON_GROUP = ("Megatron-LM's names", "Megatron-LM's options and its spelling
 def option(default, help: str, *, check: str | None = None, choices: list | None = None, megatron: bool = False,
            required: bool = False):
     """A config field with its --help text, the CHECKS rule its value must pass, its choices,
-    whether it is one of Megatron-LM's own options (listed in their group), and whether the command
-    line must give it."""
+    whether it is a Megatron-LM option (listed in their group), and whether it is required."""
     assert check is None or check in CHECKS, check
     return field(default=default, metadata={"help": help, "check": check, "choices": choices, "megatron": megatron,
                                             "required": required})
@@ -58,9 +57,8 @@ def base_type(annotation) -> type:
 def add_flags(parser: argparse.ArgumentParser, config_class: type, aliases: dict[str, list[str]] | None = None,
               argument_default=None, overrides: dict[str, dict | None] | None = None) -> None:
     """One flag per field of config_class; Megatron's options and the aliases (other spellings of a
-    field, e.g. Megatron's) in the Megatron group. argument_default=argparse.SUPPRESS leaves out
-    every flag not given. overrides: a script's own help or choices for a field, or None to leave
-    its flag out."""
+    field, e.g. Megatron's) in the Megatron group. argument_default=argparse.SUPPRESS omits flags
+    not given. overrides: a script's own help or choices for a field, or None to omit its flag."""
     overrides = overrides or {}
     for f in fields(config_class):
         if f.name in overrides and overrides[f.name] is None:
@@ -107,8 +105,7 @@ def values(args: argparse.Namespace, config_class: type) -> dict:
 
 
 def check_values(cfg) -> None:
-    """Every field with a check holds a value that passes it (CLIError naming the flag); None means
-    unset."""
+    """Each checked field's value passes its check (CLIError naming the flag); None means unset."""
     for f in fields(cfg):
         value, rule = getattr(cfg, f.name), f.metadata.get("check")
         if rule is None or value is None:

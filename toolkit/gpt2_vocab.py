@@ -46,8 +46,7 @@ def installed() -> bool:
 
 
 def install() -> str:
-    """Put GPT-2's vocabulary (from the openai-whisper sdist on PyPI) into tiktoken's cache; returns
-    its path."""
+    """The path of GPT-2's vocabulary, put in tiktoken's cache from PyPI's openai-whisper sdist."""
     cache_dir = tiktoken_cache_dir()
     if not cache_dir:
         raise CLIError("TIKTOKEN_CACHE_DIR is set but empty, which disables tiktoken's cache; unset it or name a "

@@ -60,8 +60,7 @@ def find_model_dir(path: str) -> str:
 
 
 def read_config(directory: str) -> GPTConfig:
-    """The GPTConfig of an HF GPT-2 config.json; any setting that would change GPT-2's function is
-    refused."""
+    """The GPTConfig of an HF GPT-2 config.json, refusing settings that change GPT-2's function."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{directory}: no config.json; expected a Hugging Face GPT-2 model "
@@ -91,8 +90,7 @@ def read_config(directory: str) -> GPTConfig:
 
 
 def load_gpt2(path: str, **overrides) -> GPT:
-    """A GPT with the weights of an HF GPT-2 folder (or cached hub name); overrides set e.g.
-    dropout."""
+    """A GPT loaded from an HF GPT-2 folder (or cached hub name); overrides set e.g. dropout."""
     directory = find_model_dir(path)
     config = read_config(directory)
     for key, value in overrides.items():
@@ -198,8 +196,7 @@ and `AutoTokenizer` cannot load the folder. The vocabulary is described in token
 
 
 def merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
-    """The two parts BPE joins to make token: the merges of lower rank applied to its bytes leave
-    exactly two."""
+    """The two parts BPE joins into token: merges of lower rank reduce its bytes to exactly two."""
     parts = [bytes([b]) for b in token]
     while len(parts) > 2:
         pairs = [(ranks.get(a + b, len(ranks)), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
@@ -259,8 +256,7 @@ def gpt2_files(out_dir: str, facts: dict) -> HFTokenizer:
 
 
 def read_tokenizer(directory: str, vocab_size: int) -> dict:
-    """The tokenizer facts of an HF folder: TOKENIZER_FILE when this toolkit wrote one, else
-    GPT-2's."""
+    """An HF folder's tokenizer facts: TOKENIZER_FILE when this toolkit wrote one, else GPT-2's."""
     path = os.path.join(directory, TOKENIZER_FILE)
     facts = read_json(path, "tokenizer facts") if os.path.isfile(path) else dict(GPT2_FACTS)
     if facts.get("vocab_size") != vocab_size:

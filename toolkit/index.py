@@ -34,8 +34,7 @@ def write_index(folder: str, documents: list[Document], rows: np.ndarray, vector
                 encoding: dict, corpus: dict) -> None:
     """The index of the documents' chunks (rows) and their vectors; encoding says how they were
     encoded (encoder, tokenizer, pooling, dtype, chunking), corpus where the documents came from.
-    One writer at a time; an old index.json goes first, so the folder is no index until the new one
-    is complete."""
+    One writer at a time; an old index.json goes first, so a half-written folder is no index."""
     paths = {name: os.path.join(folder, name) for name in INDEX_FILES}
     lock_folder(folder, "--out")  # embed.py index --out
     if os.path.exists(paths[INDEX_FILE]):
@@ -52,8 +51,7 @@ def write_index(folder: str, documents: list[Document], rows: np.ndarray, vector
 
 
 class Index:
-    """An index folder opened for search: its facts, and its arrays memory-mapped (opening reads no
-    vectors)."""
+    """An index opened for search: its facts and memory-mapped arrays (opening reads no vectors)."""
 
     def __init__(self, folder: str):
         self.folder = folder
@@ -109,8 +107,7 @@ class Index:
         return results
 
     def result(self, tokenizer: Tokenizer, rank: int, number: int, score: float, row: int) -> dict:
-        """A hit as search shows it: the document (id, source, line, text) and its best chunk
-        (tokens, passage)."""
+        """A search hit: its document (id, source, line, text) and best chunk (tokens, passage)."""
         document = self.document(number)
         start, end = self.rows[row, 1:].tolist()
         passage = tokenizer.decode(tokenizer.encode(document["text"])[start:end])
@@ -119,9 +116,8 @@ class Index:
 
 
 def open_encoder(index: Index, ckpt: str | None, device: torch.device) -> tuple[GPT, Tokenizer]:
-    """The index's encoder, from ckpt or the path the index recorded; refused unless its fingerprint
-    is the one the index recorded (another model, another tokenizer, or the same file since
-    changed)."""
+    """The index's encoder, from ckpt or the recorded path; refused unless its fingerprint is the
+    one the index recorded (another model, another tokenizer, or the same file since changed)."""
     recorded = index.meta["encoder"]
     path = ckpt or recorded["path"]
     if encoder_identity(path)["sha256"] != recorded["sha256"]:
@@ -138,8 +134,7 @@ def open_encoder(index: Index, ckpt: str | None, device: torch.device) -> tuple[
 
 def encode_queries(model: GPT, tokenizer: Tokenizer, index: Index, texts: list[str],
                    places: list[str], batch_size: int, device: torch.device) -> torch.Tensor:
-    """Queries encoded as the index's texts were: same pooling and dtype, cut to the index's chunk
-    length."""
+    """Queries encoded like the index's texts: same pooling and dtype, cut to its chunk length."""
     meta = index.meta
     token_lists = [token_ids(tokenizer, text, place)[: meta["chunk_tokens"]]
                    for text, place in zip(texts, places)]
@@ -150,8 +145,7 @@ def encode_queries(model: GPT, tokenizer: Tokenizer, index: Index, texts: list[s
 
 def read_eval_pairs(path: str, ids: dict[str, int],
                     index_folder: str) -> tuple[list[str], list[str], list[int]]:
-    """(queries, their places, the number of each one's relevant document) from {"query", "id"}
-    lines."""
+    """(queries, their places, the relevant document number of each) from {"query", "id"} lines."""
     queries, places, relevant = [], [], []
     for number, record in json_records(path, ("query",)):
         if not record["query"].strip():
@@ -172,8 +166,7 @@ def read_eval_pairs(path: str, ids: dict[str, int],
 
 def retrieval_metrics(hits: list[list[tuple[int, float, int]]], relevant: list[int]) -> dict:
     """Recall@1/5/10 and MRR@10 of each query's relevant document among its hits (Index.search's,
-    best first): the share of queries that find it in the first k, and the mean of 1/rank (0 past
-    10)."""
+    best first): the share of queries with it in the top k, and the mean 1/rank (0 past 10)."""
     ranks = []
     for found, want in zip(hits, relevant):
         numbers = [number for number, _, _ in found][: max(METRIC_KS)]

@@ -16,8 +16,7 @@ from toolkit.gpt2_vocab import GPT2_FACTS
 
 
 def is_deepspeed_source(path: str) -> bool:
-    """A DeepSpeed checkpoint folder, the run folder above one, or a file or tag folder inside
-    one."""
+    """A DeepSpeed checkpoint folder, the run folder above one, or a file or tag folder in one."""
     parent = os.path.dirname(os.path.abspath(path.rstrip("/\\")))
     return any(map(is_deepspeed_folder, (path, os.path.join(path, "ds"), parent)))
 

@@ -50,8 +50,7 @@ class LoRALinear(nn.Module):
 
 
 class NewRows(nn.Module):
-    """The embedding's rows from `first` on replaced by a trainable tensor; the rows before stay
-    frozen."""
+    """The embedding's rows from `first` on become a trainable tensor; earlier rows stay frozen."""
 
     def __init__(self, weight: torch.Tensor, first: int):
         super().__init__()
@@ -114,8 +113,7 @@ def load_adapters(model: GPT, state: dict[str, torch.Tensor], source: str) -> No
 
 
 def merge(model: GPT) -> GPT:
-    """A plain GPT with the adapters added into its weights: the same function, and any script reads
-    it."""
+    """A plain GPT with the adapters added in: the same function, and any script reads it."""
     merged = {}
     modules = dict(model.named_modules())
     for name, module in modules.items():
@@ -154,8 +152,7 @@ def base_record(source: str) -> dict:
 
 
 def check_base(lora: dict, source: str) -> str:
-    """The path of an adapter checkpoint's base, found and unchanged since the adapters were
-    trained."""
+    """The path of a LoRA checkpoint's base, found and unchanged since the adapters were trained."""
     base = lora["base"]
     path = base["path"]
     if not os.path.exists(path):

@@ -51,8 +51,7 @@ class MegatronOptions:
 
 
 def check_options(cfg: MegatronOptions, given: set[str]) -> None:
-    """A sample count and the step count it sets are not both given; codecarbon is there when asked
-    for."""
+    """A sample count and its step count are not both given; codecarbon is there when asked for."""
     for samples, steps in SAMPLE_FLAGS.items():
         if {samples, steps} <= given:
             raise CLIError(f"{flag(samples)} and {flag(steps)} set the same value; give one of "
@@ -66,8 +65,7 @@ def check_options(cfg: MegatronOptions, given: set[str]) -> None:
 
 
 def apply_load(cfg, given: set[str]) -> None:
-    """--load DIR: DIR is the run's folder (checkpoints are read from and written to one place
-    here)."""
+    """--load DIR: DIR is the run's folder (here, checkpoints are read and written in one place)."""
     if "out_dir" in given and os.path.abspath(cfg.out_dir) != os.path.abspath(cfg.load):
         raise CLIError(f"--load {cfg.load} and --save/--out-dir {cfg.out_dir} differ; a run resumes and saves "
                        f"in one folder here: give the same folder or only one of them")
@@ -79,8 +77,7 @@ def apply_load(cfg, given: set[str]) -> None:
 
 
 def grad_accum_for(cfg, given: set[str]) -> int:
-    """--grad-accum from --global-batch-size = --micro-batch-size x accumulation (over all
-    processes)."""
+    """--grad-accum from --global-batch-size = --micro-batch-size x accumulation (all processes)."""
     accum, rest = divmod(cfg.global_batch_size, cfg.batch_size)
     if rest:
         raise CLIError(f"--global-batch-size {cfg.global_batch_size} is not a multiple of "
@@ -92,16 +89,14 @@ def grad_accum_for(cfg, given: set[str]) -> int:
 
 
 def forget_replaced_counts(cfg, given: set[str]) -> None:
-    """On resume, a step count given now wins over the Megatron count the checkpoint saved for
-    it."""
+    """On resume, a step count given now replaces the Megatron count the checkpoint saved for it."""
     for samples, steps in {**SAMPLE_FLAGS, "global_batch_size": "grad_accum"}.items():
         if steps in given and samples not in given:
             setattr(cfg, samples, None)
 
 
 def steps_from_samples(cfg) -> None:
-    """Each sample count set becomes the step count it stands for, rounded up to whole global
-    batches."""
+    """Each sample count set becomes its step count, rounded up to whole global batches."""
     for samples, steps in SAMPLE_FLAGS.items():
         if getattr(cfg, samples) is not None:
             setattr(cfg, steps, math.ceil(getattr(cfg, samples) / (cfg.batch_size * cfg.grad_accum)))
@@ -110,8 +105,7 @@ def steps_from_samples(cfg) -> None:
 @contextmanager
 def tracking_emissions(cfg: MegatronOptions, master: bool):
     """codecarbon's OfflineEmissionsTracker around the block when the run sets --codecarbon-dir
-    (rank 0); its row is appended to CODECARBON_DIR/emissions.csv when the block ends, however it
-    ends."""
+    (rank 0); its row is appended to CODECARBON_DIR/emissions.csv however the block ends."""
     if not (master and cfg.codecarbon_dir):
         yield
         return

@@ -109,9 +109,8 @@ def make_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, 
 
 @dataclass
 class Schedule:
-    """Linear warmup over warmup_iters steps, then cosine (or linear) decay to min_lr at step
-    decay_iters, then flat: nanoGPT's schedule, and GPT-1's fine-tuning one with shape linear and
-    min_lr 0."""
+    """Linear warmup to step warmup_iters, cosine (or linear) decay to min_lr at step decay_iters,
+    then flat: nanoGPT's schedule; with shape linear and min_lr 0, GPT-1's fine-tuning one."""
     lr: float
     warmup_iters: int
     decay_iters: int

@@ -67,9 +67,8 @@ class Layout:
 
 
 def check_layout(layout: Layout, config: GPTConfig, zero_stage: int, training: bool = True) -> None:
-    """ValueError for a layout this model or DeepSpeed cannot run (the world size is checked by
-    Layout itself); training=False for a memory estimate, which also takes pipeline and tensor
-    parallel together."""
+    """ValueError for a layout this model or DeepSpeed cannot run (Layout checks the world size);
+    training=False for a memory estimate, which also allows pipeline with tensor parallel."""
     if training and layout.pipeline_stages > 1 and layout.tp_size > 1:
         raise ValueError("--pipeline-stages and --tp-size together are not supported: DeepSpeed's "
                          "pipeline engine does not compose with AutoTP; use one of them "
@@ -154,8 +153,7 @@ def pipeline_module(model: GPT, stages: int):
 def gpt_state_from_universal(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """GPT's state dict from a pipeline's parameter names ("tied_modules.wte.wte.weight",
     "1.wpe.weight", "{2 + i}.block.*" for block i, "{n_layer + 2}.ln_f.*"), as the universal
-    checkpoint names them.
-    """
+    checkpoint names them."""
     state = {}
     for name, tensor in weights.items():
         layer, rest = name.split(".", 1)
@@ -173,8 +171,7 @@ def gpt_state_from_universal(weights: dict[str, torch.Tensor]) -> dict[str, torc
 # ----- what a layout costs -----
 
 def tp_share(name: str, numel: int, tp_size: int) -> int:
-    """Elements of one parameter that a tensor-parallel shard holds (TP_RULES; a row-parallel bias
-    stays whole)."""
+    """A parameter's elements in one TP shard (TP_RULES; a row-parallel bias stays whole)."""
     weight = re.sub(r"\.bias$", ".weight", name)  # a column-parallel bias is split as its weight
     for pattern, kind, _ in TP_RULES:
         if re.match(pattern, name) or kind == "column" and re.match(pattern, weight):

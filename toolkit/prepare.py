@@ -85,8 +85,7 @@ def _encode_in_worker(texts: list[list[str]]) -> tuple[list[np.ndarray], np.ndar
 def encode_in_order(chunks: Iterator[tuple[list[list[str]], int]], tokenizer: Tokenizer,
                     eod: str | None, dtype: np.dtype,
                     workers: int) -> Iterator[tuple[list[np.ndarray], np.ndarray, int]]:
-    """(token arrays, lengths, input bytes) per chunk, in input order; at most 2*workers chunks in
-    flight."""
+    """(token arrays, lengths, input bytes) per chunk in order; at most 2*workers in flight."""
     if workers == 1:
         for texts, nbytes in chunks:
             yield *encode_chunk(tokenizer, texts, eod, dtype), nbytes
@@ -112,8 +111,7 @@ def default_corpus_documents() -> list[str]:
 
 
 def prepare_default_corpus(data_dir: str = DEFAULT_CORPUS_DIR) -> dict:
-    """pydoc topics, char-level, split by characters like nanoGPT's shakespeare_char: the last 10%
-    is val."""
+    """pydoc topics, char-level as nanoGPT's shakespeare_char: the last 10% of characters is val."""
     documents = default_corpus_documents()
     text = "\n\n".join(documents) + "\n"  # a blank line between documents reads naturally; no EOT
     tokenizer = Tokenizer("char", chars="".join(sorted(set(text))))

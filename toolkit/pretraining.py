@@ -145,15 +145,13 @@ def settle_optimizer(cfg: TrainConfig) -> None:
 
 
 def schedule(cfg: TrainConfig) -> Schedule:
-    """Warmup, then cosine decay to min_lr (default lr/10) over lr_decay_iters (default: all
-    steps)."""
+    """Warmup, then cosine decay to min_lr (default lr/10) by lr_decay_iters (default max_iters)."""
     return Schedule(cfg.lr, cfg.warmup_iters, cfg.lr_decay_iters or cfg.max_iters,
                     cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr)
 
 
 def merge_resumed_config(cfg: TrainConfig, given: set[str], saved: dict, source: str) -> TrainConfig:
-    """Resume with the checkpoint's settings except flags given now; a different model shape is an
-    error."""
+    """The checkpoint's settings, but flags given now win; a different model shape is an error."""
     known = {"optimizer": "adamw"}  # checkpoints from before the optimizer option were trained with AdamW
     known.update((k, v) for k, v in saved.get("train_config", {}).items() if k in CONFIG_FIELDS)
     merged = TrainConfig(**{**asdict(TrainConfig()), **known, **{k: getattr(cfg, k) for k in given},
@@ -196,8 +194,7 @@ def settle_config(cfg: TrainConfig, given: set[str], resume: dict | None, engine
 
 
 def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
-    """A new GPT of the configured shape, or GPT-2 weights for --init-from DIR/NAME (cut to
-    --block-size)."""
+    """A new GPT of the given shape, or GPT-2 from --init-from DIR/NAME (cut to --block-size)."""
     if cfg.init_from in ("scratch", "resume"):
         config = GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size, n_layer=cfg.n_layer,
                            n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
@@ -214,8 +211,7 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
 
 
 def check_data(cfg: TrainConfig, corpus, model: GPT, resume: dict | None) -> None:
-    """Both splits hold a window, and the data, the model and a resumed checkpoint share one
-    tokenizer."""
+    """Each split holds a window; the data, model and a resumed checkpoint share one tokenizer."""
     for split in ("train", "val"):  # fail now, not at the first evaluation
         tokens = len(getattr(corpus, split))
         if tokens < cfg.block_size + 1:

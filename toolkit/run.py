@@ -28,8 +28,7 @@ SIGNAL_GRACE_S = 5.0  # more SIGINT/SIGTERM within this time of the first are th
 
 @dataclass
 class RunConfig:
-    """The options of every trainer (train.py, finetune.py, embed.py tune); each redeclares a
-    default it changes."""
+    """Options of train.py, finetune.py and embed.py tune; each redeclares a default it changes."""
     out_dir: str = option("ckpt", "where the checkpoint, the loss curve and the TensorBoard logs "
                                   "go")
     overwrite: bool = option(False, "replace a checkpoint in --out-dir that this run does not "
@@ -90,8 +89,7 @@ def prepare_run(cfg: RunConfig, data_parallel: int | None = None) -> tuple[torch
 
 
 def replicas(data_parallel: int) -> str:
-    """The data-parallel width in words: "2 processes", or "1 replica of 2 processes" with model
-    parallelism."""
+    """The data-parallel width: "2 processes", or "1 replica of 2 processes" if model-parallel."""
     world = distributed.world_size()
     if data_parallel == world:
         return f"{world} process{'es' * (world > 1)}"
@@ -193,8 +191,7 @@ class RunLog:
 
 
 def plot_losses(history: dict, out_dir: str) -> None:
-    """OUT_DIR/loss.png: the training loss at each logged step and the val loss at each
-    evaluation."""
+    """OUT_DIR/loss.png: the train loss at each logged step and the val loss at each evaluation."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

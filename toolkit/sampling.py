@@ -111,8 +111,7 @@ class Sampler:
         return prompt_ids(text, self.tok), text
 
     def sample(self, text: str) -> None:
-        """num_samples completions of text, printed (streamed or whole) and written to the
-        genfile."""
+        """num_samples completions of text, printed (streamed or whole), written to the genfile."""
         ids, shown = self.prompt(text)
         done = 0
         while done < self.args.num_samples:
@@ -152,8 +151,7 @@ class Sampler:
         return out
 
     def strip_eot(self, tokens: list[int]) -> tuple[list[int], bool]:
-        """Tokens up to the first end token (end-of-text, or <|end|> of a reply), and whether there
-        was one."""
+        """Tokens up to the first end-of-text (or a reply's <|end|>), and whether there was one."""
         if self.eos is not None and self.eos in tokens:
             return tokens[: tokens.index(self.eos)], True
         return tokens, False
@@ -191,9 +189,8 @@ def check_sampling_args(args: argparse.Namespace, inputs: list[str]) -> None:
 
 
 def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: str) -> None:
-    """Sample once from --prompt, in a loop over prompts typed on stdin with --interactive, or talk
-    with --chat. The genfile appears, complete, when sampling ends; a failure or an interrupt leaves
-    none."""
+    """Sample once from --prompt, over prompts typed on stdin with --interactive, or talk with
+    --chat. The genfile appears whole when sampling ends; a failure or an interrupt leaves none."""
     if (args.chat or args.system) and not is_chat_tokenizer(tok):
         flag = "--chat" if args.chat else "--system"
         raise CLIError(f"{source} was never instruction-tuned, so it has no chat template for "

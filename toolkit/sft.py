@@ -1,7 +1,6 @@
 """Instruction tuning's objective (finetune.py --task sft): the LM loss on the assistant turns of
 conversations, laid out by toolkit/chat.py's template and loss mask, one global batch split over the
-processes; evaluated by the same loss on held-out conversations after each epoch.
-"""
+processes; evaluated by the same loss on held-out conversations after each epoch."""
 import torch
 
 from model import GPT
@@ -32,8 +31,7 @@ class ChatObjective(Objective):
         self.adapters = None  # LoRA's settings when the body trains adapters (finetuning.setup)
 
     def micro_batches(self, step: int) -> list[tuple[list[Conversation], float]]:
-        """This rank's micro-batches, each weighted by its share of the global batch's learnt
-        tokens."""
+        """This rank's micro-batches, each weighted by its share of the step's learnt tokens."""
         batch, mine = step_batches(step, len(self.train_set), self.cfg, self.steps_per_epoch)
         total = trained_tokens([self.train_set[i] for i in batch])
         batches = [[self.train_set[i] for i in rows] for rows in mine]

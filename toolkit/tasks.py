@@ -52,16 +52,14 @@ class Example:
 
 
 def add_special_tokens(model: GPT, tokenizer: Tokenizer) -> dict[str, int]:
-    """Start, delimiter and extract as new rows of the model's (tied) embedding and ids of the
-    tokenizer."""
+    """Start, delimiter and extract as new rows of the (tied) embedding and ids of the tokenizer."""
     return add_tokens(model, tokenizer, SPECIAL_TOKENS)
 
 
 # ----- files -----
 
 def read_records(path: str, task: str, labelled: bool) -> list[tuple[int, dict]]:
-    """(line number, object) for each non-blank JSON line of path, checked against the task's
-    schema."""
+    """(line number, object) per non-blank JSON line of path, checked against the task's schema."""
     records = []
     for number, record in json_lines(path):
         problem = schema_problem(task, record, labelled)
@@ -93,8 +91,7 @@ def schema_problem(task: str, record, labelled: bool) -> str | None:
 
 
 def label_names(records: list[tuple[int, dict]], path: str) -> list:
-    """The classes of a training file, sorted (numbers, then strings), so that ids do not depend on
-    line order."""
+    """A training file's classes, sorted (numbers, then strings) so that ids ignore line order."""
     for number, record in records:
         if not isinstance(record["label"], (str, int, float)):  # bool is an int
             raise CLIError(f"{path} line {number}: label must be a string, number or boolean, got "
@@ -107,8 +104,7 @@ def label_names(records: list[tuple[int, dict]], path: str) -> list:
 
 
 def label_value(record: dict, task: str, names: list | None) -> int | float:
-    """A line's label as the head's target: a class id, an answer index, or a float (names None:
-    regression)."""
+    """A line's target: a class id, an answer index, or a float (names None: regression)."""
     label = record["label"]
     if task == "choice":
         answers = len(record["choices"])
@@ -167,9 +163,8 @@ def keep_last(tokens: list[int], n: int) -> list[int]:
 def encode_records(records: list[tuple[int, dict]], path: str, task: str, tokenizer: Tokenizer,
                    special: dict[str, int], block_size: int, names: list | None,
                    labelled: bool = True) -> list[Example]:
-    """Examples of a file's records; a problem is an error naming the file and line. For choice,
-    every line of a file must offer the same number of answers (one batch is one tensor of
-    scores)."""
+    """Examples of a file's records; errors name the file and line. For choice, every line of a file
+    must offer the same number of answers (one batch is one tensor of scores)."""
     first_number, first = records[0]
     examples = []
     for number, record in records:
@@ -226,8 +221,7 @@ class TaskModel(nn.Module):
     def forward(self, idx: torch.Tensor, extract: torch.Tensor, per_example: int,
                 lm_targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, outputs), or (B, answers) for choice, of the B examples whose per_example
-        sequences each are the rows of idx; with lm_targets also the mean LM loss on the same
-        inputs."""
+        sequences each are the rows of idx; with lm_targets, also their mean LM loss."""
         hidden = self.body.hidden_states(idx)
         inputs, offset = self.head_inputs(hidden, idx, extract, per_example)
         logits = self.scores(inputs, offset)

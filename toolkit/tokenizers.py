@@ -99,8 +99,7 @@ def load_local_ranks(vocab_file: str, merge_file: str | None) -> dict[bytes, int
 
 
 def gpt2_ranks(vocab_file: str | None = None, merge_file: str | None = None) -> dict[bytes, int]:
-    """The BPE ranks of GPT-2's vocabulary: r50k_base from tiktoken's cache, or from vocabulary
-    files."""
+    """GPT-2's BPE ranks: r50k_base from tiktoken's cache, or from vocabulary files."""
     if vocab_file is not None:
         return load_local_ranks(vocab_file, merge_file)
     if not gpt2_vocab.installed():
@@ -110,8 +109,7 @@ def gpt2_ranks(vocab_file: str | None = None, merge_file: str | None = None) -> 
 
 
 def gpt2_encoding(vocab_file: str | None = None, merge_file: str | None = None) -> tiktoken.Encoding:
-    """GPT-2's BPE: tiktoken's r50k_base, or the same split pattern and <|endoftext|> over ranks
-    from files."""
+    """GPT-2's BPE: r50k_base, or its split pattern and <|endoftext|> over ranks from files."""
     if vocab_file is None:
         if not gpt2_vocab.installed():
             raise CLIError("the GPT-2 vocabulary is not in tiktoken's cache "
@@ -155,8 +153,7 @@ class Tokenizer:
             raise CLIError(f"unknown tokenizer {name!r} (expected {', '.join(KINDS)})")
 
     def encode_array(self, text: str) -> np.ndarray:
-        """Token ids of text (special-token text such as <|endoftext|> is encoded as ordinary
-        text)."""
+        """Token ids of text (special-token text like <|endoftext|> is encoded as ordinary text)."""
         if self.name == "bpe":
             try:
                 text.encode("utf-8")  # HF tokenizers take valid Unicode only

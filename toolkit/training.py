@@ -47,8 +47,7 @@ class Engine(Protocol):
     dtype: torch.dtype
 
     def data_parallel(self) -> tuple[int, int]:
-        """(rank, size) among the replicas that split the data (pipeline stages of one replica share
-        it)."""
+        """(rank, size) among replicas splitting the data (a replica's pipeline stages share it)."""
 
     def read_resume(self) -> dict:
         """The saved state a resumed run continues from."""
@@ -61,8 +60,7 @@ class Engine(Protocol):
         """Take the model (and the saved state of a resumed run); build the optimizer."""
 
     def train_step(self, batches: list[tuple[Batch, float]], lr: float) -> float:
-        """One optimizer step over this process's weighted micro-batches; its share of the step's
-        loss."""
+        """One optimizer step over this process's weighted micro-batches; its share of the loss."""
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The language-model loss of a batch, without gradients."""
@@ -82,8 +80,7 @@ class Objective(Protocol):
     (toolkit/sft.py), Contrastive (toolkit/embedding.py); each declares it as its base."""
 
     def micro_batches(self, step: int) -> list[tuple[Batch, float]]:
-        """This process's micro-batches of a step, each with its share of the global batch's
-        loss."""
+        """This rank's micro-batches of a step, each with its share of the global batch's loss."""
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """The mean loss of one micro-batch."""
@@ -95,8 +92,7 @@ class Objective(Protocol):
         """The metrics of an evaluation (val_loss among them, unless there is none)."""
 
     def good_weights(self, engine: Engine) -> bool:
-        """Weights fit to be saved: finite (and giving a finite loss, where the objective checks
-        one)."""
+        """Weights fit to save: finite (and with a finite loss, where the objective checks one)."""
         return engine.weights_finite()
 
     def checkpoint_state(self, best: dict | None) -> dict:
@@ -120,9 +116,8 @@ class LoopConfig:
 class TorchEngine:
     """Steps in torch: Muon or AdamW (a param group's `lr_scale` moves it along the schedule), a
     GradScaler for float16, torch.compile, DDP in a process group. Its checkpoint is a ckpt.pt at
-    `path`, written by rank 0:
-    the weights of `gpt`, the objective's state and, unless save_optimizer is off, what exact resume
-    needs."""
+    `path`, written by rank 0: the weights of `gpt`, the objective's state and, unless
+    save_optimizer is off, what exact resume needs."""
 
     def __init__(self, path: str, save_optimizer: bool = True):
         self.path, self.save_optimizer = path, save_optimizer
@@ -219,8 +214,7 @@ class LanguageModeling(Objective):
     """Pretraining's objective: next-token cross-entropy on random windows of the corpus. Each
     step's windows come from (seed, step) alone and the data-parallel ranks take slices of them, so
     N ranks train exactly like one process and the step is the data position; evaluation scores
-    fixed windows of both splits.
-    """
+    fixed windows of both splits."""
 
     def __init__(self, cfg, corpus, model: torch.nn.Module, device: torch.device, dp_rank: int,
                  dp_size: int, token_bytes: np.ndarray, tasks: list = ()):
@@ -273,8 +267,7 @@ class LanguageModeling(Objective):
 
     @torch.no_grad()
     def good_weights(self, engine: Engine) -> bool:
-        """Finite weights that give a finite loss on one fixed validation batch (in eval mode: no
-        RNG used)."""
+        """Finite weights giving a finite loss on one fixed val batch (eval mode: no RNG used)."""
         if not engine.weights_finite():
             return False
         cfg = self.cfg

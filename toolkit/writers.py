@@ -2,8 +2,7 @@
 these): a nanoGPT folder (train.bin, val.bin, meta.json) with a per-document train/val split,
 Megatron-LM's PREFIX.bin/.idx with this toolkit's PREFIX.json of tokenizer facts, and llm.c's
 shards. Every file is written under a temporary name and renamed only when complete; the metadata
-file comes last, so its presence means the data is whole.
-"""
+file comes last, so its presence means the data is whole."""
 import hashlib
 import os
 
@@ -26,8 +25,7 @@ def write_nanogpt(folder: str, train: np.ndarray, val: np.ndarray, meta: dict) -
 
 
 def output_dtype(vocab_size: int, requested: str, fmt: str) -> np.dtype:
-    """uint16 when every id fits, else 32 bits (uint32 for nanoGPT; int32 for Megatron, which has no
-    uint32 code)."""
+    """uint16 when every id fits, else uint32, or int32 for Megatron, which has no uint32 code."""
     wide = "int32" if fmt == "megatron" else "uint32"
     name = requested if requested != "auto" else ("uint16" if vocab_size <= 2**16 else wide)
     if name not in ("uint16", wide):
@@ -39,8 +37,7 @@ def output_dtype(vocab_size: int, requested: str, fmt: str) -> np.dtype:
 
 
 def is_val_document(seed: int, index: int, val_fraction: float) -> bool:
-    """Deterministic per (seed, document index), so the split streams and does not depend on
-    --workers."""
+    """Deterministic per (seed, document index), so the split streams, independent of --workers."""
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") < val_fraction * 2**64
 
@@ -79,8 +76,7 @@ class NanoGPTWriter:
             self.last_length[split] = int(lengths[mine][-1])
 
     def move_tail(self, source: str, target: str, n: int, documents: int) -> None:
-        """Move the last n tokens (the last `documents` documents) from one split's file to the
-        other's."""
+        """Move the last n tokens (`documents` documents) from one split's file to the other's."""
         f = self.files[source]
         f.seek(-n * self.dtype.itemsize, os.SEEK_END)
         self.files[target].write(f.read())
@@ -137,8 +133,7 @@ def write_megatron_index(path: str, dtype: np.dtype, sizes: np.ndarray) -> None:
 
 
 class MegatronWriter:
-    """{prefix}.bin (token ids) + {prefix}.idx (Megatron MMapIndexedDataset) + {prefix}.json
-    (tokenizer facts)."""
+    """{prefix}.bin (token ids), .idx (Megatron MMapIndexedDataset) and .json (tokenizer facts)."""
 
     def __init__(self, prefix: str, dtype: np.dtype):
         if os.path.dirname(prefix):
