@@ -174,8 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, run, description: str) -> argparse.ArgumentParser:
-        p = commands.add_parser(name, help=description, description=description,
-                                allow_abbrev=False)
+        p = commands.add_parser(name, help=description, description=description, allow_abbrev=False)
         p.set_defaults(run=run)
         return p
 

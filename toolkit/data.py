@@ -50,9 +50,7 @@ def megatron_document_prefix(output_prefix: str, json_key: str = "text") -> str:
     return f"{output_prefix}_{json_key}_document"
 
 
-# -----------------------------------------------------------------------------
-# Reading
-
+# ----- reading -----
 
 def load_corpus(path: str, split: str = "969,30,1") -> Corpus:
     """Memory-map a prepared corpus: a nanoGPT folder, or a Megatron prefix (P, P.bin, P.idx, or a

@@ -139,27 +139,13 @@ def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> str:
     c = model.config
     tokenizer = tokenizer or GPT2_FACTS
     eot_id = tokenizer.get("eot_id")
-    hf = {
-        "model_type": "gpt2",
-        "architectures": ["GPT2LMHeadModel"],
-        "vocab_size": c.vocab_size,
-        "n_positions": c.block_size,
-        "n_ctx": c.block_size,
-        "n_embd": c.n_embd,
-        "n_layer": c.n_layer,
-        "n_head": c.n_head,
-        "n_inner": None,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5,
-        "resid_pdrop": c.dropout,
-        "embd_pdrop": c.dropout,
-        "attn_pdrop": c.dropout,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "tie_word_embeddings": True,
-        "bos_token_id": eot_id,
-        "eos_token_id": eot_id,
-    }
+    hf = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": c.vocab_size,
+          "n_positions": c.block_size, "n_ctx": c.block_size, "n_embd": c.n_embd,
+          "n_layer": c.n_layer, "n_head": c.n_head, "n_inner": None,
+          "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+          "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout,
+          "initializer_range": 0.02, "scale_attn_weights": True, "tie_word_embeddings": True,
+          "bos_token_id": eot_id, "eos_token_id": eot_id}
     tensors = {}
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Linear, nn.LayerNorm, nn.Embedding)) or name == "lm_head":

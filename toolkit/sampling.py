@@ -228,8 +228,7 @@ def chat(sampler: Sampler) -> None:
             history, dropped = fit_history(history + [{"role": "user", "content": line}], sampler.tok, room)
             if dropped and not told:
                 print(f"(the oldest turns no longer fit the model's {block_size}-token context and "
-                      "are dropped)",
-                      file=sys.stderr)
+                      "are dropped)", file=sys.stderr)
                 told = True
             print("model> ", end="", flush=True)
             history.append({"role": "assistant", "content": sampler.reply(history)})
