@@ -30,7 +30,7 @@ from model import GPT
 from toolkit import cli
 from toolkit.cli import CLIError
 from toolkit.data import load_corpus
-from toolkit.device import autocast, resolve_device, resolve_dtype
+from toolkit.device import autocast, full_logits_fit, resolve_device, resolve_dtype
 from toolkit.evaluation import ChoiceTask, gpt_logits_at, window_losses
 from toolkit.files import check_output, refuse_existing, write_json
 from toolkit.load import load_model
@@ -118,9 +118,11 @@ def val_scores(model: GPT, tokenizer: Tokenizer, facts: dict, args, device: torc
                        f"window of the model's block size + 1 = {block + 1}")
     offsets = np.arange((len(corpus.val) - 1) // block, dtype=np.int64)[:args.limit] * block
 
+    chunked = not full_logits_fit(device, args.batch_size * block, model.config.vocab_size)
+
     def eval_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast(device, dtype):
-            return model(x, y, chunked_loss=True)[1]
+            return model(x, y, chunked_loss=chunked)[1]
 
     token_bytes = torch.from_numpy(tokenizer.token_bytes()).to(device)
     loss_sum, count, nbytes = window_losses(eval_loss, corpus.val, offsets, block, args.batch_size, device,

@@ -94,9 +94,8 @@ class CausalSelfAttention(nn.Module):
         heads = qkv.size(-1) // (3 * self.head_dim)  # n_head, or this rank's tensor-parallel share
         # (B, T, 3 * heads * head_dim) -> three (B, heads, T, head_dim) views
         q, k, v = qkv.view(B, T, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        past = 0
+        past = kv_cache.len if kv_cache is not None else 0
         if kv_cache is not None:
-            past = kv_cache.len
             k, v = kv_cache.append(k, v)
         dropout_p = self.dropout if self.training else 0.0
         cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
@@ -195,11 +194,11 @@ class GPT(nn.Module):
         x = self.hidden_states(idx)
         if targets is not None and chunked_loss:
             return None, chunked_cross_entropy(x, self.lm_head.weight, targets)
-        logits = self.lm_head(x)
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        return logits, loss
+        logits = padded_logits(x, self.lm_head.weight)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits[..., : self.config.vocab_size], loss
 
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T, n_embd) states after the final LayerNorm, i.e. the LM head's input."""
@@ -218,8 +217,8 @@ class GPT(nn.Module):
     def _check_shape(self, idx: torch.Tensor) -> None:
         """Shape and dtype only (no device sync, no graph break); ids are checked on entry."""
         if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"idx must be a (batch, time) integer tensor, got {tuple(idx.shape)} "
-                             f"{idx.dtype}")
+            shape = tuple(idx.shape)
+            raise ValueError(f"idx must be a (batch, time) integer tensor, got {shape} {idx.dtype}")
         if idx.size(1) > self.config.block_size:
             raise ValueError(f"sequence of length {idx.size(1)} is longer than block_size "
                              f"{self.config.block_size}")
@@ -227,17 +226,15 @@ class GPT(nn.Module):
     def crop_block_size(self, block_size: int) -> None:
         """Shrink the context length, e.g. to fine-tune a pretrained model on shorter blocks."""
         if not 0 < block_size <= self.config.block_size:
-            raise ValueError(f"block_size must be in [1, {self.config.block_size}], "
-                             f"got {block_size}")
+            raise ValueError(f"block_size must be in [1, {self.config.block_size}]: {block_size}")
         self.config.block_size = block_size
         wpe = self.transformer.wpe
         wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
         wpe.num_embeddings = block_size
 
     def resize_token_embeddings(self, vocab_size: int) -> None:
-        """Grow the tied embedding / LM head, e.g. for special tokens. New rows are the mean of the
-        old (Hewitt 2021, as HF does), so a new token reads as an average one, plus noise of std 0.02
-        so that new tokens differ (docs/performance.md)."""
+        """Grow the tied embedding / LM head (special tokens): new rows are the old rows' mean
+        (Hewitt 2021, as HF) plus noise of std 0.02, so new tokens differ (docs/performance.md)."""
         old = self.lm_head.weight
         if vocab_size < old.size(0):
             raise ValueError(f"vocab_size can only grow: {old.size(0)} -> {vocab_size}")
@@ -269,11 +266,10 @@ class GPT(nn.Module):
     def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                         top_k: int | None = None, top_p: float | None = None,
                         eos_token: int | None = None, use_cache: bool = True) -> Iterator[torch.Tensor]:
-        """Yield the (B,) next tokens of each step after the prompts idx (B, T): greedy at
-        temperature 0, else sampled (top_k, top_p nucleus). A sequence that emitted eos_token
-        repeats it; the stream ends once all have. Positions are learned and absolute, so a KV cache
-        cannot slide: a full context keeps its last block_size // 2 tokens and the cache is rebuilt
-        by one prefill (nanoGPT recomputes block_size tokens a step); use_cache=False: same tokens."""
+        """Yield the (B,) next tokens after the prompts idx (B, T): greedy at temperature 0, else
+        sampled (top_k, top_p nucleus); a sequence that emitted eos_token repeats it until all have.
+        Learned positions keep a KV cache from sliding: a full context keeps its last half, refilled
+        by one prefill (nanoGPT recomputes all a step). use_cache=False gives the same tokens."""
         if idx.dim() != 2 or idx.size(1) == 0:
             raise ValueError(f"prompt must be a non-empty (batch, time) tensor, "
                              f"got shape {tuple(idx.shape)}")
@@ -285,8 +281,8 @@ class GPT(nn.Module):
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         check_sampling(temperature, top_k, top_p)
-        if eos_token is not None and not 0 <= eos_token < self.config.vocab_size:
-            raise ValueError(f"eos_token must be in [0, {self.config.vocab_size}), got {eos_token}")
+        if eos_token is not None and not 0 <= eos_token < vocab:
+            raise ValueError(f"eos_token must be in [0, {vocab}), got {eos_token}")
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         return self._stream(idx, max_new_tokens, sampling, eos_token, use_cache)
 
@@ -303,8 +299,7 @@ class GPT(nn.Module):
             for _ in range(max_new_tokens):
                 if use_cache and caches is None:
                     caches = [KVCache(block_size) for _ in self.transformer.h]
-                prefilled = use_cache and caches[0].len > 0
-                tok = self._next_token(ctx, caches, prefilled=prefilled, **sampling)
+                tok = self._next_token(ctx, caches, use_cache and caches[0].len > 0, **sampling)
                 if eos_token is not None:
                     tok = tok.masked_fill(finished, eos_token)
                     finished |= tok == eos_token
@@ -321,15 +316,27 @@ class GPT(nn.Module):
     def _next_token(self, ctx: torch.Tensor, caches: "list[KVCache] | None", prefilled: bool,
                     **sampling) -> torch.Tensor:
         """The (B,) tokens after ctx; with prefilled caches only ctx's last token is run."""
-        if prefilled:
-            h = self._trunk(ctx[:, -1:], caches, start=ctx.size(1) - 1)
-        else:
-            h = self._trunk(ctx, caches)
+        start = ctx.size(1) - 1 if prefilled else 0
+        h = self._trunk(ctx[:, start:], caches, start=start)
         return sample(self.lm_head(h[:, -1]).float(), **sampling)
 
 
-# Logits per chunk of the chunked loss: 16M fp32 elements (64 MB), 333 rows of GPT-2's vocabulary.
-# Fewer rows leave the weight-gradient matmul (K = rows) far below peak. On CPU, glibc maps blocks
+VOCAB_MULTIPLE = 64  # the head computes the vocabulary padded to a multiple of this, as nanochat
+
+
+def padded_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T over the vocabulary padded with -inf columns to a multiple of VOCAB_MULTIPLE:
+    aligned rows make GPU kernels far faster (docs/performance.md). Weights, checkpoints and exports
+    keep the true vocabulary, and the padded columns get no probability."""
+    pad = -weight.size(0) % VOCAB_MULTIPLE
+    if pad == 0:
+        return F.linear(x, weight)
+    no_probability = F.pad(weight.new_zeros(weight.size(0)), (0, pad), value=float("-inf"))
+    return F.linear(x, F.pad(weight, (0, 0, 0, pad)), no_probability)
+
+
+# Logits per chunk of the chunked loss: 16M fp32 elements (64 MB), 333 rows of GPT-2's vocabulary;
+# fewer rows leave the weight-gradient matmul (K = rows) far below peak. On CPU, glibc maps blocks
 # this big afresh unless toolkit.device.keep_freed_memory_in_heap raises its mmap threshold.
 CHUNK_ELEMENTS = 16 * 2**20
 
@@ -345,13 +352,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         scale = (valid / valid.sum()).unsqueeze(1)  # mean over non-ignored rows; ignored rows get 0
         tgt = targets.clamp(min=0).unsqueeze(1)
         loss = torch.zeros((), device=x.device, dtype=torch.float32)
-        need_grad = need_grad_x or need_grad_w
         grad_x = torch.empty_like(xs) if need_grad_x else None
-        grad_w = (torch.zeros(weight.shape, device=x.device, dtype=torch.float32)
-                  if need_grad_w else None)
+        grad_w = weight.new_zeros(weight.shape, dtype=torch.float32) if need_grad_w else None
         # in low precision each chunk's weight gradient lands in one reused buffer, then in fp32
-        low_precision = compute_dtype != torch.float32
-        grad_w_chunk = torch.empty_like(w) if need_grad_w and low_precision else None
+        reuse = need_grad_w and compute_dtype != torch.float32
+        grad_w_chunk = torch.empty_like(w) if reuse else None
         rows = max(1, CHUNK_ELEMENTS // V)
         for s in range(0, N, rows):
             xc, tc, sc = xs[s : s + rows], tgt[s : s + rows], scale[s : s + rows]
@@ -361,7 +366,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             probs = logits.sub_(top).exp_()  # unnormalised softmax, in place: one exp pass
             total = probs.sum(dim=1, keepdim=True)
             loss += ((top + total.log() - target_logit) * sc).sum()
-            if need_grad:
+            if need_grad_x or need_grad_w:
                 # d loss / d logits = (softmax - onehot(target)) * scale
                 g = probs.mul_(sc / total).scatter_add_(1, tc, -sc).to(compute_dtype)
                 if need_grad_x:
@@ -408,8 +413,7 @@ class KVCache:
         end = self.len + k.size(2)
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; cannot append up to {end}")
-        self.k[:, :, self.len:end] = k
-        self.v[:, :, self.len:end] = v
+        self.k[:, :, self.len:end], self.v[:, :, self.len:end] = k, v
         self.len = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
@@ -440,8 +444,7 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: f
         # drop a token when the likelier ones already reach top_p (the likeliest always stays)
         drop = probs.cumsum(dim=-1) - probs >= top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    # inverse-CDF sampling draws one random number per row; torch.multinomial draws one per
-    # vocabulary entry on CPU, which is far slower for a large vocabulary
+    # inverse-CDF sampling: one random number a row (torch.multinomial on CPU draws one an entry)
     cdf = logits.softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)
     u = torch.rand(cdf.size(0), 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.size(1) - 1)

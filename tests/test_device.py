@@ -1,5 +1,6 @@
 """toolkit/device.py: the CPU kind decides --dtype auto, and a run restricted to AVX2 is treated as AVX2."""
 import platform
+import types
 import subprocess
 import sys
 
@@ -45,3 +46,14 @@ def test_avx2_restriction_is_reported_and_picks_float32():
     out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, check=True,
                          env={"ATEN_CPU_CAPABILITY": "avx2", "PATH": "/usr/bin:/bin"})
     assert out.stdout.split() == ["AVX2", "torch.float32"]
+
+
+def test_the_loss_builds_full_logits_on_a_gpu_where_they_fit_and_is_chunked_on_a_cpu(monkeypatch):
+    """toolkit/device.py's choice of loss path (docs/performance.md): a CPU always takes the chunked loss; a GPU
+    the full logits while they take at most a third of its memory. No GPU here: its size is given."""
+    gpt2_batch = 16 * 1024  # tokens of the 124M preset's micro-batch; 50257 -> 50304 padded
+    assert not device.full_logits_fit(torch.device("cpu"), 1, 103)
+    for gib, fits in ((80, True), (40, True), (24, False)):  # 16 bytes x 16384 x 50304 = 12.3 GiB
+        memory = types.SimpleNamespace(total_memory=gib * 2**30)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _, memory=memory: memory)
+        assert device.full_logits_fit(torch.device("cuda", 0), gpt2_batch, 50257) == fits, gib

@@ -312,3 +312,24 @@ def test_sampling_distribution():
     assert torch.allclose(freqs(temperature=1.0, top_k=2, top_p=None), top2, atol=0.01)
     # softmax is about [0.64, 0.24, 0.09, 0.03]: top_p 0.8 keeps the first two
     assert torch.allclose(freqs(temperature=1.0, top_k=None, top_p=0.8), top2, atol=0.01)
+
+
+def test_the_padded_vocabulary_is_invisible_outside_the_head():
+    """The head computes the vocabulary padded to a multiple of 64 (aligned GPU kernels): the padded columns
+    get no probability and no gradient, and the weights, the logits returned and the state dict keep the true
+    vocabulary (211)."""
+    m = tiny_gpt().train()
+    idx = torch.randint(0, VOCAB, (2, 16))
+    hidden = m.hidden_states(idx)
+    padded = model.padded_logits(hidden, m.lm_head.weight)
+    assert padded.shape == (2, 16, 256) and torch.isneginf(padded[..., VOCAB:]).all()
+    assert padded.softmax(-1)[..., VOCAB:].sum() == 0
+    assert torch.allclose(padded[..., :VOCAB], m.lm_head(hidden), rtol=0, atol=1e-6)
+    logits, loss = m(idx, idx)
+    assert logits.shape == (2, 16, VOCAB) and torch.isfinite(logits).all()
+    loss.backward()
+    assert m.lm_head.weight.grad.shape == (VOCAB, 64) and torch.isfinite(m.lm_head.weight.grad).all()
+    assert m.state_dict()["lm_head.weight"].shape == (VOCAB, 64)
+    aligned = tiny_gpt(vocab_size=128)  # a multiple of 64 already: the head as it is
+    hidden = aligned.hidden_states(idx % 128)
+    assert torch.equal(model.padded_logits(hidden, aligned.lm_head.weight), aligned.lm_head(hidden))

@@ -211,8 +211,9 @@ class DeepSpeedEngine:
     def start(self, model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, loss,
               resume: dict | None) -> None:
         """deepspeed.initialize with the settled config (and the checkpoint's state on resume); as
-        DeepSpeed calls the module itself, the loss is the model's own (chunked cross-entropy)."""
-        self.device, self.dtype = device, dtype
+        DeepSpeed calls the module itself, the loss is the objective's on the engine (a pipeline's is
+        its last stage's chunked cross-entropy)."""
+        self.device, self.dtype, self.loss = device, dtype, loss
         module = pipeline_module(model, self.layout.pipeline_stages) if self.pipelined else model
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=module, model_parameters=decay_groups(module, cfg.weight_decay), config=self.ds_config)
@@ -273,7 +274,7 @@ class DeepSpeedEngine:
             return self.engine.train_batch(iter([batch for batch, _ in batches])).item() * share
         total = torch.zeros((), device=self.device)
         for i, ((x, y), weight) in enumerate(batches):
-            _, loss = self.engine(x, y, chunked_loss=True)
+            loss = self.loss(self.engine, (x, y))
             self.engine.backward(loss)
             if self.engine.is_gradient_accumulation_boundary() != (i == len(batches) - 1):
                 raise RuntimeError("DeepSpeed's accumulation boundary is out of step with the "
@@ -285,7 +286,7 @@ class DeepSpeedEngine:
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.pipelined:  # every stage takes part; the last one's loss is broadcast to all
             return self.engine.eval_batch(iter([(x, y)]), num_micro_batches=1)
-        return self.engine(x, y, chunked_loss=True)[1]  # no autocast: DeepSpeed's config owns the precision
+        return self.loss(self.engine, (x, y))  # no autocast: DeepSpeed's config owns the precision
 
     def logits_at(self, idx: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """The logits at some positions of a batch: every rank of a replica takes part (ZeRO-3

@@ -14,7 +14,7 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import sdpa_kernel
 
-from model import GPT, SDPA_KERNELS, GPTConfig
+from model import GPT, SDPA_KERNELS, VOCAB_MULTIPLE, GPTConfig
 from toolkit.cli import CLIError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,6 +91,19 @@ def check_attn_kernel(model: GPT, device: torch.device, dtype: torch.dtype) -> N
     if c.attn_kernel not in runnable:
         raise ValueError(f"attn_kernel '{c.attn_kernel}' cannot run on {device.type} ({dtype}, head size "
                          f"{c.n_embd // c.n_head}); available: {', '.join(runnable)}")
+
+
+def full_logits_fit(device: torch.device, rows: int, vocab_size: int) -> bool:
+    """Whether the loss of a micro-batch of `rows` tokens builds its full logits (model.py's forward)
+    rather than the chunked loss: never on a CPU, where the chunked loss measured faster and leaner;
+    on a GPU while the logits and their gradients (16 bytes a logit at most) take at most a third of
+    its memory: the 124M preset's 16 x 1024 tokens need 12.3 GiB, full on 40 GB, chunked on 24 GB
+    (docs/performance.md)."""
+    if device.type == "cpu":
+        return False
+    padded = vocab_size + -vocab_size % VOCAB_MULTIPLE
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return memory is None or 16 * rows * padded <= memory // 3
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:

@@ -25,23 +25,24 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 def orthogonalize(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Approximately U V^T of update's SVD U S V^T, by Newton-Schulz iterations in dtype (the
-    write-up runs them in bfloat16: the iteration only pushes singular values towards 1, so rounding
-    errors do not accumulate)."""
+    """Approximately U V^T of update's SVD U S V^T (of each matrix of a stack), by Newton-Schulz
+    iterations in dtype (the write-up runs them in bfloat16: the iteration only pushes singular
+    values towards 1, so rounding errors do not accumulate)."""
     a, b, c = NS_COEFFICIENTS
     x = update.to(dtype)
-    tall = x.size(0) > x.size(1)
+    tall = x.size(-2) > x.size(-1)
     if tall:  # iterate on the smaller Gram matrix
-        x = x.T
-    x = x / (x.norm() + 1e-7)
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     for _ in range(steps):
-        gram = x @ x.T
+        gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
-    return (x.T if tall else x).to(update.dtype)
+    return (x.mT if tall else x).to(update.dtype)
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon on groups with muon=True, AdamW on the other groups."""
+    """Muon on groups with muon=True, AdamW on the other groups. The element-wise work of a step is
+    a few foreach kernels over all of a group's tensors, not a loop of small kernels per tensor."""
 
     def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.99),
                  momentum: float = 0.95, eps: float = 1e-8, ns_dtype: torch.dtype = torch.float32):
@@ -52,29 +53,48 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    (self.muon_step if group["muon"] else self.adamw_step)(p, group)
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                (self.muon_step if group["muon"] else self.adamw_step)(params, group)
 
-    def muon_step(self, p: torch.Tensor, group: dict) -> None:
-        buffer = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-        buffer.mul_(group["momentum"]).add_(p.grad)
-        update = orthogonalize(p.grad.add(buffer, alpha=group["momentum"]), dtype=self.ns_dtype)  # Nesterov
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(update, alpha=-group["lr"] * max(1, p.size(0) / p.size(1)) ** 0.5)  # the same RMS for any shape
+    def muon_step(self, params: list[torch.Tensor], group: dict) -> None:
+        by_shape = {}
+        for p in params:
+            by_shape.setdefault(p.shape, []).append(p)
+        for shape, same in by_shape.items():
+            buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in same]
+            grads = [p.grad for p in same]
+            torch._foreach_mul_(buffers, group["momentum"])
+            torch._foreach_add_(buffers, grads)
+            nesterov = torch._foreach_add(grads, buffers, alpha=group["momentum"])
+            if same[0].is_cuda:  # one batched Newton-Schulz: a GPU runs a small model's step launch-bound
+                updates = orthogonalize(torch.stack(nesterov), dtype=self.ns_dtype).unbind(0)
+            else:  # a CPU's batched products of large matrices measured slower than a loop of them
+                updates = [orthogonalize(u, dtype=self.ns_dtype) for u in nesterov]
+            torch._foreach_mul_(same, 1 - group["lr"] * group["weight_decay"])
+            rms_scale = max(1, shape[0] / shape[1]) ** 0.5  # the same RMS for any shape
+            torch._foreach_add_(same, updates, alpha=-group["lr"] * rms_scale)
 
-    def adamw_step(self, p: torch.Tensor, group: dict) -> None:
-        state = self.state[p]
-        if not state:
-            state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+    def adamw_step(self, params: list[torch.Tensor], group: dict) -> None:
+        """torch.optim.AdamW's update (decoupled weight decay, bias correction), in foreach ops."""
         beta1, beta2 = group["betas"]
-        state["step"] += 1
-        step = state["step"].item()
-        state["exp_avg"].lerp_(p.grad, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        denominator = (state["exp_avg_sq"] / (1 - beta2 ** step)).sqrt_().add_(group["eps"])
-        p.addcdiv_(state["exp_avg"], denominator, value=-group["lr"] / (1 - beta1 ** step))
+        states = [self.state[p] for p in params]
+        for p, state in zip(params, states):
+            if not state:
+                state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            state["step"] += 1
+        steps = [state["step"].item() for state in states]  # CPU tensors: no device sync
+        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        grads = [p.grad for p in params]
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+        denominators = torch._foreach_div(exp_avg_sqs, [1 - beta2**step for step in steps])
+        torch._foreach_sqrt_(denominators)
+        torch._foreach_add_(denominators, group["eps"])
+        torch._foreach_addcdiv_(params, exp_avgs, denominators,
+                                [-group["lr"] / (1 - beta1**step) for step in steps])
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -278,8 +278,8 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
         print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config}")
         print(f"global batch: {cfg.batch_size} micro x {objective.micro_steps} accumulation x "
               f"{replicas(dp_size)} = {objective.global_batch} sequences = {tokens:,} tokens per "
-              f"step; device {describe(device)}, dtype "
-              f"{str(dtype).removeprefix('torch.')}", flush=True)
+              f"step; device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}, loss "
+              f"{'chunked' if objective.chunked else 'from full logits'}", flush=True)
     best_val_loss = (resume or {}).get("best_val_loss")
     loop = LoopConfig(max_iters=cfg.max_iters, eval_interval=cfg.eval_interval, save_interval=cfg.save_interval,
                       peak_tflops=cfg.peak_tflops)

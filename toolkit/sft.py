@@ -10,7 +10,7 @@ from toolkit.chat import (Conversation, encode_conversations, pad_conversations,
 from toolkit.checkpoint import run_state
 from toolkit.cli import CLIError
 from toolkit.batches import epoch_batches, rank_share, step_batches
-from toolkit.device import autocast
+from toolkit.device import autocast, full_logits_fit
 from toolkit.run import RunConfig
 from toolkit.tokenizers import Tokenizer
 from toolkit.training import Engine, Objective
@@ -39,7 +39,8 @@ class ChatObjective(Objective):
 
     def loss(self, model: torch.nn.Module, conversations: list[Conversation]) -> torch.Tensor:
         idx, targets = pad_conversations(conversations, self.device)
-        return model(idx, targets, chunked_loss=True)[1]
+        chunked = not full_logits_fit(self.device, idx.numel(), self.model.config.vocab_size)
+        return model(idx, targets, chunked_loss=chunked)[1]
 
     def throughput(self) -> tuple[int, str, None]:
         return self.global_batch, "conversations", None

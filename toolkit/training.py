@@ -7,7 +7,7 @@ its trainer.
 
 Follow one step (docs/design.md): Trainer.fit asks the objective for the step's micro-batches, the
 engine's train_step runs each through objective.loss and steps the optimizer; for pretraining that
-loss is LanguageModeling.loss below, `model(x, y, chunked_loss=True)` of model.py.
+loss is LanguageModeling.loss below, `model(x, y)` of model.py (its chunked loss on a CPU).
 
 Each micro-batch carries its share of the global batch's loss (the weights of all micro-batches of
 all data-parallel processes sum to 1), so uneven splits train exactly as one process would. A
@@ -29,7 +29,7 @@ from toolkit import distributed
 from toolkit.checkpoint import (capture_rng, load_checkpoint, load_weights, make_checkpoint,
                                 restore_rng, run_state, save_checkpoint)
 from toolkit.batches import get_batch, window_offsets
-from toolkit.device import autocast, peak_flops
+from toolkit.device import autocast, full_logits_fit, peak_flops
 from toolkit.evaluation import window_losses
 from toolkit.optim import Schedule, make_optimizer
 from toolkit.run import RunConfig, RunLog, StopRequest, diverged
@@ -179,7 +179,7 @@ class TorchEngine:
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast(self.device, self.dtype):
-            return self.forward_model(x, y, chunked_loss=True)[1]
+            return self.loss(self.forward_model, (x, y))
 
     def logits_at(self, idx: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         with autocast(self.device, self.dtype):
@@ -223,6 +223,8 @@ class LanguageModeling(Objective):
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.micro_steps = cfg.grad_accum // dp_size
         self.global_batch = cfg.batch_size * cfg.grad_accum
+        rows = cfg.batch_size * cfg.block_size
+        self.chunked = not full_logits_fit(device, rows, model.config.vocab_size)
 
     def micro_batches(self, step: int) -> list[tuple[tuple[torch.Tensor, torch.Tensor], float]]:
         cfg, rows = self.cfg, self.micro_steps * self.cfg.batch_size
@@ -232,10 +234,9 @@ class LanguageModeling(Objective):
         return [(get_batch(self.corpus.train, o, cfg.block_size, self.device), 1 / cfg.grad_accum)
                 for o in np.split(mine, self.micro_steps)]
 
-    @staticmethod
-    def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        return model(x, y, chunked_loss=True)[1]
+        return model(x, y, chunked_loss=self.chunked)[1]
 
     def throughput(self) -> tuple[int, str, float]:
         tokens = self.global_batch * self.cfg.block_size
@@ -311,6 +312,9 @@ class Trainer:
         peak = peak_flops(self.device, loop.peak_tflops)
         bar = tqdm(total=loop.max_iters, initial=self.step, desc=self.desc, dynamic_ncols=True,
                    disable=not self.master or None)
+        first_step = self.step + 1
+        if self.cfg.compile and self.master:
+            bar.write("the first step compiles the model (torch.compile): it takes a while")
         with StopRequest() as stop_request:
             while self.step < loop.max_iters:
                 due = loop.eval_interval and self.step % loop.eval_interval == 0
@@ -326,6 +330,8 @@ class Trainer:
                 self.check_finite(loss)
                 self.step += 1
                 bar.update(1)
+                if self.step == first_step and self.cfg.compile and self.master:
+                    bar.write(f"first step {dt:.1f} s, compilation included")
                 if self.step % self.cfg.log_interval == 0 or self.step == loop.max_iters or stop:
                     mfu = throughput[2] / dt / peak if throughput[2] and peak else None
                     self.log.step(self.step, loss, lr, dt, throughput, mfu, bar)
