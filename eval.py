@@ -33,7 +33,7 @@ from toolkit.data import load_corpus
 from toolkit.device import autocast, full_logits_fit, resolve_device, resolve_dtype
 from toolkit.evaluation import ChoiceTask, gpt_logits_at, window_losses
 from toolkit.files import check_output, refuse_existing, write_json
-from toolkit.load import load_model
+from toolkit.model_sources import load_model
 from toolkit.tokenizers import Tokenizer, load_tokenizer, same_vocabulary
 
 

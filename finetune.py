@@ -33,7 +33,7 @@ from toolkit.cli import CLIError
 from toolkit.device import resolve_device, resolve_dtype
 from toolkit.files import check_output
 from toolkit.finetuning import FinetuneConfig, check_config, learning_warning, resumed_config, setup, write_predictions
-from toolkit.load import load_model
+from toolkit.model_sources import load_model
 
 
 def parse_config(argv: list[str] | None = None) -> tuple[FinetuneConfig, object]:

@@ -11,7 +11,7 @@ transformers (AutoModelForCausalLM, AutoTokenizer) and lm-eval's `hf` model load
 from toolkit import cli
 from toolkit.files import check_output
 from toolkit.hf import save_gpt2
-from toolkit.load import load_model
+from toolkit.model_sources import load_model
 from toolkit.sampling import add_sampling_arguments, check_sampling_args, run_sampling
 from toolkit.tokenizers import load_tokenizer
 

@@ -39,7 +39,7 @@ from toolkit.device import cpu_kind
 from toolkit.finetuning import FinetuneConfig
 from toolkit.gpt2_vocab import GPT2_FACTS
 from toolkit.hf import save_gpt2
-from toolkit.load import load_model
+from toolkit.model_sources import load_model
 from toolkit.sampling import Sampler
 from toolkit.tokenizers import load_tokenizer
 from toolkit.training import TorchEngine

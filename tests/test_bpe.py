@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main
 from toolkit.checkpoint import load_checkpoint
-from toolkit.load import load_model
+from toolkit.model_sources import load_model
 from toolkit.prepare import default_corpus_documents
 from toolkit.tokenizers import EOT_TEXT, Tokenizer, load_tokenizer
 

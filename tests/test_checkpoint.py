@@ -1,5 +1,5 @@
 """The checkpoint formats: ckpt.pt (old files still load), atomic writes, weight files (toolkit/checkpoint.py),
-DeepSpeed folders (toolkit/ds_checkpoint.py), and one reader for every source (toolkit/load.py)."""
+DeepSpeed folders (toolkit/ds_checkpoint.py), and one reader for every source (toolkit/model_sources.py)."""
 import json
 import os
 import pickle
@@ -16,7 +16,7 @@ from toolkit import ds_checkpoint
 from toolkit.checkpoint import load_checkpoint, model_from_checkpoint, read_weights, save_checkpoint
 from toolkit.cli import CLIError
 from toolkit.hf import save_gpt2
-from toolkit.load import load_model
+from toolkit.model_sources import load_model
 from toolkit.writers import write_nanogpt
 
 OLD_CHECKPOINT = ROOT / "tests" / "data" / "ckpt_a684da2.pt"  # written by train.py at commit a684da2 (3 steps)

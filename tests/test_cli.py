@@ -28,7 +28,7 @@ def test_help_and_no_abbreviations(script):
 
 def test_megatron_save_is_not_taken_for_save_interval():
     """--save is Megatron's name for --out-dir, never a prefix of --save-interval."""
-    from toolkit.pretraining import parse_config
+    from toolkit.train_config import parse_config
     cfg, explicit, _ = parse_config(["--save", "ckpt_dir"])
     assert cfg.out_dir == "ckpt_dir" and cfg.save_interval == 0 and "save_interval" not in explicit
 

@@ -119,7 +119,7 @@ def test_a_local_file_and_a_task_yaml_score_as_lm_evals_own_hf_model(gpt2_model,
     from lm_eval.models.huggingface import HFLM
 
     from toolkit.harness import GPTHarness, task_manager
-    from toolkit.load import load_model
+    from toolkit.model_sources import load_model
     from toolkit.tokenizers import load_tokenizer
     data = write_jsonl(tmp_path / "items.jsonl", hellaswag_rows(24))
     yaml = task_yaml(tmp_path, data)

@@ -14,7 +14,7 @@ import zstandard
 
 from conftest import TINY_MODEL, assert_one_line_error, run_main, write_llmc_shard
 from toolkit.checkpoint import load_checkpoint
-from toolkit.load import load_model
+from toolkit.model_sources import load_model
 from toolkit.tokenizers import load_tokenizer
 
 ROWS = [f"第{i}条评论：质量不错，价格也便宜 😀 row {i} of the table,\nwith a second line. " * (1 + i % 5)

@@ -103,7 +103,8 @@ def test_engines_and_objectives_implement_the_declared_parts():
     from toolkit.deepspeed_engine import DeepSpeedEngine
     from toolkit.embedding import Contrastive
     from toolkit.finetuning import TaskObjective
-    from toolkit.training import Engine, LanguageModeling, Objective, TorchEngine
+    from toolkit.pretraining import LanguageModeling
+    from toolkit.training import Engine, Objective, TorchEngine
 
     def parameters(function) -> list[str]:
         return [name for name in inspect.signature(function).parameters if name != "self"]

@@ -6,7 +6,7 @@ from conftest import TINY_MODEL, assert_one_line_error, run_main
 from model import GPT, GPTConfig
 from toolkit.checkpoint import load_checkpoint
 from toolkit.optim import Muon, make_optimizer, orthogonalize
-from toolkit.pretraining import TrainConfig, apply_preset, parse_config, settle_optimizer
+from toolkit.train_config import TrainConfig, parse_config, settle, settle_optimizer
 from toolkit.training import TorchEngine
 
 
@@ -80,15 +80,14 @@ def test_recipe_of_the_quick_start_is_pinned():
                   weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0, dropout=0.0, bias=True, dtype="auto",
                   compile=False, eval_interval=100, eval_iters=20)
     assert {k: getattr(cfg, k) for k in recipe} == recipe
-    settle_optimizer(cfg)
+    cfg = settle_optimizer(cfg)
     assert (cfg.optimizer, cfg.lr) == ("muon", 4e-3)
 
 
 def settled(*argv: str) -> TrainConfig:
+    """The configuration train.py settles from these flags (a new run: nothing to resume)."""
     cfg, given, _ = parse_config(list(argv))
-    apply_preset(cfg, given)
-    settle_optimizer(cfg)
-    return cfg
+    return settle(cfg, given, TorchEngine("no-such-run/ckpt.pt"))[0]
 
 
 def test_adamw_rate_falls_with_width_from_scratch():

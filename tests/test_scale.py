@@ -226,7 +226,7 @@ def test_autotp_composes_with_zero3_offload(ds_ops, char_data, reference, tmp_pa
 ])
 def test_layouts_that_cannot_run_are_refused(world, stages, tp, heads, zero, message):
     from model import GPTConfig
-    from toolkit.parallel import Layout, check_layout
+    from toolkit.model_parallel import Layout, check_layout
     with pytest.raises(ValueError, match=message):
         check_layout(Layout(world, stages, tp), GPTConfig(n_layer=2, n_head=heads, n_embd=16 * heads), zero)
     if message == "together are not supported":  # a memory estimate takes both

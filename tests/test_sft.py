@@ -22,7 +22,7 @@ from toolkit.files import fingerprint
 from toolkit.finetuning import FinetuneConfig, setup
 from toolkit.gpt2_vocab import GPT2_FACTS
 from toolkit.hf import save_gpt2
-from toolkit.load import load_model
+from toolkit.model_sources import load_model
 from toolkit.tokenizers import load_tokenizer
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -15,8 +15,8 @@ from model import GPT, GPTConfig
 from toolkit.checkpoint import load_checkpoint, model_from_checkpoint
 from toolkit.data import load_corpus
 from toolkit.hf import save_gpt2
-from toolkit.pretraining import TrainConfig, parse_config, schedule
-from toolkit.training import evaluation_windows
+from toolkit.pretraining import evaluation_windows, schedule
+from toolkit.train_config import TrainConfig, parse_config
 from toolkit.writers import write_nanogpt
 
 

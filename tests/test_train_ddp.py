@@ -17,7 +17,7 @@ from toolkit import flags
 from toolkit.checkpoint import load_checkpoint
 from toolkit.distributed import add_distributed_flags, free_port
 from toolkit.megatron import ALIASES
-from toolkit.pretraining import TrainConfig
+from toolkit.train_config import TrainConfig
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds worker processes in /proc")
 

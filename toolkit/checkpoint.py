@@ -14,7 +14,7 @@ Fine-tuned checkpoints add `head` (the task head's weights) and `finetune` (the 
 LoRA checkpoint has `lora` and `adapters` in place of `model` (toolkit/lora.py: the weights are its
 base's plus the adapters). Weight files are what HF folders and DeepSpeed's zero_to_fp32 write:
 pytorch_model.bin, model.safetensors, sharded folders. DeepSpeed's own folder is
-toolkit/ds_checkpoint.py's; toolkit/load.py reads any of them.
+toolkit/ds_checkpoint.py's; toolkit/model_sources.py reads any of them.
 """
 import os
 import pickle
@@ -166,7 +166,7 @@ def model_from_checkpoint(checkpoint: dict, source: str = "checkpoint", **overri
     """Build a GPT from a ckpt.pt dict's config and weights."""
     if "model" not in checkpoint:
         raise CLIError(f"{source} holds LoRA adapters, not full weights; read it with "
-                       "toolkit.load.load_model, or merge it first (finetune.py --merge-lora)")
+                       "toolkit.model_sources.load_model, or merge it first (finetune.py --merge-lora)")
     return model_from_weights(checkpoint["model_config"], checkpoint["model"], source, **overrides)
 
 

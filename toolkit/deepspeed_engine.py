@@ -14,6 +14,7 @@ import datetime
 import functools
 import os
 import shutil
+from dataclasses import replace
 
 import cpuinfo
 import deepspeed
@@ -30,8 +31,9 @@ from toolkit.distributed import free_port
 from toolkit.ds_checkpoint import (check_deepspeed_files, mark_complete, prune_deepspeed_tags,
                                    read_train_state, to_universal)
 from toolkit.optim import decay_groups
-from toolkit.parallel import Layout, autotp_config, check_layout, pipeline_module
-from toolkit.pretraining import TrainConfig, settle_optimizer
+from toolkit.model_parallel import Layout, autotp_config, check_layout, estimate_memory, pipeline_module
+from toolkit.megatron import grad_accum_for
+from toolkit.train_config import TrainConfig, apply_preset, settle_optimizer
 
 # Values that both the flags and the DeepSpeed config can set: (flags, config key, the config value
 # the flags give for W processes, the flag values a config value gives). --grad-accum counts
@@ -85,7 +87,7 @@ def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size
     value set in only one place is used and copied to the other; set in both and different it is a
     CLIError. Returns the updated TrainConfig and the complete DeepSpeed config to pass to
     deepspeed.initialize."""
-    cfg, ds = copy.deepcopy(cfg), copy.deepcopy(ds)
+    ds = copy.deepcopy(ds)
     name = os.path.basename(path)
     if ds.get("scheduler"):
         raise CLIError(f"{name} has a scheduler section; the learning-rate schedule comes from the "
@@ -105,8 +107,7 @@ def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size
                                f"{shown}; give the flag to change it, or change the config")
             raise CLIError(f"{name} sets {key} {value} but {shown} was given; they must agree: "
                            "change one of them or drop the flag")
-        for flag, flag_value in from_config(value, world_size).items():
-            setattr(cfg, flag, flag_value)
+        cfg = replace(cfg, **from_config(value, world_size))
     if cfg.grad_accum is not None and cfg.grad_accum % world_size:
         raise CLIError(f"--grad-accum {cfg.grad_accum} cannot be split across {world_size} "
                        f"processes; use a multiple of {world_size}")
@@ -124,7 +125,7 @@ def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size
         raise CLIError(f"{name} sets precision {ds_dtype} (its bf16/fp16 sections) but --dtype "
                        f"{cfg.dtype} was given; they must agree: change one of them or drop the "
                        "flag")
-    cfg.dtype = ds_dtype or str(resolve_dtype(cfg.dtype, device)).removeprefix("torch.")
+    cfg = replace(cfg, dtype=ds_dtype or str(resolve_dtype(cfg.dtype, device)).removeprefix("torch."))
     resolve_dtype(cfg.dtype, device)  # a clear error where the CPU has no float16
     ds["bf16"] = {**(ds.pop("bfloat16", None) or ds.get("bf16") or {}), "enabled": cfg.dtype == "bfloat16"}
     ds["fp16"] = {**ds.get("fp16", {}), "enabled": cfg.dtype == "float16"}
@@ -134,6 +135,57 @@ def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size
 
 def zero_stage(ds: dict) -> int:
     return int((ds.get("zero_optimization") or {}).get("stage", 0))
+
+
+def memory_estimate(cfg: TrainConfig, given: set[str], ds: dict, nodes: int, gpus: int,
+                    pipeline_stages: int, tp_size: int) -> str:
+    """train_ds.py --estimate-memory: the model on the meta device, this layout over nodes x gpus,
+    the config's ZeRO stage and offload, the precision of --dtype or else the config's (float32 when
+    neither sets one), and DeepSpeed's own estimators for ZeRO 2 and 3, as lines of text."""
+    cfg = apply_preset(cfg, given)
+    stage, zero = zero_stage(ds), ds.get("zero_optimization") or {}
+    config = GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                       bias=cfg.bias)  # GPT-2's vocabulary
+    try:
+        layout = Layout(nodes * gpus, pipeline_stages, tp_size)
+        check_layout(layout, config, stage, training=False)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    dtype = cfg.dtype if cfg.dtype != "auto" else config_precision(ds) or "float32"
+    grad_accum = grad_accum_for(cfg, given) if cfg.global_batch_size else cfg.grad_accum
+    micro_steps = max(1, (grad_accum or layout.data_parallel) // layout.data_parallel)
+    offload_optimizer = (zero.get("offload_optimizer") or {}).get("device") not in (None, "none")
+    offload_param = (zero.get("offload_param") or {}).get("device") not in (None, "none")
+    e = estimate_memory(config, layout, stage, dtype, offload_optimizer, offload_param, cfg.batch_size,
+                        micro_steps)
+    gib = 2 ** 30
+    offloads = [f"{what} offload to cpu" for what, on in (("optimizer", offload_optimizer),
+                                                            ("param", offload_param and stage == 3)) if on]
+    device = e.weights + e.gradients + e.optimizer + e.activations
+    cpu = f"; CPU memory per process {e.cpu / gib:.2f} GiB" if e.cpu else ""
+    lines = [
+        f"model: {cfg.n_layer} layers, width {cfg.n_embd}, {cfg.n_head} heads, block {cfg.block_size}, "
+        f"GPT-2 vocabulary: {e.params:,} parameters ({e.params / 1e9:.2f}B)",
+        f"training FLOPs per token: {e.flops_per_token / 1e9:,.1f} GFLOP (6 x parameters + attention)",
+        f"layout: {layout.world_size} devices ({nodes} nodes x {gpus}) = {layout.describe()}; ZeRO stage "
+        f"{stage}, {dtype}, micro-batch {cfg.batch_size} x {micro_steps} per step"
+        + "".join(", " + offload for offload in offloads),  # ZeRO offloads parameters only at stage 3
+        f"per device (the busiest stage: {e.device_params:,} parameters): weights {e.weights / gib:.2f} "
+        f"GiB, gradients {e.gradients / gib:.2f}, optimizer {e.optimizer / gib:.2f}, activations "
+        f"{e.activations / gib:.2f} = {device / gib:.2f} GiB{cpu}"]
+    if stage in (2, 3):  # DeepSpeed's estimators assume 16-bit weights and a 1.5x CPU buffer
+        if stage == 2:
+            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+            cpu_bytes, gpu_bytes = estimate_zero2_model_states_mem_needs(
+                e.device_params, 1, layout.data_parallel, offload_optimizer)
+        else:
+            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+            cpu_bytes, gpu_bytes, _ = estimate_zero3_model_states_mem_needs(
+                e.device_params, e.largest_layer, 1, layout.data_parallel, offload_optimizer, offload_param)
+        lines.append(f"DeepSpeed's ZeRO-{stage} estimator (16-bit weights, without activations): "
+                     f"{gpu_bytes / gib:.2f} GiB per device, {cpu_bytes / gib:.2f} GiB CPU memory per "
+                     "process")
+    return "\n".join(lines)
 
 
 class DeepSpeedEngine:
@@ -181,8 +233,9 @@ class DeepSpeedEngine:
         return state
 
     def settle_config(self, cfg: TrainConfig, given: set[str], resumed: set[str]) -> TrainConfig:
-        cfg.optimizer = "adamw"  # the DeepSpeed config's (train_ds.py offers no other)
-        settle_optimizer(cfg)  # --lr, which the config may also set
+        # the DeepSpeed config's AdamW (train_ds.py offers no other) and --lr, which the config may also
+        # set; torch.compile only when asked for (it is not measured under ZeRO)
+        cfg = settle_optimizer(replace(cfg, optimizer="adamw", compile=cfg.compile and "compile" in given))
         if cfg.eval_tasks and self.pipelined:
             raise CLIError("--eval-tasks needs the model's logits, which a pipeline keeps on its "
                            "last stage; score an exported checkpoint with eval.py instead (python "
@@ -259,6 +312,14 @@ class DeepSpeedEngine:
             if self.master:
                 shutil.rmtree(folder, ignore_errors=True)
 
+    def finish(self) -> None:
+        """After the run: where its checkpoint is and how to use it; every rank leaves together (a
+        rank whose peer, the store's host, already exited can abort in teardown)."""
+        if self.master:
+            print(f"DeepSpeed checkpoint: {self.path}; sample with `python test_ds.py --ckpt {self.path}` or "
+                  f"convert with `python test_ds.py --ckpt {self.path} --export-ckpt ckpt.pt`", flush=True)
+        dist.barrier()
+
     @property
     def pipelined(self) -> bool:
         return self.layout.pipeline_stages > 1
@@ -333,9 +394,10 @@ def discover_mpi() -> None:
         os.environ.setdefault("LOCAL_WORLD_SIZE", local)
 
 
-def init_distributed(cfg: TrainConfig, args) -> None:
+def init_distributed(cfg: TrainConfig, args) -> TrainConfig:
     """Join the process group the launcher describes: the deepspeed launcher or torchrun (RANK,
-    WORLD_SIZE), mpirun (found through MPI), or else a single process (plain python)."""
+    WORLD_SIZE), mpirun (found through MPI), or else a single process (plain python); cfg with the
+    device DeepSpeed's accelerator runs on."""
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         if any(v in os.environ for v in MPI_VARS):
             discover_mpi()
@@ -350,7 +412,6 @@ def init_distributed(cfg: TrainConfig, args) -> None:
     if device.type != accelerator:
         raise CLIError(f"--device {cfg.device} but DeepSpeed runs on its {accelerator} accelerator; "
                        f"set DS_ACCELERATOR={device.type} in the environment or drop --device")
-    cfg.device = device.type
     if device.type == "cuda":
         get_accelerator().set_device(local_rank)
     else:
@@ -366,3 +427,4 @@ def init_distributed(cfg: TrainConfig, args) -> None:
     # and each get_cpu_info() starts a Python subprocess of a second or so: the first answer is kept.
     cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=args.timeout))  # nccl on CUDA, gloo on CPU
+    return replace(cfg, device=device.type)

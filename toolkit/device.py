@@ -68,6 +68,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def run_device(device: str, dtype: str, local_rank: int = 0) -> tuple[torch.device, torch.dtype]:
+    """A run's device and autocast dtype from their options; on a CPU, freed memory kept in glibc's
+    heap for the next step (keep_freed_memory_in_heap)."""
+    resolved = resolve_device(device, local_rank)
+    if resolved.type == "cpu":
+        keep_freed_memory_in_heap()
+    return resolved, resolve_dtype(dtype, resolved)
+
+
 @functools.cache
 def runnable_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, ...]:
     """The attention kernels that run causal attention for these inputs, found by trying each once."""

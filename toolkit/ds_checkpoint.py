@@ -24,7 +24,7 @@ from model import GPT
 from toolkit.checkpoint import load_plain, model_from_weights, read_weights
 from toolkit.cli import CLIError, first_line
 from toolkit.files import read_json, write_json, write_text
-from toolkit.parallel import gpt_state_from_universal
+from toolkit.model_parallel import gpt_state_from_universal
 
 TAG = re.compile(r"global_step(\d+)")
 STATE_FILE = "train_state.json"  # in each global_stepN/, written once DeepSpeed's save is complete

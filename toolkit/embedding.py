@@ -23,14 +23,14 @@ from model import GPT
 from toolkit import flags
 from toolkit.checkpoint import CHECKPOINT_FILE, run_state
 from toolkit.cli import CLIError
-from toolkit.device import autocast, describe
+from toolkit.config import RunConfig, settle_run
+from toolkit.device import autocast, describe, run_device
 from toolkit.documents import Document, json_records
-from toolkit.files import check_output, fingerprint, refuse_existing
+from toolkit.files import check_output, claim_out_dir, fingerprint, refuse_existing
 from toolkit.flags import option
 from toolkit.hf import find_model_dir
-from toolkit.load import is_hf_source, load_model
+from toolkit.model_sources import is_hf_source, load_model
 from toolkit.optim import Schedule
-from toolkit.run import RunConfig, claim_out_dir, prepare_run
 from toolkit.tokenizers import Tokenizer, load_tokenizer
 from toolkit.training import Engine, LoopConfig, Objective, TorchEngine, Trainer
 
@@ -195,7 +195,7 @@ def top_k(vectors: np.ndarray, queries: torch.Tensor, k: int,
 
 # ----- contrastive tuning: embed.py tune -----
 
-@dataclass
+@dataclass(frozen=True)
 class TuneConfig(RunConfig):
     """embed.py tune's options: the trainers' (RunConfig), with its own defaults for some."""
     ckpt: str = option(None, "the model to tune: a ckpt.pt, or an HF GPT-2 folder / cached name",
@@ -296,7 +296,8 @@ def setup_tune(cfg: TuneConfig) -> Trainer:
     path = os.path.join(cfg.out_dir, CHECKPOINT_FILE)
     check_output(path, [cfg.ckpt, cfg.pairs], "--out-dir")
     refuse_existing([path], cfg.overwrite)
-    device, dtype = prepare_run(cfg)
+    cfg = settle_run(cfg)
+    device, dtype = run_device(cfg.device, cfg.dtype)
     model, tokenizer, facts = load_encoder(cfg.ckpt, device)
     pairs = read_tune_pairs(cfg.pairs, tokenizer, model.config.block_size)
     if cfg.bias_only:

@@ -39,6 +39,13 @@ LogitsAt = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @torch.no_grad()
+def loss_metrics(loss_sum: float, tokens: int, nbytes: int) -> dict[str, float]:
+    """The loss in nats per token, its perplexity, and bits per UTF-8 byte of the text (which
+    compares models of different tokenizers: docs/data.md)."""
+    loss = loss_sum / tokens
+    return {"loss": loss, "ppl": math.exp(min(loss, 50)), "bpb": loss_sum / math.log(2) / max(nbytes, 1)}
+
+
 def window_losses(eval_loss: Callable, tokens: np.ndarray, offsets: np.ndarray, block_size: int,
                   batch_size: int, device: torch.device, token_bytes: torch.Tensor,
                   shard: tuple[int, int] | None = None) -> tuple[float, float, float]:

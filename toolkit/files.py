@@ -146,6 +146,17 @@ def remove_temporaries(folder: str) -> None:
             os.remove(os.path.join(folder, name))
 
 
+def claim_out_dir(out_dir: str, checkpoint: str, resuming: bool, overwrite: bool) -> None:
+    """Lock out_dir for this run (a second run there stops), clear what a killed writer left, and
+    refuse to replace a checkpoint this run does not resume from."""
+    lock_folder(out_dir)
+    remove_temporaries(out_dir)
+    if not resuming and os.path.exists(checkpoint) and not overwrite:
+        raise CLIError(f"{checkpoint} holds the checkpoint of another run; continue it with "
+                       "--init-from resume, use another --out-dir, or pass --overwrite to replace "
+                       "it")
+
+
 def check_output(path: str, inputs: list[str], flag: str) -> None:
     """Refuse (CLIError) an output path that is one of the inputs, lies inside an input folder, or
     is a file of this toolkit's code."""

@@ -13,7 +13,7 @@ objective is toolkit/sft.py's, the adapters toolkit/lora.py's; the loop is toolk
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.nn import functional as F
@@ -25,12 +25,12 @@ from toolkit.sft import ChatObjective, chat_objective
 from toolkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, run_state
 from toolkit.cli import CLIError
 from toolkit.batches import epoch_batches, step_batches
-from toolkit.device import describe
-from toolkit.files import atomic_open
+from toolkit.device import describe, run_device
+from toolkit.files import atomic_open, claim_out_dir
 from toolkit.flags import option
-from toolkit.load import load_model
+from toolkit.model_sources import load_model
 from toolkit.optim import Schedule
-from toolkit.run import RunConfig, claim_out_dir, prepare_run
+from toolkit.config import RunConfig, settle_run
 from toolkit.tasks import (TASKS, Example, TaskModel, add_special_tokens, classification_metrics,
                            encode_records, label_names, over_examples, pad_batch, prediction,
                            read_records, regression_metrics, score)
@@ -45,7 +45,7 @@ ALL_TASKS = (*TASKS, "sft")
 LATEST_FILE = "last.pt"  # OUT_DIR/last.pt: the latest state of a run, for --init-from resume
 
 
-@dataclass
+@dataclass(frozen=True)
 class FinetuneConfig(RunConfig):
     # the shared options whose default differs: GPT-1's AdamW, a rate that follows the width
     out_dir: str = option("ckpt/finetune", "where the checkpoint, the loss curve and the "
@@ -339,7 +339,8 @@ def setup(cfg: FinetuneConfig, resume: dict | None = None) -> Trainer:
     """Read the body and the examples, add the special tokens and the head (or the adapters), and
     hand the loop an engine; nothing is written before every input has been read and checked.
     resume: an interrupted run's latest state (resumed_config), continued exactly."""
-    device, dtype = prepare_run(cfg, data_parallel=distributed.world_size())
+    cfg = settle_run(cfg, data_parallel=distributed.world_size())
+    device, dtype = run_device(cfg.device, cfg.dtype, distributed.local_rank())
     body, tokenizer, facts = load_body(cfg)
     base_vocab = body.config.vocab_size
     sft = cfg.task == "sft"
@@ -367,8 +368,10 @@ def setup(cfg: FinetuneConfig, resume: dict | None = None) -> Trainer:
             objective.model.head.load_state_dict(resume["head"])
     elif not sft:
         objective.fit_head()
-    cfg.epochs = cfg.epochs or max(EPOCHS, math.ceil(MIN_STEPS / objective.steps_per_epoch))
-    cfg.lr = cfg.lr or LR_WIDTH / body.config.n_embd * (LORA_LR if cfg.lora_rank else 1)
+    # the last defaults, which depend on the data and the model: the configuration is settled here
+    epochs = cfg.epochs or max(EPOCHS, math.ceil(MIN_STEPS / objective.steps_per_epoch))
+    lr = cfg.lr or LR_WIDTH / body.config.n_embd * (LORA_LR if cfg.lora_rank else 1)
+    objective.cfg = cfg = replace(cfg, epochs=epochs, lr=lr)
     engine = TorchEngine(os.path.join(cfg.out_dir, CHECKPOINT_FILE), save_optimizer=False)
     engine.start(model, cfg, device, dtype, objective.loss, resume, gpt=body)
     if distributed.rank() == 0:  # every input is good: only now is anything written

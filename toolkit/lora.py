@@ -9,7 +9,7 @@ rows, for the input embedding and the LM head alike. Nothing else trains but a t
 
 The adapter checkpoint is a ckpt.pt without `model`: `lora` (rank, alpha, dropout, targets, and the
 base's path and sha256), `adapters` (each A, B and the new rows), plus the usual config, tokenizer,
-task facts and head. toolkit/load.py reads it by loading its base, checking the sha256, and merging:
+task facts and head. toolkit/model_sources.py reads it by loading its base, checking the sha256, and merging:
 merge() writes W + (alpha/r) B A. merged_checkpoint() turns the whole checkpoint into a full one
 (finetune.py --merge-lora).
 """
@@ -133,7 +133,7 @@ def merge(model: GPT) -> GPT:
 
 def merged_checkpoint(checkpoint: dict, merged: GPT, source: str) -> dict:
     """A LoRA checkpoint (read from source) as a full one: its entries, the weights of merged (the
-    model it stands for, as toolkit.load.load_model reads it) in place of the adapters, and the
+    model it stands for, as toolkit.model_sources.load_model reads it) in place of the adapters, and the
     merge recorded in `finetune`."""
     full = {k: v for k, v in checkpoint.items() if k not in ("lora", "adapters")}
     full["model"] = merged.state_dict()

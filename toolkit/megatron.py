@@ -1,7 +1,6 @@
 """Megatron-LM's options and spellings for the trainers, so that a Megatron-DeepSpeed GPT-2 command
 runs as written: its own options (MegatronOptions, listed in their own --help group), its names for
-ours (ALIASES), sample counts turned into steps of the global batch, --load, and codecarbon's energy
-tracking.
+ours (ALIASES), sample counts turned into steps of the global batch, and --load.
 
 Where Megatron and this toolkit differ (docs/design.md): `--load` and `--save` name one folder here;
 `--global-batch-size` sets the accumulation; sample counts become steps, rounded up, and the cosine
@@ -9,7 +8,6 @@ decay runs over those steps.
 """
 import math
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from toolkit.cli import CLIError
@@ -27,7 +25,7 @@ SAMPLE_FLAGS = {"train_samples": "max_iters", "lr_warmup_samples": "warmup_iters
                 "lr_decay_samples": "lr_decay_iters"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class MegatronOptions:
     load: str | None = option(None, "use this folder as --out-dir and resume from its checkpoint "
                                     "when it holds one (else start from scratch)", megatron=True)
@@ -64,16 +62,16 @@ def check_options(cfg: MegatronOptions, given: set[str]) -> None:
                            "codecarbon") from None
 
 
-def apply_load(cfg, given: set[str]) -> None:
-    """--load DIR: DIR is the run's folder (here, checkpoints are read and written in one place)."""
+def load_folder(cfg, given: set[str]) -> str:
+    """--load DIR: DIR is the run's folder, --out-dir (here, checkpoints are read and written in one
+    place)."""
     if "out_dir" in given and os.path.abspath(cfg.out_dir) != os.path.abspath(cfg.load):
         raise CLIError(f"--load {cfg.load} and --save/--out-dir {cfg.out_dir} differ; a run resumes and saves "
                        f"in one folder here: give the same folder or only one of them")
     if "init_from" in given and cfg.init_from != "resume":
         raise CLIError(f"--load resumes from {cfg.load}; it cannot be combined with --init-from "
                        f"{cfg.init_from}")
-    cfg.out_dir = cfg.load
-    given.add("out_dir")
+    return cfg.load
 
 
 def grad_accum_for(cfg, given: set[str]) -> int:
@@ -88,33 +86,14 @@ def grad_accum_for(cfg, given: set[str]) -> int:
     return accum
 
 
-def forget_replaced_counts(cfg, given: set[str]) -> None:
+def forget_replaced_counts(values: dict, given: set[str]) -> None:
     """On resume, a step count given now replaces the Megatron count the checkpoint saved for it."""
     for samples, steps in {**SAMPLE_FLAGS, "global_batch_size": "grad_accum"}.items():
         if steps in given and samples not in given:
-            setattr(cfg, samples, None)
+            values[samples] = None
 
 
-def steps_from_samples(cfg) -> None:
-    """Each sample count set becomes its step count, rounded up to whole global batches."""
-    for samples, steps in SAMPLE_FLAGS.items():
-        if getattr(cfg, samples) is not None:
-            setattr(cfg, steps, math.ceil(getattr(cfg, samples) / (cfg.batch_size * cfg.grad_accum)))
-
-
-@contextmanager
-def tracking_emissions(cfg: MegatronOptions, master: bool):
-    """codecarbon's OfflineEmissionsTracker around the block when the run sets --codecarbon-dir
-    (rank 0); its row is appended to CODECARBON_DIR/emissions.csv however the block ends."""
-    if not (master and cfg.codecarbon_dir):
-        yield
-        return
-    from codecarbon import OfflineEmissionsTracker
-    os.makedirs(cfg.codecarbon_dir, exist_ok=True)
-    tracker = OfflineEmissionsTracker(country_iso_code=cfg.codecarbon_country, output_dir=cfg.codecarbon_dir,
-                                      project_name=cfg.run_name, log_level="error", allow_multiple_runs=True)
-    tracker.start()
-    try:
-        yield
-    finally:
-        tracker.stop()
+def steps_from_samples(cfg) -> dict[str, int]:
+    """The step counts the sample counts set, rounded up to whole global batches."""
+    return {steps: math.ceil(getattr(cfg, samples) / (cfg.batch_size * cfg.grad_accum))
+            for samples, steps in SAMPLE_FLAGS.items() if getattr(cfg, samples) is not None}

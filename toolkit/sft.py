@@ -11,7 +11,7 @@ from toolkit.checkpoint import run_state
 from toolkit.cli import CLIError
 from toolkit.batches import epoch_batches, rank_share, step_batches
 from toolkit.device import autocast, full_logits_fit
-from toolkit.run import RunConfig
+from toolkit.config import RunConfig
 from toolkit.tokenizers import Tokenizer
 from toolkit.training import Engine, Objective
 

@@ -7,7 +7,8 @@ its trainer.
 
 Follow one step (docs/design.md): Trainer.fit asks the objective for the step's micro-batches, the
 engine's train_step runs each through objective.loss and steps the optimizer; for pretraining that
-loss is LanguageModeling.loss below, `model(x, y)` of model.py (its chunked loss on a CPU).
+loss is LanguageModeling.loss (toolkit/pretraining.py), `model(x, y)` of model.py (its chunked loss
+on a CPU).
 
 Each micro-batch carries its share of the global batch's loss (the weights of all micro-batches of
 all data-parallel processes sum to 1), so uneven splits train exactly as one process would. A
@@ -21,21 +22,26 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from toolkit import distributed
 from toolkit.checkpoint import (capture_rng, load_checkpoint, load_weights, make_checkpoint,
-                                restore_rng, run_state, save_checkpoint)
-from toolkit.batches import get_batch, window_offsets
-from toolkit.device import autocast, full_logits_fit, peak_flops
-from toolkit.evaluation import window_losses
+                                restore_rng, save_checkpoint)
+from toolkit.cli import CLIError
+from toolkit.config import RunConfig
+from toolkit.device import autocast, peak_flops
 from toolkit.optim import Schedule, make_optimizer
-from toolkit.run import RunConfig, RunLog, StopRequest, diverged
+from toolkit.runlog import RunLog
+from toolkit.signals import StopRequest
 
 Batch = Any  # what an objective's micro-batch holds: (x, y) windows, examples, conversations, pairs
-TRAIN_STREAM, EVAL_TRAIN_STREAM, EVAL_VAL_STREAM = 0, 1, 2  # independent random streams of windows
+
+
+def diverged(what: str, hint: str) -> CLIError:
+    """The one wording of a run that went non-finite."""
+    return CLIError(f"{what}; stopped without saving (the checkpoint written before, if any, is "
+                    f"kept). Try {hint}")
 
 
 class Engine(Protocol):
@@ -76,7 +82,7 @@ class Engine(Protocol):
 
 
 class Objective(Protocol):
-    """What is learnt: LanguageModeling below, TaskObjective (toolkit/finetuning.py), ChatObjective
+    """What is learnt: LanguageModeling (toolkit/pretraining.py), TaskObjective (toolkit/finetuning.py), ChatObjective
     (toolkit/sft.py), Contrastive (toolkit/embedding.py); each declares it as its base."""
 
     def micro_batches(self, step: int) -> list[tuple[Batch, float]]:
@@ -197,92 +203,6 @@ class TorchEngine:
             rng = capture_rng(self.device) if keep else {}
             checkpoint = make_checkpoint(state, self.gpt, optimizer, scaler, rng)
             save_checkpoint(checkpoint, path or self.path)
-
-
-def evaluation_windows(n_tokens: int, block_size: int, count: int, seed: int,
-                       stream: int) -> np.ndarray:
-    """Offsets of the windows an evaluation scores: all non-overlapping ones when there are at most
-    `count`, else `count` random ones (fixed by the seed, so successive evaluations are comparable).
-    """
-    whole = (n_tokens - 1) // block_size
-    if whole <= count:
-        return np.arange(whole, dtype=np.int64) * block_size
-    return window_offsets(n_tokens, block_size, count, seed, 0, stream)
-
-
-class LanguageModeling(Objective):
-    """Pretraining's objective: next-token cross-entropy on random windows of the corpus. Each
-    step's windows come from (seed, step) alone and the data-parallel ranks take slices of them, so
-    N ranks train exactly like one process and the step is the data position; evaluation scores
-    fixed windows of both splits."""
-
-    def __init__(self, cfg, corpus, model: torch.nn.Module, device: torch.device, dp_rank: int,
-                 dp_size: int, token_bytes: np.ndarray, tasks: list = ()):
-        self.cfg, self.corpus, self.model, self.device = cfg, corpus, model, device
-        self.token_bytes, self.tasks = torch.from_numpy(token_bytes).to(device), tasks
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.micro_steps = cfg.grad_accum // dp_size
-        self.global_batch = cfg.batch_size * cfg.grad_accum
-        rows = cfg.batch_size * cfg.block_size
-        self.chunked = not full_logits_fit(device, rows, model.config.vocab_size)
-
-    def micro_batches(self, step: int) -> list[tuple[tuple[torch.Tensor, torch.Tensor], float]]:
-        cfg, rows = self.cfg, self.micro_steps * self.cfg.batch_size
-        offsets = window_offsets(len(self.corpus.train), cfg.block_size, self.global_batch,
-                                 cfg.seed, step, TRAIN_STREAM)
-        mine = offsets[self.dp_rank * rows:][:rows]
-        return [(get_batch(self.corpus.train, o, cfg.block_size, self.device), 1 / cfg.grad_accum)
-                for o in np.split(mine, self.micro_steps)]
-
-    def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        return model(x, y, chunked_loss=self.chunked)[1]
-
-    def throughput(self) -> tuple[int, str, float]:
-        tokens = self.global_batch * self.cfg.block_size
-        return tokens, "tokens", self.model.flops_per_token() * tokens
-
-    @torch.no_grad()
-    def evaluate(self, engine: Engine) -> dict[str, float]:
-        """Mean loss per split over evaluation_windows, in batches shared out over the data-parallel
-        ranks (evaluation.window_losses), and the val loss in bits per byte."""
-        cfg = self.cfg
-        self.model.eval()
-        scored = {}  # split -> (summed loss, tokens, bytes)
-        for split, stream in (("train", EVAL_TRAIN_STREAM), ("val", EVAL_VAL_STREAM)):
-            tokens = getattr(self.corpus, split)
-            most = cfg.eval_iters * cfg.batch_size
-            offsets = evaluation_windows(len(tokens), cfg.block_size, most, cfg.seed, stream)
-            scored[split] = window_losses(engine.eval_loss, tokens, offsets, cfg.block_size, cfg.batch_size,
-                                          self.device, self.token_bytes, (self.dp_rank, self.dp_size))
-        (train_sum, train_count, _), (val_sum, val_count, val_bytes) = scored["train"], scored["val"]
-        metrics = {"train_loss": train_sum / train_count, "val_loss": val_sum / val_count,
-                   "val_ppl": math.exp(min(val_sum / val_count, 50)),
-                   "val_bpb": val_sum / math.log(2) / max(val_bytes, 1)}
-        for task in self.tasks:
-            scores = task.score(engine.logits_at, cfg.block_size, cfg.batch_size, self.device,
-                                (self.dp_rank, self.dp_size))
-            metrics.update({f"{task.name}_{name}": value for name, value in scores.items()})
-        self.model.train()
-        return metrics
-
-    @torch.no_grad()
-    def good_weights(self, engine: Engine) -> bool:
-        """Finite weights giving a finite loss on one fixed val batch (eval mode: no RNG used)."""
-        if not engine.weights_finite():
-            return False
-        cfg = self.cfg
-        offsets = window_offsets(len(self.corpus.val), cfg.block_size, cfg.batch_size, cfg.seed, 0,
-                                 EVAL_VAL_STREAM)
-        self.model.eval()
-        batch = get_batch(self.corpus.val, offsets, cfg.block_size, self.device)
-        loss = engine.eval_loss(*batch).item()
-        self.model.train()
-        finite = distributed.all_reduce_sum([float(math.isfinite(loss))], self.device)[0]
-        return finite == distributed.world_size()
-
-    def checkpoint_state(self, best: dict | None) -> dict:
-        return run_state(self.model, self.cfg, self.corpus.meta)
 
 
 class Trainer:

@@ -1,0 +1,239 @@
+"""Pretraining's options (TrainConfig) and the one function that settles them into a run's frozen
+configuration, for train.py, train_ddp.py and train_ds.py:
+
+    cfg, given, args = parse_config(argv)       # the flags; `given` names those the user set
+    cfg, resume = settle(cfg, given, engine)    # settled and frozen: nothing changes it after
+
+settle's docstring lists its rules in the order they apply; no default depends on anything (the
+device, a resumed checkpoint, --preset, DeepSpeed's config, Megatron's counts) anywhere else.
+"""
+import argparse
+import os
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+
+from model import ATTN_KERNELS, PRESETS
+from toolkit import cli, distributed, flags, megatron
+from toolkit.cli import CLIError
+from toolkit.config import RunConfig, settle_run
+from toolkit.device import resolve_device
+from toolkit.flags import flag, option
+
+DEFAULT_CORPUS_DIR = "data/pydoc_char"  # the embedded corpus, prepared on first use (toolkit/prepare.py)
+MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "bias")
+PRESET_SHAPE = ("n_layer", "n_head", "n_embd")  # what --preset sets
+# `python train.py` on a CUDA GPU: nanoGPT's shakespeare_char shape, compiled, a model that uses the GPU
+# in about the wall time two CPU cores take for the 4 x 128 default (docs/performance.md)
+CUDA_DEFAULTS = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, dropout=0.2,
+                     max_iters=2000, eval_interval=250, compile=True)
+
+
+@dataclass(frozen=True)
+class TrainConfig(RunConfig, megatron.MegatronOptions):
+    # data
+    data_dir: str = option(DEFAULT_CORPUS_DIR, "nanoGPT data dir (train.bin, val.bin, meta.json) or "
+                                               "Megatron prefix")
+    init_from: str = option("scratch", "scratch, resume (from OUT_DIR/ckpt.pt), or an HF GPT-2 dir "
+                                       "or name")
+    # model
+    preset: str | None = option(None, "model size preset (sets n_layer, n_head, "
+                                      "n_embd)", choices=sorted(PRESETS))
+    n_layer: int = option(4, "transformer blocks (default: 6 on a CUDA GPU)", check="positive")
+    n_head: int = option(4, "attention heads (default: 6 on a CUDA GPU)", check="positive")
+    n_embd: int = option(128, "embedding width (default: 384 on a CUDA GPU)", check="positive")
+    block_size: int = option(64, "context length in tokens (default: 256 on a CUDA GPU)",
+                             check="positive")
+    dropout: float = option(0.0, "dropout probability, may change on resume (default: 0.2 on a "
+                                 "CUDA GPU)", check="probability")
+    bias: bool = option(True, "biases in Linear and LayerNorm layers, as GPT-2")
+    attn_kernel: str = option("auto", "attention: manual (written out; auto's pick for bfloat16 "
+                                      "on CPU up to 512 keys) or an SDPA kernel (may change on "
+                                      "resume)", choices=list(ATTN_KERNELS))
+    # optimisation
+    batch_size: int = option(32, "sequences per micro-batch, in each process (default: 64 on a "
+                                 "CUDA GPU)", check="positive")
+    grad_accum: int | None = option(None, "micro-batches per optimizer step over ALL processes "
+                                          "(default: one per process)", check="positive")
+    max_iters: int = option(300, "optimizer steps in total, a resumed run continuing up to this "
+                                 "number (default: 2000 on a CUDA GPU)", check="non-negative")
+    optimizer: str = option("auto", "muon: Muon for the blocks' matrices, AdamW for the rest; "
+                                    "adamw; auto: muon from scratch, adamw from pretrained weights",
+                            choices=["auto", "muon", "adamw"])
+    lr: float | None = option(None, "peak learning rate of AdamW (Muon's is --muon-lr); default "
+                                    "4e-3, or 4e-3 x 128 / n-embd where AdamW trains the blocks' "
+                                    "matrices from scratch", check="positive-number")
+    muon_lr: float = option(0.05, "Muon's peak learning rate (it follows --lr's schedule)",
+                            check="non-negative-number")
+    min_lr: float | None = option(None, "final learning rate of the cosine decay (default lr/10)",
+                                  check="non-negative-number")
+    warmup_iters: int = option(25, "linear warmup steps", check="non-negative")
+    lr_decay_iters: int | None = option(None, "steps of cosine decay (default: all steps)",
+                                        check="non-negative")
+    # evaluation and checkpoints
+    eval_interval: int = option(100, "evaluate every N steps (default: 250 on a CUDA GPU)",
+                                check="positive")
+    eval_iters: int = option(20, "batches per evaluation and split", check="positive")
+    eval_tasks: str | None = option(None, "multiple-choice files in HellaSwag's format "
+                                          "(comma-separated .jsonl) scored at each evaluation: acc "
+                                          "and acc_norm, as eval.py scores them")
+    save_interval: int = option(0, "also save a checkpoint every N steps (0 = only at the end)",
+                                check="non-negative")
+    # system
+    compile: bool = option(False, "torch.compile the model (default: on a CUDA GPU, where it pays; "
+                                  "off on a CPU, where it does not: docs/performance.md)")
+    peak_tflops: float | None = option(None, "device peak TFLOP/s for MFU (known GPUs are "
+                                             "looked up)", check="non-negative-number")
+
+
+CONFIG_FIELDS = {f.name for f in fields(TrainConfig)}
+
+
+def parse_config(argv: list[str] | None = None, description: str = "Train a GPT.", extra_arguments=None,
+                 overrides: dict[str, dict | None] | None = None
+                 ) -> tuple[TrainConfig, set[str], argparse.Namespace]:
+    """Flags into a TrainConfig as given: (config, the fields the user set, all parsed args).
+    Precedence: defaults < --config JSON < command-line flags; Megatron's --load DIR is --out-dir
+    DIR. extra_arguments(parser) adds a script's own flags; overrides change or leave out some of
+    TrainConfig's (flags.add_flags)."""
+    parser = cli.argument_parser(description)
+    parser.add_argument("--config", help="JSON file of option values; command-line flags win")
+    flags.add_flags(parser, TrainConfig, megatron.ALIASES, overrides=overrides)
+    if extra_arguments:
+        extra_arguments(parser)
+    args = parser.parse_args(argv)
+    given = flags.given(TrainConfig, argv, megatron.ALIASES, overrides)
+    values = flags.values(args, TrainConfig)
+    if args.config:
+        from_file = flags.read_config_file(args.config, TrainConfig)
+        values.update({k: v for k, v in from_file.items() if k not in given})
+        given |= set(from_file)
+    cfg = TrainConfig(**values)
+    check_config(cfg)
+    megatron.check_options(cfg, given)
+    if cfg.load is not None:
+        cfg = replace(cfg, out_dir=megatron.load_folder(cfg, given))
+        given.add("out_dir")
+    return cfg, given, args
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Every value in range before any data is read or anything is written (CLIError)."""
+    flags.check_values(cfg)
+    if cfg.n_embd % cfg.n_head:
+        raise CLIError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
+
+
+def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict | None]:
+    """The run's configuration, settled once from the flags (`given`: those the user set) and
+    frozen, and the saved state a resumed run continues from (or None). The rules, in order:
+      1. resume when asked (--init-from resume), when --load names a folder holding a checkpoint, or
+         when torchrun restarted the job and a checkpoint is on disk: the checkpoint's options then
+         stand wherever no flag was given, and its model shape is fixed;
+      2. a new run on a CUDA GPU takes CUDA_DEFAULTS wherever no flag was given; then --preset
+         sets the shape;
+      3. --global-batch-size sets --grad-accum;
+      4. the engine's own configuration (DeepSpeed's ds_config.json) is reconciled with the flags;
+      5. --optimizer auto becomes Muon from scratch, AdamW from pretrained weights; AdamW's --lr;
+      6. a run name; --grad-accum defaults to one micro-batch per data-parallel process;
+      7. Megatron's sample counts become step counts.
+    Every value is checked before anything is read or written."""
+    resume, resumed = None, set()
+    device = resolve_device(cfg.device, distributed.local_rank())
+    if resuming(cfg, engine.path, device):
+        resume = engine.read_resume()
+        cfg = merge_resumed_config(cfg, given, resume, engine.path)
+        resumed = set(resume.get("train_config", {})) & CONFIG_FIELDS - given - {"init_from", "out_dir"}
+    else:
+        cfg = apply_preset(device_defaults(cfg, given, device), given)
+    given = given | resumed
+    if cfg.global_batch_size is not None:
+        cfg = replace(cfg, grad_accum=megatron.grad_accum_for(cfg, given))
+        given = given | {"grad_accum"}
+    cfg = settle_optimizer(engine.settle_config(cfg, given, resumed))
+    cfg = settle_run(cfg, engine.data_parallel()[1])
+    cfg = replace(cfg, **megatron.steps_from_samples(cfg))
+    check_config(cfg)
+    return cfg, resume
+
+
+def resuming(cfg: TrainConfig, checkpoint: str, device: torch.device) -> bool:
+    """Rule 1: --init-from resume; --load of a folder holding a checkpoint; or a job torchrun
+    restarted after a process died, with a checkpoint that every process sees."""
+    if cfg.init_from == "resume":
+        return True
+    if cfg.load is not None:
+        return cfg.init_from == "scratch" and os.path.exists(checkpoint)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return False
+    seen = distributed.all_reduce_sum([float(os.path.exists(checkpoint))], device)[0]
+    if 0 < seen < distributed.world_size():
+        raise CLIError(f"{checkpoint} is visible to only some processes; --out-dir must be on a "
+                       "filesystem shared by all nodes to resume")
+    return seen > 0
+
+
+def merge_resumed_config(cfg: TrainConfig, given: set[str], saved: dict, source: str) -> TrainConfig:
+    """The checkpoint's settings, but flags given now win; a different model shape is an error."""
+    known = {"optimizer": "adamw"}  # checkpoints from before the optimizer option were trained with AdamW
+    known.update((k, v) for k, v in saved.get("train_config", {}).items() if k in CONFIG_FIELDS)
+    values = {**asdict(TrainConfig()), **known, **{k: getattr(cfg, k) for k in given},
+              "init_from": "resume", "out_dir": cfg.out_dir}
+    if values["optimizer"] not in ("auto", known["optimizer"]):
+        raise CLIError(f"{source} was trained with --optimizer {known['optimizer']}; its optimizer "
+                       f"state cannot continue under --optimizer {values['optimizer']}")
+    values["optimizer"] = known["optimizer"]
+    model_config = saved["model_config"]
+    for name in MODEL_SHAPE:
+        if name in given and values[name] != model_config[name]:
+            raise CLIError(f"checkpoint {source} has {name}={model_config[name]} but {flag(name)} "
+                           f"{values[name]} was given; drop the flag or use another --out-dir")
+        values[name] = model_config[name]
+    if "preset" in given and values["preset"]:
+        raise CLIError("--preset cannot be combined with --init-from resume; the checkpoint fixes "
+                       "the shape")
+    megatron.forget_replaced_counts(values, given)
+    return TrainConfig(**values)
+
+
+def device_defaults(cfg: TrainConfig, given: set[str], device: torch.device) -> TrainConfig:
+    """Rule 2: on a CUDA GPU, CUDA_DEFAULTS wherever no flag was given (a --preset keeps its
+    shape); the run header names those taken."""
+    if device.type != "cuda":
+        return cfg
+    kept = given | (set(PRESET_SHAPE) if cfg.preset else set())
+    taken = {name: value for name, value in CUDA_DEFAULTS.items() if name not in kept}
+    if taken and distributed.rank() == 0:
+        shown = ", ".join(flag(name) if value is True else f"{flag(name)} {value}"
+                          for name, value in taken.items())
+        print(f"defaults for a CUDA GPU, where no flag set them: {shown} (a model that uses the GPU; "
+              f"the CPU's: 4 x 128, block 64, batch 32, 300 steps)", flush=True)
+    return replace(cfg, **taken)
+
+
+def apply_preset(cfg: TrainConfig, given: set[str]) -> TrainConfig:
+    """--preset sets the shape; a shape flag given with it that says otherwise is an error."""
+    if not cfg.preset:
+        return cfg
+    shape = {name: PRESETS[cfg.preset][name] for name in PRESET_SHAPE}
+    for name, value in shape.items():
+        if name in given and getattr(cfg, name) != value:
+            raise CLIError(f"--preset {cfg.preset} has {name.replace('_', '-')} {value} but "
+                           f"{flag(name)} {getattr(cfg, name)} was given; drop one of them")
+    return replace(cfg, **shape)
+
+
+def settle_optimizer(cfg: TrainConfig) -> TrainConfig:
+    """--optimizer auto: Muon from scratch (measured), AdamW for pretrained weights. Then AdamW's
+    default --lr: 4e-3, measured at the quick start's width of 128; where AdamW trains the blocks'
+    matrices from scratch it falls as 1/width, as GPT-3's rates do (a 124M body at 4e-3 stays near
+    letter statistics: docs/performance.md). Muon scales its own updates, and what it leaves to
+    AdamW keeps 4e-3 (as muP does)."""
+    optimizer = cfg.optimizer
+    if optimizer == "auto":
+        optimizer = "muon" if cfg.init_from == "scratch" else "adamw"
+    adamw_from_scratch = optimizer == "adamw" and cfg.init_from == "scratch"
+    lr = cfg.lr
+    if lr is None:
+        lr = 4e-3 * 128 / cfg.n_embd if adamw_from_scratch else 4e-3
+    return replace(cfg, optimizer=optimizer, lr=lr)
