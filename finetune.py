@@ -23,17 +23,9 @@ of conversations through toolkit/chat.py's template (test.py --chat talks to the
 path and sha256 of their base: every script reads it, and --merge-lora writes it as a full
 checkpoint.
 """
-import json
-import os
-import sys
-
-from toolkit import cli, distributed, flags, lora
-from toolkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
-from toolkit.cli import CLIError
-from toolkit.device import resolve_device, resolve_dtype
-from toolkit.files import check_output
-from toolkit.finetuning import FinetuneConfig, check_config, learning_warning, resumed_config, setup, write_predictions
-from toolkit.model_sources import load_model
+from toolkit import cli, distributed, flags
+from toolkit.finetune_config import FinetuneConfig, check_config, resumed_config
+from toolkit.finetuning import run
 
 
 def parse_config(argv: list[str] | None = None) -> tuple[FinetuneConfig, object]:
@@ -49,63 +41,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[FinetuneConfig, object]
     return cfg, args
 
 
-def check_outputs(cfg: FinetuneConfig, resuming: bool) -> None:
-    """Outputs that replace no input, and no earlier result unless --overwrite."""
-    inputs = [cfg.init_from, cfg.train, cfg.val, cfg.predict, cfg.merge_lora]
-    outputs = []
-    if cfg.train or cfg.merge_lora:
-        outputs.append(("--out-dir", os.path.join(cfg.out_dir, CHECKPOINT_FILE)))
-    if cfg.out:
-        outputs.append(("--out", cfg.out))
-    for flag, path in outputs:
-        check_output(path, inputs, flag)
-        continued = flag == "--out-dir" and resuming  # a resumed run replaces its own checkpoint
-        if os.path.exists(path) and not (cfg.overwrite or continued):
-            raise CLIError(f"{path} exists; choose another {flag} or pass --overwrite to "
-                           f"replace it")
-        inputs.append(path)
-
-
-def write_merged(cfg: FinetuneConfig) -> dict:
-    """--merge-lora: the LoRA checkpoint's base with its adapters added in, as OUT_DIR/ckpt.pt."""
-    checkpoint = load_checkpoint(cfg.merge_lora)
-    if "adapters" not in checkpoint:
-        raise CLIError(f"{cfg.merge_lora} holds no LoRA adapters; it is already a full checkpoint")
-    merged, _ = load_model(cfg.merge_lora)
-    path = os.path.join(cfg.out_dir, CHECKPOINT_FILE)
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    save_checkpoint(lora.merged_checkpoint(checkpoint, merged, cfg.merge_lora), path)
-    return {"merged": cfg.merge_lora, "out": path}
-
-
 def main(argv: list[str] | None = None) -> None:
     cfg, args = parse_config(argv)
-    check_outputs(cfg, args.resume is not None)
-    if distributed.launched_by_torchrun():
-        distributed.init_torchrun(cfg.device, args.backend, args.timeout)
-    master = distributed.rank() == 0
-    if cfg.merge_lora:
-        if master:
-            print(json.dumps(write_merged(cfg)))
-        return
-    if cfg.train is None:
-        if master:
-            device = resolve_device(cfg.device)
-            dtype = resolve_dtype(cfg.dtype, device)
-            print(json.dumps(write_predictions(cfg, cfg.init_from, device, dtype)))
-        return
-    trainer = setup(cfg, args.resume)
-    trainer.fit()
-    if not master:
-        return
-    if cfg.predict and not trainer.stopped:
-        print(json.dumps(write_predictions(cfg, trainer.engine.path, trainer.device,
-                                           trainer.engine.dtype)))
-    warning = learning_warning(trainer)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
-    epochs = trainer.step // trainer.objective.steps_per_epoch
-    print(json.dumps({**(trainer.best or {}), "epochs": epochs, "steps": trainer.step}), flush=True)
+    run(cfg, args.resume, args.backend, args.timeout)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ sys.path.insert(0, ROOT)
 
 from toolkit import cli
 from toolkit.device import describe, resolve_device
-from toolkit.prepare import DEFAULT_CORPUS_DIR, default_corpus_documents, ensure_default_corpus
+from toolkit.data import DEFAULT_CORPUS_DIR
+from toolkit.prepare import default_corpus_documents, ensure_default_corpus
 
 GPT2_BRIEFLY = ["--preset", "gpt2", "--block-size", "128", "--batch-size", "16", "--max-iters", "150",
                 "--eval-interval", "150", "--eval-iters", "5"]

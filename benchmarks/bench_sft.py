@@ -36,7 +36,7 @@ from model import GPT, PRESETS, GPTConfig
 from toolkit import cli, lora
 from toolkit.chat import add_chat_tokens, chat_prompt
 from toolkit.device import cpu_kind
-from toolkit.finetuning import FinetuneConfig
+from toolkit.finetune_config import FinetuneConfig
 from toolkit.gpt2_vocab import GPT2_FACTS
 from toolkit.hf import save_gpt2
 from toolkit.model_sources import load_model

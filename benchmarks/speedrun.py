@@ -39,7 +39,8 @@ sys.path.insert(0, ROOT)
 from toolkit import cli
 from toolkit.checkpoint import load_checkpoint, model_from_checkpoint
 from toolkit.device import cpu_kind, describe, resolve_device
-from toolkit.prepare import DEFAULT_CORPUS_DIR, ensure_default_corpus
+from toolkit.data import DEFAULT_CORPUS_DIR
+from toolkit.prepare import ensure_default_corpus
 
 NANOGPT_RECIPES = {"cpu": ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
                            "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--max_iters=2000",

@@ -18,6 +18,7 @@ import pytest
 os.environ["OMP_NUM_THREADS"] = "1"
 import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads once)
 
+from model import GPT, GPTConfig  # noqa: E402
 from toolkit import gpt2_vocab  # noqa: E402
 
 torch.set_num_threads(1)
@@ -26,6 +27,32 @@ ROOT = Path(__file__).resolve().parent.parent
 DS_OPS = ("cpu_adam",)  # the build folder of the DeepSpeed op the tests build (ds_ops_build)
 TINY_MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
               "--device", "cpu", "--dtype", "float32", "--eval-iters", "2", "--log-interval", "1"]
+
+
+# A tiny GPT for the model's own tests (test_model.py, test_hf.py): a vocabulary that is not a multiple of 64
+VOCAB = 211
+
+
+def tiny_config(**kw) -> GPTConfig:
+    return GPTConfig(**{**dict(block_size=32, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=64), **kw})
+
+
+def perturb(m: torch.nn.Module, std: float = 0.05, seed: int = 0) -> torch.nn.Module:
+    """Add noise to every parameter so biases and LayerNorms are not at their trivial init."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+    return m.eval()
+
+
+def tiny_gpt(seed: int = 0, std: float = 0.05, **kw) -> GPT:
+    torch.manual_seed(seed)
+    return perturb(GPT(tiny_config(**kw)), std, seed)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
 
 
 def run_script(script: str, *args: str, cwd: Path | None = None, timeout: float = 300,

@@ -5,35 +5,11 @@ import os
 import pytest
 import torch
 
-from model import GPT, GPTConfig
+from conftest import VOCAB, perturb, rel_err, tiny_gpt
 from toolkit.hf import load_gpt2, save_gpt2
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
-
-VOCAB = 211
-
-
-def tiny_config(**kw) -> GPTConfig:
-    return GPTConfig(**{**dict(block_size=32, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=64), **kw})
-
-
-def perturb(m: torch.nn.Module, std: float = 0.05, seed: int = 0) -> torch.nn.Module:
-    """Add noise to every parameter so biases and LayerNorms are not at their trivial init."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * std)
-    return m.eval()
-
-
-def tiny_gpt(seed: int = 0, std: float = 0.05, **kw) -> GPT:
-    torch.manual_seed(seed)
-    return perturb(GPT(tiny_config(**kw)), std, seed)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
 
 
 def random_hf_model():

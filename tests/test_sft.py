@@ -19,7 +19,8 @@ from toolkit.chat import (CHAT_TOKENS, add_chat_tokens, chat_prompt, encode_conv
 from toolkit.checkpoint import load_checkpoint
 from toolkit.distributed import free_port
 from toolkit.files import fingerprint
-from toolkit.finetuning import FinetuneConfig, setup
+from toolkit.finetune_config import FinetuneConfig
+from toolkit.finetuning import setup
 from toolkit.gpt2_vocab import GPT2_FACTS
 from toolkit.hf import save_gpt2
 from toolkit.model_sources import load_model

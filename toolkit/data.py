@@ -34,6 +34,7 @@ class Corpus:
 
 
 NANOGPT_FILES = ("train.bin", "val.bin", "meta.json")
+DEFAULT_CORPUS_DIR = "data/pydoc_char"  # the embedded corpus, prepared on first use (toolkit/prepare.py)
 MEGATRON_EXTENSIONS = (".bin", ".idx", ".json")
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, len, doc_count: 34 bytes
@@ -43,6 +44,10 @@ LLMC_HEADER_INTS, LLMC_MAGIC = 256, 20240520
 LLMC_VERSIONS = {20240520: (1, np.uint16), 20240801: (7, np.uint32)}  # GPT-2's and Llama 3's
 LLMC_SHARD = re.compile(r".+_(val|train)(_\d+)?\.bin")
 
+
+def is_prepared(folder: str) -> bool:
+    """Whether folder holds a nanoGPT dataset: train.bin, val.bin, meta.json."""
+    return all(os.path.exists(os.path.join(folder, name)) for name in NANOGPT_FILES)
 
 def megatron_document_prefix(output_prefix: str, json_key: str = "text") -> str:
     """The file prefix Megatron's preprocess_data.py writes for --output-prefix:

@@ -31,7 +31,6 @@ from toolkit import distributed
 from toolkit.batches import get_batch
 from toolkit.cli import CLIError
 from toolkit.device import autocast
-from toolkit.documents import json_lines
 from toolkit.tokenizers import Tokenizer
 
 # logits_at(idx (B, T), rows, cols) -> the (n, V) logits at positions (rows[i], cols[i]) of the batch
@@ -109,6 +108,7 @@ def choice_item(record, where: str) -> Choice:
 
 def read_choices(path: str, limit: int | None = None) -> list[Choice]:
     """The items of a HellaSwag-format JSON-lines file (the first `limit` of them)."""
+    from toolkit.documents import json_lines  # a run without choice files never reads documents
     items = []
     for number, record in json_lines(path):
         items.append(choice_item(record, f"{path} line {number}"))

@@ -1,143 +1,45 @@
-"""Fine-tuning a pretrained GPT, the way finetune.py runs it: the options, the starting body,
-GPT-1's task objective (the task's loss plus the LM loss, the head fitted before the first step,
-one global batch split over the processes), predictions with a fine-tuned checkpoint, and the
-setup of a run: for a task or for instruction tuning, of every weight or of LoRA adapters.
+"""Fine-tuning a pretrained GPT, the way finetune.py runs it: the starting body, GPT-1's task
+objective (the task's loss plus the LM loss, the head fitted before the first step, one global batch
+split over the processes), predictions with a fine-tuned checkpoint, the merge of LoRA adapters, and
+the setup of a run: for a task or for instruction tuning, of every weight or of LoRA adapters.
 
     cfg = FinetuneConfig(task="classify", train="t.jsonl", val="v.jsonl", init_from="ckpt/ckpt.pt")
-    trainer = setup(cfg)                   # finetune.py checks cfg first (check_config)
-    trainer.fit()
+    run(cfg, resume=None, backend=None, timeout=300)   # finetune.py checks cfg first (check_config)
 
-The tasks' token layouts, head, scoring and metrics are toolkit/tasks.py's; instruction tuning's
-objective is toolkit/sft.py's, the adapters toolkit/lora.py's; the loop is toolkit/training.py.
+The options are toolkit/finetune_config.py's; the tasks' token layouts, head, scoring and metrics
+toolkit/tasks.py's; instruction tuning's objective toolkit/sft.py's, the adapters toolkit/lora.py's;
+the loop toolkit/training.py.
 """
 import json
 import math
 import os
-from dataclasses import dataclass, replace
+import sys
+from dataclasses import replace
 
 import torch
 from torch.nn import functional as F
 
 from model import GPT
-from toolkit import distributed, flags, lora
-from toolkit.chat import add_chat_tokens
-from toolkit.sft import ChatObjective, chat_objective
-from toolkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, run_state
-from toolkit.cli import CLIError
+from toolkit import distributed, lora
 from toolkit.batches import epoch_batches, step_batches
+from toolkit.chat import add_chat_tokens
+from toolkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, run_state, save_checkpoint
+from toolkit.cli import CLIError
+from toolkit.config import settle_run
 from toolkit.device import describe, run_device
 from toolkit.files import atomic_open, claim_out_dir
-from toolkit.flags import option
+from toolkit.finetune_config import (EPOCHS, LATEST_FILE, LORA_LR, LR_WIDTH, MIN_STEPS, FinetuneConfig,
+                                     check_outputs)
 from toolkit.model_sources import load_model
 from toolkit.optim import Schedule
-from toolkit.config import RunConfig, settle_run
-from toolkit.tasks import (TASKS, Example, TaskModel, add_special_tokens, classification_metrics,
+from toolkit.sft import ChatObjective, chat_objective
+from toolkit.tasks import (Example, TaskModel, add_special_tokens, classification_metrics,
                            encode_records, label_names, over_examples, pad_batch, prediction,
                            read_records, regression_metrics, score)
 from toolkit.tokenizers import Tokenizer, load_tokenizer
 from toolkit.training import Engine, LoopConfig, Objective, TorchEngine, Trainer
 
-EPOCHS, MIN_STEPS = 3, 200  # GPT-1's epochs; a set too small for them gets more (docs/finetune.md)
-LR_WIDTH = 0.128  # lr = LR_WIDTH / n_embd: a larger model takes smaller steps (docs/finetune.md)
 PROBE_L2, PROBE_ITERS = 1e-4, 200  # the head's first fit: L2 penalty, L-BFGS iterations (docs)
-LORA_LR = 10  # adapters start at zero and move a rank-r slice: larger steps (docs/finetune.md)
-ALL_TASKS = (*TASKS, "sft")
-LATEST_FILE = "last.pt"  # OUT_DIR/last.pt: the latest state of a run, for --init-from resume
-
-
-@dataclass(frozen=True)
-class FinetuneConfig(RunConfig):
-    # the shared options whose default differs: GPT-1's AdamW, a rate that follows the width
-    out_dir: str = option("ckpt/finetune", "where the checkpoint, the loss curve and the "
-                                           "TensorBoard logs go")
-    overwrite: bool = option(False, "replace an existing OUT_DIR/ckpt.pt or --out")
-    lr: float | None = option(None, f"peak learning rate (default: {LR_WIDTH:g} / the model's "
-                                    f"width: 1e-3 at the quick start's 128, 1.7e-4 at GPT-2's 768; "
-                                    f"{LORA_LR}x that with LoRA)", check="positive-number")
-    weight_decay: float = option(0.01, "AdamW weight decay (2-D weights only)",
-                                 check="non-negative-number")
-    beta2: float = option(0.999, "AdamW beta2", check="probability")
-    # task and files
-    task: str | None = option(None, f"{', '.join(TASKS)}, or sft for instruction tuning on "
-                                    f"conversations (--predict alone: the checkpoint's own)")
-    train: str | None = option(None, "training examples or conversations, JSON lines (schemas: "
-                                     "docs/finetune.md)")
-    val: str | None = option(None, "validation examples or conversations, JSON lines, scored after "
-                                   "every epoch")
-    labels: str = option("class", "class: labels are classes; float: similarity scores, learnt by "
-                                  "regression", choices=["class", "float"])
-    init_from: str = option("ckpt/ckpt.pt", "pretrained model: a ckpt.pt, a DeepSpeed folder or "
-                                            "its zero_to_fp32 output, an HF GPT-2 folder; resume: "
-                                            "continue the interrupted fine-tuning in OUT_DIR; with "
-                                            "--predict alone, a fine-tuned ckpt.pt")
-    predict: str | None = option(None, "examples to label with the fine-tuned model (JSON lines, "
-                                       "labels not needed)")
-    out: str | None = option(None, "where --predict writes one JSON line per example")
-    merge_lora: str | None = option(None, "a LoRA checkpoint to merge into its base: writes "
-                                          "OUT_DIR/ckpt.pt, a full checkpoint every script reads")
-    # LoRA: low-rank adapters, the base frozen (toolkit/lora.py)
-    lora_rank: int = option(0, "train LoRA adapters of this rank instead of every weight (0 = "
-                               "every weight)", check="non-negative")
-    lora_alpha: float = option(16.0, "LoRA's alpha: the update is scaled by alpha / rank",
-                               check="positive-number")
-    lora_dropout: float = option(0.05, "dropout on the adapters' input", check="probability")
-    lora_targets: str = option("all", "the linears that get adapters: attn (c_attn, c_proj), mlp "
-                                      "(c_fc, c_proj) or all", choices=list(lora.TARGETS))
-    # optimisation: GPT-1's recipe, with enough steps for small sets
-    epochs: int | None = option(None, f"passes over the training examples (default: {EPOCHS}, or "
-                                      f"more when that is fewer than {MIN_STEPS} steps)",
-                                check="positive")
-    grad_accum: int | None = option(None, "micro-batches per optimizer step over ALL processes "
-                                          "(default: one per process)", check="positive")
-    warmup: float = option(0.1, "share of the steps with linear warmup, followed by linear decay "
-                                "to 0", check="share")
-    lm_weight: float = option(0.5, "weight of the language-model loss on the same inputs (0 = off)",
-                              check="non-negative-number")
-    dropout: float = option(0.0, "dropout probability (may change on resume)", check="probability")
-    head_dropout: float = option(0.1, "dropout before the head", check="probability")
-    block_size: int | None = option(None, "longest sequence in tokens (default: the model's); "
-                                          "longer ones lose tokens from the left of the context")
-
-
-def resumed_config(cfg: FinetuneConfig, given: set[str]) -> tuple[FinetuneConfig, dict]:
-    """--init-from resume: the interrupted run's options (those given now win), its latest state."""
-    path = os.path.join(cfg.out_dir, LATEST_FILE)
-    if not os.path.isfile(path):
-        raise CLIError(f"nothing to resume in {cfg.out_dir}: {path} exists only while a "
-                       f"fine-tuning runs or after one was interrupted")
-    checkpoint = load_checkpoint(path)
-    saved = {k: v for k, v in checkpoint["train_config"].items()
-             if k in FinetuneConfig.__dataclass_fields__}
-    now = {k: getattr(cfg, k) for k in given | {"out_dir", "overwrite"} if k != "init_from"}
-    return FinetuneConfig(**{**saved, **now}), checkpoint
-
-
-def check_config(cfg: FinetuneConfig) -> None:
-    """Every value in range and the flags consistent, before anything is read or written."""
-    flags.check_values(cfg)
-    training, predicting = cfg.train is not None, cfg.predict is not None
-    merging = cfg.merge_lora is not None
-    if cfg.task not in (None, *ALL_TASKS):
-        raise CLIError(f"unknown task {cfg.task!r}; choose from {', '.join(ALL_TASKS)}")
-    if merging and (training or predicting):
-        raise CLIError("--merge-lora goes alone (with --out-dir): merge first, then fine-tune or "
-                       "predict")
-    if not (training or predicting or merging):
-        raise CLIError("nothing to do: give --task, --train and --val to fine-tune, --predict and "
-                       "--out, or --merge-lora")
-    for a, b in (("train", "val"), ("predict", "out")):
-        if (getattr(cfg, a) is None) != (getattr(cfg, b) is None):
-            raise CLIError(f"--{a} and --{b} go together")
-    if training and cfg.task is None:
-        raise CLIError(f"--task is required to fine-tune; choose from {', '.join(ALL_TASKS)}")
-    if cfg.task == "sft" and predicting:
-        raise CLIError("--predict labels examples of a GPT-1 task; an sft model answers with "
-                       "test.py --chat or --prompt")
-    if cfg.labels == "float" and cfg.task not in (None, "similarity"):
-        raise CLIError("--labels float is for --task similarity (regression on a score)")
-    if cfg.block_size is not None and cfg.block_size < 4:
-        raise CLIError(f"--block-size must be at least 4 (three special tokens and one more), got "
-                       f"{cfg.block_size}")
 
 
 # ----- models and predictions -----
@@ -334,6 +236,49 @@ def task_objective(cfg: FinetuneConfig, body: GPT, facts: dict, tokenizer: Token
 
 
 # ----- a run -----
+
+def run(cfg: FinetuneConfig, resume: dict | None, backend: str | None, timeout: float) -> None:
+    """finetune.py's work, its flags checked: merge a LoRA checkpoint, label --predict with a
+    fine-tuned model, or fine-tune (under torchrun, in every process) and then label --predict; the
+    last line printed is one JSON object."""
+    check_outputs(cfg, resume is not None)
+    if distributed.launched_by_torchrun():
+        distributed.init_torchrun(cfg.device, backend, timeout)
+    master = distributed.rank() == 0
+    if cfg.merge_lora:
+        if master:
+            print(json.dumps(write_merged(cfg)))
+        return
+    if cfg.train is None:
+        if master:
+            device, dtype = run_device(cfg.device, cfg.dtype)
+            print(json.dumps(write_predictions(cfg, cfg.init_from, device, dtype)))
+        return
+    trainer = setup(cfg, resume)
+    trainer.fit()
+    if not master:
+        return
+    if cfg.predict and not trainer.stopped:
+        print(json.dumps(write_predictions(cfg, trainer.engine.path, trainer.device,
+                                           trainer.engine.dtype)))
+    warning = learning_warning(trainer)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    epochs = trainer.step // trainer.objective.steps_per_epoch
+    print(json.dumps({**(trainer.best or {}), "epochs": epochs, "steps": trainer.step}), flush=True)
+
+
+def write_merged(cfg: FinetuneConfig) -> dict:
+    """--merge-lora: the LoRA checkpoint's base with its adapters added in, as OUT_DIR/ckpt.pt."""
+    checkpoint = load_checkpoint(cfg.merge_lora)
+    if "adapters" not in checkpoint:
+        raise CLIError(f"{cfg.merge_lora} holds no LoRA adapters; it is already a full checkpoint")
+    merged, _ = load_model(cfg.merge_lora)
+    path = os.path.join(cfg.out_dir, CHECKPOINT_FILE)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    save_checkpoint(lora.merged_checkpoint(checkpoint, merged, cfg.merge_lora), path)
+    return {"merged": cfg.merge_lora, "out": path}
+
 
 def setup(cfg: FinetuneConfig, resume: dict | None = None) -> Trainer:
     """Read the body and the examples, add the special tokens and the head (or the adapters), and

@@ -1,23 +1,30 @@
-"""Data preparation shared by the scripts: tokenizing documents in parallel, in order and with
-bounded memory, and the embedded default corpus (Python's own documentation, shipped with every
-CPython).
+"""Data preparation, tokenizer.py's work: text in, token ids out. Documents are tokenized in
+parallel, in order and with bounded memory, by the tokenizer chosen (or trained on the input), into
+the format chosen; and the embedded default corpus (Python's own documentation, shipped with every
+CPython) is prepared on first use.
 
+    prepare(args)                      # tokenizer.py's flags, checked: the files written, their metadata
     ensure_default_corpus()            # data/pydoc_char: train.bin, val.bin, meta.json (char level)
 """
+import argparse
 import multiprocessing
 import os
 import signal
 import sys
+import time
 from collections import deque
 from collections.abc import Iterator
 
 import numpy as np
+from tqdm import tqdm
 
-from toolkit.data import NANOGPT_FILES
-from toolkit.tokenizers import CUT, Tokenizer, load_tokenizer
-from toolkit.writers import write_nanogpt
-
-DEFAULT_CORPUS_DIR = "data/pydoc_char"
+from toolkit.cli import CLIError
+from toolkit.data import DEFAULT_CORPUS_DIR, NANOGPT_FILES, is_prepared, megatron_document_prefix
+from toolkit.documents import ReadStats, input_files, read_documents, read_text, without_compression
+from toolkit.files import refuse_existing, write_error, write_text
+from toolkit.tokenizers import CUT, Tokenizer, load_tokenizer, train_bpe
+from toolkit.writers import (LlmcWriter, MegatronWriter, NanoGPTWriter, llmc_shards, output_dtype,
+                             write_nanogpt)
 PIECE_CHARS = 1 << 22  # a longer piece of text is tokenized 4M characters at a time: bounded memory
 
 
@@ -128,6 +135,113 @@ def describe_default_corpus(data_dir: str, meta: dict) -> str:
 
 def ensure_default_corpus(data_dir: str = DEFAULT_CORPUS_DIR) -> str:
     """Prepare the default corpus in data_dir unless it is already there; returns data_dir."""
-    if not all(os.path.exists(os.path.join(data_dir, n)) for n in NANOGPT_FILES):
+    if not is_prepared(data_dir):
         print(describe_default_corpus(data_dir, prepare_default_corpus(data_dir)), file=sys.stderr)
     return data_dir
+
+
+# ----- tokenizer.py -----
+
+def outputs(args: argparse.Namespace) -> list[str]:
+    """The files a run would write (or find, for llm.c's shards); only --overwrite replaces them."""
+    trained = args.tokenizer == "bpe"
+    if args.format == "megatron":
+        prefix = megatron_document_prefix(args.output_prefix, args.json_key)
+        return [prefix + ext for ext in (".bin", ".idx", ".json", *[".tokenizer.json"] * trained)]
+    names = [*NANOGPT_FILES] if args.format == "nanogpt" else ["meta.json", *llmc_shards(args.output_dir)]
+    return [os.path.join(args.output_dir, name) for name in (*names, *["tokenizer.json"] * trained)]
+
+
+def texts(files: list[str], args: argparse.Namespace):
+    """Every piece of text of the input, streaming: one extra pass for what the vocabulary needs."""
+    return (text for pieces, _ in read_documents(files, args.json_key, args.errors, args.skip_bad_lines)
+            for text in pieces)
+
+
+def build_tokenizer(args: argparse.Namespace, files: list[str]) -> Tokenizer:
+    if args.tokenizer_file:
+        return Tokenizer("bpe", tokenizer_json=read_text(args.tokenizer_file, "--tokenizer-file"),
+                         source=args.tokenizer_file)
+    if args.tokenizer == "bpe":
+        start = time.time()
+        tokenizer = Tokenizer("bpe", tokenizer_json=train_bpe(texts(files, args), args.vocab_size))
+        print(f"trained a byte-level BPE of {tokenizer.vocab_size:,} tokens on the input in "
+              f"{time.time() - start:.1f} s", file=sys.stderr)
+        return tokenizer
+    if args.tokenizer != "char":
+        return Tokenizer(args.tokenizer, vocab_file=args.vocab_file, merge_file=args.merge_file)
+    chars = set()  # the char vocabulary is whatever the data holds
+    for text in texts(files, args):
+        chars.update(text)
+    if not chars:
+        raise CLIError(f"no text in the input ({len(files)} file(s)); nothing to tokenize")
+    # llm.c's shards start each document with end-of-text: then the table has one
+    return Tokenizer("char", chars="".join(sorted(chars)), char_eot=args.append_eod or args.format == "llmc")
+
+
+def make_writer(args: argparse.Namespace, tokenizer: Tokenizer):
+    """The writer of the chosen format, and where a trained tokenizer's tokenizer.json goes beside it."""
+    if args.format == "megatron":
+        prefix = megatron_document_prefix(args.output_prefix, args.json_key)
+        dtype = output_dtype(tokenizer.vocab_size, args.dtype, args.format)
+        return MegatronWriter(prefix, dtype), prefix + ".tokenizer.json"
+    if args.format == "llmc":
+        if tokenizer.vocab_size > 2**16:
+            raise CLIError(f"llm.c's shards hold uint16 ids; a vocabulary of {tokenizer.vocab_size:,} does not fit: "
+                           f"use --format nanogpt")
+        return LlmcWriter(args.output_dir, args.shard_tokens, args.val_fraction), None
+    dtype = output_dtype(tokenizer.vocab_size, args.dtype, args.format)
+    return NanoGPTWriter(args.output_dir, dtype, args.val_fraction, args.seed), None
+
+
+def prepare(args: argparse.Namespace) -> dict | None:
+    """tokenizer.py's work, its flags checked: without --input the default corpus (unless it is
+    there already); else args.input tokenized into the chosen format, replacing earlier outputs
+    only with --overwrite. Returns the metadata written."""
+    if not args.input:
+        out_dir = args.output_dir or DEFAULT_CORPUS_DIR
+        if os.path.exists(os.path.join(out_dir, "meta.json")) and not args.overwrite:
+            print(f"{out_dir} is already prepared (use --overwrite to rebuild it)")
+            return None
+        meta = prepare_default_corpus(out_dir)
+        print(describe_default_corpus(out_dir, meta))
+        return meta
+    refuse_existing(outputs(args), args.overwrite)
+    files = input_files(args.input, args.glob)
+    tokenizer = build_tokenizer(args, files)
+    writer, tokenizer_file = make_writer(args, tokenizer)
+    tokenizer_file = tokenizer_file or os.path.join(args.output_dir, "tokenizer.json")
+    eod = "prepend" if args.format == "llmc" else "append" if args.append_eod else None
+    stats = ReadStats()
+    start, documents, tokens, nbytes = time.time(), 0, 0, 0
+    try:
+        documents_read = read_documents(files, args.json_key, args.errors, args.skip_bad_lines, stats)
+        quiet = args.quiet or not sys.stderr.isatty()
+        known_size = not any(path != without_compression(path) for path in files)
+        total = sum(os.path.getsize(path) for path in files) if known_size else None
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet,
+                  desc="tokenizing") as bar:
+            chunks = chunks_of(documents_read, int(args.chunk_mb * 2**20))
+            for arrays, lengths, size in encode_in_order(chunks, tokenizer, eod, writer.dtype, args.workers):
+                writer.add(arrays, lengths)
+                documents += int((lengths > 0).sum())
+                tokens += int(lengths.sum())
+                nbytes += size
+                bar.update(size)
+                bar.set_postfix_str(f"{documents / max(time.time() - start, 1e-9):,.0f} docs/s", refresh=False)
+        if documents == 0:
+            raise CLIError(f"no non-empty documents in the input ({len(files)} file(s)); nothing to write")
+        if tokenizer.name == "bpe":  # beside the token files, for HF's tools (the facts hold it too)
+            write_text(tokenizer_file, tokenizer.tokenizer_json)
+        meta = writer.finish({**tokenizer.facts(), "append_eod": args.append_eod})
+    except OSError as e:  # reading errors are CLIErrors already: this is the output failing
+        writer.discard()
+        raise write_error(writer.where, e) from None
+    except BaseException:
+        writer.discard()
+        raise
+    seconds = max(time.time() - start, 1e-9)
+    print(f"{documents:,} documents, {tokens:,} tokens in {seconds:.1f} s ({nbytes / 2**20 / seconds:.1f} MB/s, "
+          f"{tokens / seconds:,.0f} tokens/s)" + (f", {stats.bad_lines:,} bad lines skipped" if stats.bad_lines
+                                                   else ""))
+    return meta

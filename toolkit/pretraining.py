@@ -21,13 +21,13 @@ from toolkit.batches import get_batch, window_offsets
 from toolkit.checkpoint import run_state, usable_config
 from toolkit.cli import CLIError
 from toolkit.config import replicas
-from toolkit.data import load_corpus
+from toolkit.data import DEFAULT_CORPUS_DIR, is_prepared, load_corpus
 from toolkit.device import check_attn_kernel, check_memory, describe, full_logits_fit, run_device
 from toolkit.evaluation import loss_metrics, window_losses
 from toolkit.files import claim_out_dir
 from toolkit.optim import Schedule
 from toolkit.tokenizers import load_tokenizer, same_vocabulary
-from toolkit.train_config import DEFAULT_CORPUS_DIR, TrainConfig, settle
+from toolkit.train_config import TrainConfig, settle
 from toolkit.training import Engine, LoopConfig, Objective, Trainer
 
 TRAIN_STREAM, EVAL_TRAIN_STREAM, EVAL_VAL_STREAM = 0, 1, 2  # independent random streams of windows
@@ -176,7 +176,7 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
     device, dtype = run_device(cfg.device, cfg.dtype, distributed.local_rank())
     if master:
         claim_out_dir(cfg.out_dir, engine.path, resume is not None, cfg.overwrite)
-    if cfg.data_dir == DEFAULT_CORPUS_DIR and master:
+    if cfg.data_dir == DEFAULT_CORPUS_DIR and master and not is_prepared(DEFAULT_CORPUS_DIR):
         from toolkit.prepare import ensure_default_corpus  # tokenizing is only needed the first time
         ensure_default_corpus(DEFAULT_CORPUS_DIR)
     distributed.barrier()

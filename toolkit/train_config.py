@@ -17,10 +17,10 @@ from model import ATTN_KERNELS, PRESETS
 from toolkit import cli, distributed, flags, megatron
 from toolkit.cli import CLIError
 from toolkit.config import RunConfig, settle_run
+from toolkit.data import DEFAULT_CORPUS_DIR
 from toolkit.device import resolve_device
 from toolkit.flags import flag, option
 
-DEFAULT_CORPUS_DIR = "data/pydoc_char"  # the embedded corpus, prepared on first use (toolkit/prepare.py)
 MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "bias")
 PRESET_SHAPE = ("n_layer", "n_head", "n_embd")  # what --preset sets
 # `python train.py` on a CUDA GPU: nanoGPT's shakespeare_char shape, compiled, a model that uses the GPU

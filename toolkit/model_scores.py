@@ -1,0 +1,105 @@
+"""What eval.py reports for a model: the loss, perplexity and bits per byte of a val split,
+multiple-choice files in HellaSwag's format, and lm-evaluation-harness's tasks (its package is
+imported only for them, after the Hub's reach is known).
+
+    results, full = score_model(args)      # {task: {metric: value}}, and everything measured
+"""
+import argparse
+import os
+import socket
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+
+from model import GPT
+from toolkit.cli import CLIError
+from toolkit.data import load_corpus
+from toolkit.device import autocast, full_logits_fit, resolve_device, resolve_dtype
+from toolkit.evaluation import ChoiceTask, gpt_logits_at, loss_metrics, window_losses
+from toolkit.model_sources import load_model
+from toolkit.tokenizers import Tokenizer, load_tokenizer, same_vocabulary
+
+
+def score_model(args: argparse.Namespace) -> tuple[dict, dict]:
+    """eval.py's work, its flags checked: --ckpt scored on --data-dir's val split, the local
+    HellaSwag-format files and the harness's tasks; ({task: {metric: value}}, the full results)."""
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model, facts = load_model(args.ckpt)
+    model.to(device).eval()
+    tok = load_tokenizer(facts)
+    results, full = {}, {}
+    if args.data_dir:
+        results["val"] = val_scores(model, tok, facts, args.data_dir, args.ckpt, args.batch_size, args.limit,
+                                    device, dtype)
+        full["val"] = {"data_dir": os.path.abspath(args.data_dir), **results["val"]}
+    local = [task for task in args.tasks if task.endswith(".jsonl")]
+    for path in local:
+        task = ChoiceTask(path, tok, args.limit)
+        if task.name in results:
+            raise CLIError(f"two --tasks files are named {task.name}; rename one")
+        results[task.name] = task.score(gpt_logits_at(model, device, dtype), model.config.block_size,
+                                        args.batch_size, device)
+        full[task.name] = {"path": os.path.abspath(path), "items": len(task.items), **results[task.name]}
+    others = [task for task in args.tasks if task not in local]
+    if others:
+        metrics, out = harness_results(others, model, tok, args.batch_size, args.limit, device, dtype)
+        results.update(metrics)
+        full["harness"] = out
+    return results, full
+
+
+def val_scores(model: GPT, tokenizer: Tokenizer, facts: dict, data_dir: str, source: str, batch_size: int,
+               limit: int | None, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """data_dir's val split in non-overlapping windows of the model's block size: the loss in nats
+    per token, its perplexity, bits per UTF-8 byte of the text, and the tokens and bytes scored."""
+    corpus = load_corpus(data_dir)
+    if not same_vocabulary(corpus.meta, facts):
+        raise CLIError(f"{data_dir} uses tokenizer {corpus.meta.get('tokenizer')} (vocab "
+                       f"{corpus.meta.get('vocab_size')}) but {source} was trained with {facts.get('tokenizer')} "
+                       f"(vocab {facts.get('vocab_size')}); score data prepared with the model's own tokenizer")
+    block = model.config.block_size
+    if len(corpus.val) < block + 1:
+        raise CLIError(f"the val split of {data_dir} holds {len(corpus.val):,} tokens, fewer than one "
+                       f"window of the model's block size + 1 = {block + 1}")
+    offsets = np.arange((len(corpus.val) - 1) // block, dtype=np.int64)[:limit] * block
+    chunked = not full_logits_fit(device, batch_size * block, model.config.vocab_size)
+
+    def eval_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with autocast(device, dtype):
+            return model(x, y, chunked_loss=chunked)[1]
+
+    token_bytes = torch.from_numpy(tokenizer.token_bytes()).to(device)
+    loss_sum, count, nbytes = window_losses(eval_loss, corpus.val, offsets, block, batch_size, device, token_bytes)
+    return {**loss_metrics(loss_sum, count, nbytes), "tokens": int(count), "bytes": int(nbytes)}
+
+
+def hub_out_of_reach() -> bool:
+    """No proxy and no address for the Hugging Face Hub (HF_ENDPOINT's host, e.g. a mirror): the
+    harness's libraries cannot reach it, and would print a warning a try for 25 s before failing."""
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False
+    try:
+        socket.getaddrinfo(urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname, 443)
+    except OSError:
+        return True
+    return False
+
+
+def harness_results(specs: list[str], model: GPT, tok: Tokenizer, batch_size: int, limit: int | None,
+                    device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
+    """The harness's results for its tasks: {task: {metric: value}} (its filters' ",none" and the
+    stderrs left out), and its full output."""
+    if hub_out_of_reach():  # the libraries read their caches at once: cached task data still loads
+        os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    try:
+        from toolkit import harness
+    except ImportError:
+        raise CLIError(f"--tasks {','.join(specs)} needs lm-evaluation-harness: pip install lm_eval (a local .jsonl "
+                       f"in HellaSwag's format needs nothing)") from None
+    out = harness.run(specs, harness.GPTHarness(model, tok, batch_size, device, dtype), limit)
+    metrics = {task: {key.split(",")[0]: value for key, value in values.items()
+                      if "," in key and "_stderr" not in key and isinstance(value, (int, float))}
+               for task, values in out["results"].items()}
+    return metrics, out
