@@ -1,10 +1,15 @@
 """
-GPT-2 in one file: the network, its loss, and sampling with a KV cache. It imports only torch.
+A GPT in one file, of two families: the network, its loss, and sampling with a KV cache. It imports
+only torch.
 
     logits, loss = model(idx, targets)
 
-Numerics follow OpenAI's GPT-2 (pre-LN blocks, LayerNorm eps 1e-5, tanh GELU, learned positions,
-tied embedding / LM head), so HF GPT-2 checkpoints load unchanged (toolkit/hf.py).
+arch "gpt2" follows OpenAI's GPT-2 exactly (pre-LN blocks, LayerNorm eps 1e-5, tanh GELU, learned
+positions, biases, tied embedding / LM head), so HF GPT-2 checkpoints load unchanged (toolkit/hf.py).
+arch "llama" is today's layout (Llama, Qwen3, SmolLM, nanochat): the same pre-norm blocks with
+RMSNorm, rotary positions, grouped-query attention and optional QK-norm, a gated SiLU MLP, no biases
+and an untied head (toolkit/hf_llama.py maps HF's Llama and Qwen3 folders). Where they differ:
+`norm`, `CausalSelfAttention.forward`, `GatedMLP`, `GPT._trunk`.
 """
 import contextlib
 import math
@@ -27,13 +32,42 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
     attn_kernel: str = "auto"  # one of ATTN_KERNELS
+    # the llama family's (GPT-2 keeps their defaults)
+    arch: str = "gpt2"  # one of ARCHS
+    n_kv_head: int | None = None  # key/value heads of grouped-query attention (default: n_head)
+    head_dim: int | None = None  # default n_embd // n_head (Qwen3 sets its own)
+    mlp_hidden: int | None = None  # the gated MLP's width (default: 8/3 n_embd rounded up to 64)
+    qk_norm: bool = False  # RMSNorm of each head's queries and keys (Qwen3, nanochat)
+    rope_theta: float = 10000.0  # the base of the rotary frequencies
+    norm_eps: float = 1e-5  # RMSNorm's epsilon
+    tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2; small Qwen3 and SmolLM)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        if self.arch == "gpt2":
+            return 4 * self.n_embd
+        return self.mlp_hidden or -(-8 * self.n_embd // 3 // 64) * 64
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameters of this shape, counted without building it; non_embedding leaves out wpe."""
-        C, biases = self.n_embd, int(self.bias)
-        per_layer = 12 * C * C + (9 * biases + 2 * (1 + biases)) * C  # matrices, biases, 2 LNs
-        n = self.vocab_size * C + self.n_layer * per_layer + (1 + biases) * C  # + final LayerNorm
-        return n if non_embedding else n + self.block_size * C
+        """Parameters of this shape, counted without building it; non_embedding leaves out the input
+        embeddings that cost no FLOPs (GPT-2's positions; an untied model's token embedding)."""
+        C, D, b = self.n_embd, self.head_size, int(self.bias)
+        attention = C * (self.n_head + 2 * self.kv_heads) * D + self.n_head * D * C
+        mlp = (2 if self.arch == "gpt2" else 3) * C * self.mlp_width
+        norms = 2 * (1 + b) * C + 2 * D * self.qk_norm
+        biases = b * ((self.n_head + 2 * self.kv_heads) * D + C + self.mlp_width + C)
+        head = self.vocab_size * C
+        n = head + self.n_layer * (attention + mlp + norms + biases) + (1 + b) * C
+        inputs = self.block_size * C if self.arch == "gpt2" else 0 if self.tie_embeddings else head
+        return n if non_embedding else n + inputs
 
 
 PRESETS: dict[str, dict] = {
@@ -50,6 +84,7 @@ PRESETS: dict[str, dict] = {
 for _preset in PRESETS.values():
     _preset.update(block_size=1024, vocab_size=50257, bias=True)
 
+ARCHS = ("gpt2", "llama")
 SDPA_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
 # "auto": manual_attention for bfloat16 on CPU up to MANUAL_MAX_KEYS keys, else SDPA's own choice
@@ -66,7 +101,7 @@ def check_config(config: GPTConfig) -> None:
             raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
     if config.n_layer > MAX_LAYERS:
         raise ValueError(f"model config: n_layer {config.n_layer} is more than {MAX_LAYERS}")
-    if config.n_embd % config.n_head:
+    if config.head_dim is None and config.n_embd % config.n_head:
         raise ValueError(f"model config: n_embd ({config.n_embd}) must be divisible by n_head "
                          f"({config.n_head})")
     if type(config.bias) is not bool:
@@ -76,27 +111,64 @@ def check_config(config: GPTConfig) -> None:
     if config.attn_kernel not in ATTN_KERNELS:
         raise ValueError(f"unknown attn_kernel '{config.attn_kernel}'; "
                          f"choose from {', '.join(ATTN_KERNELS)}")
+    if config.arch not in ARCHS:
+        raise ValueError(f"unknown arch '{config.arch}'; choose from {', '.join(ARCHS)}")
+    for name in ("n_kv_head", "head_dim", "mlp_hidden"):
+        value = getattr(config, name)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"model config: {name} must be a positive integer or unset, got {value!r}")
+    if config.n_head % config.kv_heads or config.head_size % 2:
+        raise ValueError(f"model config: n_head ({config.n_head}) must be a multiple of n_kv_head "
+                         f"({config.kv_heads}), and the head size ({config.head_size}) even")
+    gpt2_like = dict(n_kv_head=config.kv_heads == config.n_head, head_dim=config.head_size * config.n_head
+                     == config.n_embd, mlp_hidden=config.mlp_hidden is None, qk_norm=not config.qk_norm,
+                     tie_embeddings=config.tie_embeddings)
+    if config.arch == "gpt2" and not all(gpt2_like.values()):
+        raise ValueError(f"model config: GPT-2 has no {', '.join(k for k, ok in gpt2_like.items() if not ok)}; "
+                         "use arch llama")
+    if config.arch == "llama" and config.bias:
+        raise ValueError("model config: the llama family has no biases (bias false)")
+
+
+def norm(config: GPTConfig, width: int) -> nn.Module:
+    """GPT-2's LayerNorm, or the llama family's RMSNorm."""
+    if config.arch == "gpt2":
+        return nn.LayerNorm(width, eps=1e-5, bias=config.bias)
+    return nn.RMSNorm(width, eps=config.norm_eps)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.head_dim = config.n_embd // config.n_head
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_size
         self.dropout = config.dropout
         self.kernel = config.attn_kernel
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_size  # queries, keys, values
+        self.c_attn = nn.Linear(config.n_embd, qkv_width, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        if config.qk_norm:
+            self.q_norm, self.k_norm = norm(config, config.head_size), norm(config, config.head_size)
 
-    def forward(self, x: torch.Tensor, kv_cache: "KVCache | None" = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: "KVCache | None" = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.c_attn(x)
-        heads = qkv.size(-1) // (3 * self.head_dim)  # n_head, or this rank's tensor-parallel share
-        # (B, T, 3 * heads * head_dim) -> three (B, heads, T, head_dim) views
-        q, k, v = qkv.view(B, T, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        # n_head, or this rank's tensor-parallel share; as many key/value heads for GPT-2, fewer with GQA
+        heads = qkv.size(-1) * self.n_head // ((self.n_head + 2 * self.n_kv_head) * self.head_dim)
+        kv_heads = heads * self.n_kv_head // self.n_head
+        # (B, T, (heads + 2 kv_heads) * head_dim) -> (B, heads or kv_heads, T, head_dim) views
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in
+                   qkv.split([heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], -1))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = rotate(q, *rope), rotate(k, *rope)
         past = kv_cache.len if kv_cache is not None else 0
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
+        if kv_heads != heads:  # each key/value head serves heads // kv_heads query heads
+            k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
         dropout_p = self.dropout if self.training else 0.0
         cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
         auto_manual = self.kernel == "auto" and cpu_bf16 and k.size(-2) <= MANUAL_MAX_KEYS
@@ -128,6 +200,21 @@ def manual_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     return att @ v
 
 
+def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) (T, head_dim) of RoPE's angles at positions: pair (i, i + head_dim/2) of a head turns
+    by position * theta^(-2i / head_dim), as HF's Llama lays the pairs out (rotate_half)."""
+    inverse = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float()[:, None] * inverse[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, head_dim) turned by the rotary angles of its positions."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat((-second, first), dim=-1) * sin.to(x.dtype)
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's tanh-approximated GELU ("gelu_new")."""
     if torch.compiler.is_compiling():
@@ -148,16 +235,31 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(gelu_tanh(self.c_fc(x))))
 
 
+class GatedMLP(nn.Module):
+    """The llama family's MLP: c_proj(silu(gate) * up), gate and up from one matmul (c_fc)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 2 * config.mlp_width, bias=False)
+        self.c_proj = nn.Linear(config.mlp_width, config.n_embd, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.c_fc(x).chunk(2, dim=-1)
+        return self.dropout(self.c_proj(F.silu(gate) * up))
+
+
 class Block(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
+        self.ln_1 = norm(config, config.n_embd)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
-        self.mlp = MLP(config)
+        self.ln_2 = norm(config, config.n_embd)
+        self.mlp = MLP(config) if config.arch == "gpt2" else GatedMLP(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: "KVCache | None" = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache)
+    def forward(self, x: torch.Tensor, kv_cache: "KVCache | None" = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -168,13 +270,15 @@ class GPT(nn.Module):
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
+            # learned positions for GPT-2; the llama family rotates queries and keys instead
+            **({"wpe": nn.Embedding(config.block_size, config.n_embd)} if config.arch == "gpt2" else {}),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias),
+            ln_f=norm(config, config.n_embd),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
+        if config.tie_embeddings:  # GPT-2's, and small open models'
+            self.transformer.wte.weight = self.lm_head.weight
         self.apply(self._init_weights)
         # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer): each block adds two
         for name, p in self.named_parameters():
@@ -209,9 +313,14 @@ class GPT(nn.Module):
                start: int = 0) -> torch.Tensor:
         """Final-LayerNorm states of idx placed at positions start, start+1, ... (unchecked)."""
         pos = torch.arange(start, start + idx.size(1), device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x, rope = self.transformer.wte(idx), None
+        if self.config.arch == "gpt2":
+            x = x + self.transformer.wpe(pos)
+        else:
+            rope = rotary(pos, self.config.head_size, self.config.rope_theta)
+        x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, kv_caches[i] if kv_caches else None)
+            x = block(x, kv_caches[i] if kv_caches else None, rope)
         return self.transformer.ln_f(x)
 
     def _check_shape(self, idx: torch.Tensor) -> None:
@@ -228,29 +337,32 @@ class GPT(nn.Module):
         if not 0 < block_size <= self.config.block_size:
             raise ValueError(f"block_size must be in [1, {self.config.block_size}]: {block_size}")
         self.config.block_size = block_size
-        wpe = self.transformer.wpe
-        wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
-        wpe.num_embeddings = block_size
+        if self.config.arch == "gpt2":
+            wpe = self.transformer.wpe
+            wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
+            wpe.num_embeddings = block_size
 
     def resize_token_embeddings(self, vocab_size: int) -> None:
         """Grow the tied embedding / LM head (special tokens): new rows are the old rows' mean
         (Hewitt 2021, as HF) plus noise of std 0.02, so new tokens differ (docs/performance.md)."""
-        old = self.lm_head.weight
-        if vocab_size < old.size(0):
-            raise ValueError(f"vocab_size can only grow: {old.size(0)} -> {vocab_size}")
-        weight = torch.empty(vocab_size, old.size(1), device=old.device, dtype=old.dtype)
-        nn.init.normal_(weight, mean=0.0, std=0.02)
-        weight += old.detach().mean(dim=0)
-        weight[: old.size(0)] = old.detach()
-        self.lm_head.weight = nn.Parameter(weight)
-        self.transformer.wte.weight = self.lm_head.weight
+        if vocab_size < self.config.vocab_size:
+            raise ValueError(f"vocab_size can only grow: {self.config.vocab_size} -> {vocab_size}")
+        for module in (self.lm_head, self.transformer.wte)[: 1 if self.config.tie_embeddings else 2]:
+            old = module.weight
+            weight = torch.empty(vocab_size, old.size(1), device=old.device, dtype=old.dtype)
+            nn.init.normal_(weight, mean=0.0, std=0.02)
+            weight += old.detach().mean(dim=0)
+            weight[: old.size(0)] = old.detach()
+            module.weight = nn.Parameter(weight)
+        if self.config.tie_embeddings:
+            self.transformer.wte.weight = self.lm_head.weight
         self.lm_head.out_features = self.transformer.wte.num_embeddings = vocab_size
         self.config.vocab_size = vocab_size
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6N for the weights plus attention scores (PaLM, appendix B)."""
         c = self.config
-        attention = 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size
+        attention = 12 * c.n_layer * c.n_head * c.head_size * c.block_size
         return 6 * self.num_params() + attention
 
     def num_params(self, non_embedding: bool = True) -> int:
@@ -296,9 +408,10 @@ class GPT(nn.Module):
             ctx = idx[:, -block_size:]
             caches = None  # None means: (re)build by a prefill of ctx
             finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-            for _ in range(max_new_tokens):
-                if use_cache and caches is None:
-                    caches = [KVCache(block_size) for _ in self.transformer.h]
+            for step in range(max_new_tokens):
+                if use_cache and caches is None:  # as long as what is left needs, up to the block
+                    length = min(block_size, ctx.size(1) + max_new_tokens - step)
+                    caches = [KVCache(length) for _ in self.transformer.h]
                 tok = self._next_token(ctx, caches, use_cache and caches[0].len > 0, **sampling)
                 if eos_token is not None:
                     tok = tok.masked_fill(finished, eos_token)

@@ -21,7 +21,7 @@ from toolkit import cli
 from toolkit.checkpoint import make_checkpoint, save_checkpoint
 from toolkit.ds_checkpoint import default_deepspeed_source, load_deepspeed_model
 from toolkit.files import check_output
-from toolkit.hf import save_gpt2
+from toolkit.model_sources import save_hf
 from toolkit.sampling import add_sampling_arguments, check_sampling_args, run_sampling
 from toolkit.tokenizers import load_tokenizer
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
                              "output stored elsewhere (default: the folder above it)")
     parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step2000 (default: latest)")
     parser.add_argument("--export-hf", metavar="DIR", default=None,
-                        help="write the model as an HF GPT-2 folder (weights, config, tokenizer "
+                        help="write the model as an HF folder of its family (weights, config, tokenizer "
                              "files) and exit")
     parser.add_argument("--export-ckpt", metavar="PATH", default=None,
                         help="write the model as a plain ckpt.pt (weights, configs, tokenizer; no "
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {args.export_ckpt} (iteration {state['iter_num']}); sample it with `python "
               f"test.py --ckpt {args.export_ckpt}`", flush=True)
     if args.export_hf:
-        print(save_gpt2(model, args.export_hf, facts), flush=True)
+        print(save_hf(model, args.export_hf, facts), flush=True)
     if args.export_ckpt or args.export_hf:
         return
     run_sampling(model, load_tokenizer(facts), args, args.ckpt)

@@ -310,3 +310,43 @@ def test_the_padded_vocabulary_is_invisible_outside_the_head():
     aligned = tiny_gpt(vocab_size=128)  # a multiple of 64 already: the head as it is
     hidden = aligned.hidden_states(idx % 128)
     assert torch.equal(model.padded_logits(hidden, aligned.lm_head.weight), aligned.lm_head(hidden))
+
+
+def tiny_llama(**kw) -> GPT:
+    return tiny_gpt(arch="llama", bias=False, tie_embeddings=False, n_kv_head=2, qk_norm=True, **kw)
+
+
+def test_the_llama_family_generates_the_same_tokens_with_and_without_its_cache():
+    """Rotary positions, GQA (2 key/value heads for 4 query heads) and QK-norm through the KV cache, past the block
+    size (the context is cut and prefilled again), greedy and sampled."""
+    m = tiny_llama()
+    prompt = torch.randint(0, VOCAB, (2, 5))
+    for options in (dict(temperature=0), dict(temperature=1.0, top_k=20)):
+        outputs = []
+        for use_cache in (True, False):
+            torch.manual_seed(1)
+            outputs.append(m.generate(prompt, 45, use_cache=use_cache, **options))
+        assert torch.equal(*outputs) and outputs[0].shape == (2, 50)
+
+
+def test_the_llama_family_trains_both_loss_paths_alike_in_one_graph():
+    m = tiny_llama().train()
+    idx, targets = torch.randint(0, VOCAB, (3, 32)), torch.randint(0, VOCAB, (3, 32))
+    chunked, chunked_grads = loss_and_grads(m, lambda: m(idx, targets, chunked_loss=True)[1])
+    full, full_grads = loss_and_grads(m, lambda: m(idx, targets)[1])
+    assert torch.allclose(chunked, full, rtol=1e-6)
+    assert all(rel_err(chunked_grads[name], g) < 1e-5 for name, g in full_grads.items())
+    assert not torch.equal(m.lm_head.weight, m.transformer.wte.weight)  # untied
+    assert "transformer.wpe.weight" not in m.state_dict()  # rotary positions: none learned
+    compiled = torch.compile(m, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(idx, targets, chunked_loss=True)[1], m(idx, targets, chunked_loss=True)[1])
+    assert m.config.num_params(non_embedding=False) == sum(p.numel() for p in m.parameters())
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(qk_norm=True), "GPT-2 has no qk_norm"), (dict(n_kv_head=2), "GPT-2 has no n_kv_head"),
+    (dict(arch="llama"), "no biases"), (dict(arch="llama", bias=False, n_kv_head=3), "multiple of n_kv_head"),
+    (dict(arch="mamba"), "unknown arch")])
+def test_a_config_of_neither_family_is_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        GPT(tiny_config(**config))

@@ -113,8 +113,9 @@ def load_plain(path: str, allowed: tuple = ()):
 def load_weights(model: GPT, weights: dict, source: str) -> None:
     """Copy a state dict into model: wrapper prefixes stripped, the tied head under either key."""
     weights = clean_state_dict(weights)
-    # the LM head is tied to the token embedding; converters may write either key or both
-    for a, b in (("lm_head.weight", "transformer.wte.weight"), ("transformer.wte.weight", "lm_head.weight")):
+    # a tied LM head is the token embedding; converters may write either key or both
+    tied = (("lm_head.weight", "transformer.wte.weight"), ("transformer.wte.weight", "lm_head.weight"))
+    for a, b in tied if model.config.tie_embeddings else ():
         if a not in weights and b in weights:
             weights[a] = weights[b]
     try:
@@ -143,12 +144,12 @@ def check_shape(config: GPTConfig, weights: dict, source: str) -> None:
     naming each that differs): a config that lies is found before it is built."""
     shapes = {key: tuple(value.shape) for key, value in clean_state_dict(weights).items()}
     embedding = shapes.get("transformer.wte.weight") or shapes.get("lm_head.weight")
-    positions = shapes.get("transformer.wpe.weight")
-    if embedding is None or positions is None or len(embedding) != 2 or len(positions) != 2:
-        raise CLIError(f"{source} holds no GPT weights (its token and position embeddings are missing)")
+    positions = shapes.get("transformer.wpe.weight", (config.block_size, 0))  # learned by GPT-2 alone
+    if embedding is None or len(embedding) != 2 or len(positions) != 2:
+        raise CLIError(f"{source} holds no GPT weights (its token embedding is missing)")
     blocks = {int(key.split(".")[2]) for key in shapes if re.fullmatch(r"transformer\.h\.\d+\..+", key)}
     held = {"vocab_size": embedding[0], "n_embd": embedding[1], "block_size": positions[0],
-            "n_layer": len(blocks)}
+            "n_layer": len(blocks), "arch": "gpt2" if "transformer.wpe.weight" in shapes else "llama"}
     wrong = [f"{name} {getattr(config, name)} (the weights hold {value})" for name, value in held.items()
              if getattr(config, name) != value]
     if wrong:

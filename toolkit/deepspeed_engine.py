@@ -144,8 +144,10 @@ def memory_estimate(cfg: TrainConfig, given: set[str], ds: dict, nodes: int, gpu
     neither sets one), and DeepSpeed's own estimators for ZeRO 2 and 3, as lines of text."""
     cfg = apply_preset(cfg, given)
     stage, zero = zero_stage(ds), ds.get("zero_optimization") or {}
+    gpt2 = cfg.arch == "gpt2"
     config = GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                       bias=cfg.bias)  # GPT-2's vocabulary
+                       bias=cfg.bias and gpt2, arch=cfg.arch, n_kv_head=cfg.n_kv_head, qk_norm=cfg.qk_norm,
+                       tie_embeddings=gpt2)  # GPT-2's vocabulary
     try:
         layout = Layout(nodes * gpus, pipeline_stages, tp_size)
         check_layout(layout, config, stage, training=False)
@@ -248,7 +250,8 @@ class DeepSpeedEngine:
         if self.universal:
             self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}), "load_universal": True}
         try:
-            check_layout(self.layout, GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd),
+            check_layout(self.layout, GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                                                arch=cfg.arch),
                          zero_stage(self.ds_config))
         except ValueError as e:
             raise CLIError(str(e)) from None

@@ -27,7 +27,8 @@ from toolkit.files import fingerprint
 
 TARGETS = {"attn": ("attn.c_attn", "attn.c_proj"), "mlp": ("mlp.c_fc", "mlp.c_proj")}
 TARGETS["all"] = TARGETS["attn"] + TARGETS["mlp"]
-NEW_ROWS = "new_rows"
+NEW_ROWS = "new_rows"  # the LM head's (and a tied embedding's) new rows
+NEW_INPUT_ROWS = "new_input_rows"  # an untied embedding's own
 
 
 class LoRALinear(nn.Module):
@@ -75,6 +76,8 @@ def add_lora(model: GPT, rank: int, alpha: float, dropout: float, targets: str,
     if model.config.vocab_size > base_vocab:
         rows = NewRows(model.lm_head.weight, base_vocab)
         for module in (model.lm_head, model.transformer.wte):  # tied: one matrix, one set of rows
+            if not model.config.tie_embeddings:  # untied (the llama family's): each its own rows
+                rows = NewRows(module.weight, base_vocab)
             parametrize.register_parametrization(module, "weight", rows)
 
 
@@ -85,9 +88,18 @@ def adapter_state(model: GPT) -> dict[str, torch.Tensor]:
         if isinstance(module, LoRALinear):
             state[f"{name}.lora_a"] = module.lora_a.detach().cpu().clone()
             state[f"{name}.lora_b"] = module.lora_b.detach().cpu().clone()
-    if parametrize.is_parametrized(model.lm_head):
-        state[NEW_ROWS] = model.lm_head.parametrizations.weight[0].rows.detach().cpu().clone()
+    for key, module in new_rows_of(model).items():
+        state[key] = module.parametrizations.weight[0].rows.detach().cpu().clone()
     return state
+
+
+def new_rows_of(model: GPT) -> dict[str, nn.Module]:
+    """The modules whose new rows train, by adapter key: the head (a tied embedding shares them), and
+    an untied embedding."""
+    owners = {NEW_ROWS: model.lm_head, NEW_INPUT_ROWS: model.transformer.wte}
+    if model.config.tie_embeddings:
+        del owners[NEW_INPUT_ROWS]
+    return {key: module for key, module in owners.items() if parametrize.is_parametrized(module)}
 
 
 def checkpoint_entries(settings: dict | None, model: GPT) -> dict:
@@ -102,11 +114,11 @@ def load_adapters(model: GPT, state: dict[str, torch.Tensor], source: str) -> No
                                                       for k in expected)
     if not same_shapes:
         raise CLIError(f"the adapters in {source} do not fit its base model and LoRA settings")
-    modules = dict(model.named_modules())
+    modules, rows = dict(model.named_modules()), new_rows_of(model)
     with torch.no_grad():
         for key, tensor in state.items():
-            if key == NEW_ROWS:
-                model.lm_head.parametrizations.weight[0].rows.copy_(tensor)
+            if key in rows:
+                rows[key].parametrizations.weight[0].rows.copy_(tensor)
             else:
                 name, part = key.rsplit(".", 1)
                 getattr(modules[name], part).copy_(tensor)
@@ -121,7 +133,7 @@ def merge(model: GPT) -> GPT:
             merged[f"{name}.weight"] = module.merged_weight()
             if module.base.bias is not None:
                 merged[f"{name}.bias"] = module.base.bias
-    merged["lm_head.weight"] = merged["transformer.wte.weight"] = model.lm_head.weight
+    merged["lm_head.weight"], merged["transformer.wte.weight"] = model.lm_head.weight, model.transformer.wte.weight
     for name, tensor in model.state_dict().items():
         adapted = any(part in name for part in (".base.", "parametrizations", "lora_"))
         if not adapted:

@@ -79,6 +79,10 @@ def check_layout(layout: Layout, config: GPTConfig, zero_stage: int, training: b
     if layout.pipeline_stages > config.n_layer:
         raise ValueError(f"--pipeline-stages {layout.pipeline_stages} is more than the model's "
                          f"{config.n_layer} blocks; each stage needs at least one")
+    if config.arch != "gpt2" and layout.model_parallel > 1:
+        raise ValueError(f"--pipeline-stages and --tp-size lay out GPT-2's modules (learned positions, a tied "
+                         f"head, q, k and v as equal thirds); --arch {config.arch} trains with ZeRO (any stage, "
+                         "with offload) and data parallelism")
     if config.n_head % layout.tp_size or config.n_embd % layout.tp_size:
         raise ValueError(f"--tp-size {layout.tp_size} must divide the {config.n_head} heads and the width "
                          f"{config.n_embd}")
@@ -208,10 +212,11 @@ def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: s
     per_block = sum(tp_share(n, p.numel(), layout.tp_size)
                     for n, p in model.transformer.h[0].named_parameters(prefix="transformer.h.0"))
     blocks = math.ceil(config.n_layer / layout.pipeline_stages)
-    wte, wpe = model.transformer.wte.weight.numel(), model.transformer.wpe.weight.numel()
+    wte = model.transformer.wte.weight.numel()
+    wpe = model.transformer.wpe.weight.numel() if "wpe" in model.transformer else 0  # GPT-2's positions
     ln_f = sum(p.numel() for p in model.transformer.ln_f.parameters())
-    if layout.pipeline_stages == 1:
-        device_params = wte + wpe + ln_f + config.n_layer * per_block
+    if layout.pipeline_stages == 1:  # (an untied head is as big as the embedding)
+        device_params = wte * (2 - config.tie_embeddings) + wpe + ln_f + config.n_layer * per_block
     else:  # the first stage holds the embeddings, the last the final norm and its copy of the tied head
         device_params = max(wte + wpe, wte + ln_f) + blocks * per_block
     largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())

@@ -1,14 +1,16 @@
 """Every model a script can start from, read by one function: a ckpt.pt (pretrained or fine-tuned),
 a DeepSpeed checkpoint folder (OUT_DIR, OUT_DIR/ds, a global_stepN folder, or the zero_to_fp32
-output inside it), an HF GPT-2 folder, or a GPT-2 hub name found in the local Hugging Face cache; a
-LoRA checkpoint is read as its base with the adapters merged in.
+output inside it), an HF folder of GPT-2, Llama or Qwen3, or a GPT-2 hub name found in the local
+Hugging Face cache; a LoRA checkpoint is read as its base with the adapters merged in. And the one
+writer of HF folders, for either family.
 
     model, facts = load_model("ckpt/ckpt.pt")     # the GPT and its tokenizer facts (load_tokenizer(facts))
+    save_hf(model, "out-dir", facts)              # GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM
 """
 import os
 
 from model import GPT
-from toolkit import hf, lora
+from toolkit import hf, hf_llama, lora
 from toolkit.checkpoint import load_checkpoint, model_from_checkpoint, usable_config
 from toolkit.cli import CLIError
 from toolkit.ds_checkpoint import is_deepspeed_folder, load_deepspeed_model
@@ -34,6 +36,8 @@ def load_model(path: str, **overrides) -> tuple[GPT, dict]:
     if is_deepspeed_source(path):
         model, state, _ = load_deepspeed_model(path, **overrides)
         return model, state["tokenizer"]
+    if is_hf_source(path) and hf_llama.is_llama_folder(path):
+        return hf_llama.load_llama(path, **overrides)
     if is_hf_source(path):
         model = hf.load_gpt2(path, **overrides)
         return model, hf.read_tokenizer(hf.find_model_dir(path), model.config.vocab_size)
@@ -41,6 +45,13 @@ def load_model(path: str, **overrides) -> tuple[GPT, dict]:
     if "adapters" in checkpoint:
         return load_adapted(checkpoint, path, **overrides), checkpoint["tokenizer"]
     return model_from_checkpoint(checkpoint, path, **overrides), checkpoint.get("tokenizer", GPT2_FACTS)
+
+
+def save_hf(model: GPT, out_dir: str, facts: dict) -> str:
+    """An HF folder of the model's family that transformers loads alone; a line saying what it wrote."""
+    if model.config.arch == "gpt2":
+        return hf.save_gpt2(model, out_dir, facts)
+    return hf_llama.save_llama(model, out_dir, facts)
 
 
 def load_adapted(checkpoint: dict, path: str, **overrides) -> GPT:

@@ -124,26 +124,29 @@ def schedule(cfg: TrainConfig) -> Schedule:
                     cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr)
 
 
-def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
-    """A new GPT of the given shape, or GPT-2 from --init-from DIR/NAME (cut to --block-size)."""
+def build_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT, dict | None]:
+    """A new GPT of the given shape, or the pretrained one of --init-from (cut to --block-size) with
+    its tokenizer facts."""
     if cfg.init_from in ("scratch", "resume"):
         config = GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size, n_layer=cfg.n_layer,
                            n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
-                           attn_kernel=cfg.attn_kernel)
+                           attn_kernel=cfg.attn_kernel, arch=cfg.arch, n_kv_head=cfg.n_kv_head,
+                           qk_norm=cfg.qk_norm, tie_embeddings=cfg.arch == "gpt2")
         check_memory(config)
-        return GPT(config)
-    from toolkit.hf import load_gpt2  # only a run that starts from GPT-2's weights reads HF's files
-    model = load_gpt2(cfg.init_from, attn_kernel=cfg.attn_kernel, dropout=cfg.dropout)
+        return GPT(config), None
+    from toolkit.model_sources import load_model  # only a run from pretrained weights reads them
+    model, facts = load_model(cfg.init_from, attn_kernel=cfg.attn_kernel, dropout=cfg.dropout)
     if cfg.block_size > model.config.block_size:
         raise CLIError(f"--block-size {cfg.block_size} is longer than the {model.config.block_size} positions "
                        f"of {cfg.init_from}; use --block-size {model.config.block_size} or less")
     if cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)
-    return model
+    return model, facts
 
 
-def check_data(cfg: TrainConfig, corpus, model: GPT, resume: dict | None) -> None:
-    """Each split holds a window; the data, model and a resumed checkpoint share one tokenizer."""
+def check_data(cfg: TrainConfig, corpus, model: GPT, resume: dict | None, pretrained: dict | None) -> None:
+    """Each split holds a window; the data, model and a resumed checkpoint or pretrained weights
+    (their tokenizer facts) share one tokenizer."""
     for split in ("train", "val"):  # fail now, not at the first evaluation
         tokens = len(getattr(corpus, split))
         if tokens < cfg.block_size + 1:
@@ -158,10 +161,15 @@ def check_data(cfg: TrainConfig, corpus, model: GPT, resume: dict | None) -> Non
         raise CLIError(f"data in {cfg.data_dir} uses tokenizer {facts.get('tokenizer')} (vocab "
                        f"{facts.get('vocab_size')}) but the checkpoint was trained with "
                        f"{saved.get('tokenizer')} (vocab {saved.get('vocab_size')})")
-    if cfg.init_from not in ("scratch", "resume") and facts.get("tokenizer") != "gpt2":
-        raise CLIError(f"GPT-2 weights need GPT-2 tokenized data, but {cfg.data_dir} uses "
-                       f"{facts.get('tokenizer')}; prepare it with tokenizer.py --tokenizer gpt2")
-    if facts["vocab_size"] != model.config.vocab_size:
+    if pretrained is not None and not same_vocabulary(facts, pretrained):
+        hint = ("--tokenizer gpt2" if pretrained.get("tokenizer") == "gpt2" else
+                f"--tokenizer-file {cfg.init_from}/tokenizer.json")
+        raise CLIError(f"the weights of {cfg.init_from} need data tokenized with their {pretrained.get('tokenizer')} "
+                       f"tokenizer, but {cfg.data_dir} uses {facts.get('tokenizer')}; prepare it with "
+                       f"tokenizer.py {hint}")
+    # pretrained open models may hold more embedding rows than their tokenizer has ids (Qwen3's)
+    unused_rows = pretrained is not None and facts["vocab_size"] < model.config.vocab_size
+    if facts["vocab_size"] != model.config.vocab_size and not unused_rows:
         raise CLIError(f"data vocabulary size {facts['vocab_size']} does not match the model's "
                        f"{model.config.vocab_size}")
 
@@ -186,9 +194,10 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
     vocab_size = corpus.meta["vocab_size"]
     if resume is not None:  # the shape its weights hold, checked before anything is built
         vocab_size = usable_config(resume["model_config"], engine.path, resume.get("model")).vocab_size
-    model = build_model(cfg, vocab_size).to(device)
+    model, pretrained = build_model(cfg, vocab_size)
+    model = model.to(device)
     check_attn_kernel(model, device, dtype)
-    check_data(cfg, corpus, model, resume)
+    check_data(cfg, corpus, model, resume, pretrained)
     step = resume["iter_num"] if resume else 0
     if step >= cfg.max_iters:
         raise CLIError(f"{engine.path} is at iteration {step} and --max-iters {cfg.max_iters} is "

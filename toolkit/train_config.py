@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
-from model import ATTN_KERNELS, PRESETS
+from model import ARCHS, ATTN_KERNELS, PRESETS, GPTConfig
 from toolkit import cli, distributed, flags, megatron
 from toolkit.cli import CLIError
 from toolkit.config import RunConfig, settle_run
@@ -21,7 +21,7 @@ from toolkit.data import DEFAULT_CORPUS_DIR
 from toolkit.device import resolve_device
 from toolkit.flags import flag, option
 
-MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "bias")
+MODEL_SHAPE = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "qk_norm")
 PRESET_SHAPE = ("n_layer", "n_head", "n_embd")  # what --preset sets
 # `python train.py` on a CUDA GPU: nanoGPT's shakespeare_char shape, compiled, a model that uses the GPU
 # in about the wall time two CPU cores take for the 4 x 128 default (docs/performance.md)
@@ -34,9 +34,12 @@ class TrainConfig(RunConfig, megatron.MegatronOptions):
     # data
     data_dir: str = option(DEFAULT_CORPUS_DIR, "nanoGPT data dir (train.bin, val.bin, meta.json) or "
                                                "Megatron prefix")
-    init_from: str = option("scratch", "scratch, resume (from OUT_DIR/ckpt.pt), or an HF GPT-2 dir "
-                                       "or name")
+    init_from: str = option("scratch", "scratch, resume (from OUT_DIR/ckpt.pt), or pretrained weights: an "
+                                       "HF GPT-2, Llama or Qwen3 folder, a GPT-2 name, a checkpoint")
     # model
+    arch: str = option("gpt2", "gpt2: GPT-2 exactly (learned positions, LayerNorm, GELU, biases, tied head); "
+                               "llama: rotary positions, RMSNorm, a gated SiLU MLP, no biases, an untied head "
+                               "(Llama, Qwen3, SmolLM)", choices=list(ARCHS))
     preset: str | None = option(None, "model size preset (sets n_layer, n_head, "
                                       "n_embd)", choices=sorted(PRESETS))
     n_layer: int = option(4, "transformer blocks (default: 6 on a CUDA GPU)", check="positive")
@@ -46,7 +49,10 @@ class TrainConfig(RunConfig, megatron.MegatronOptions):
                              check="positive")
     dropout: float = option(0.0, "dropout probability, may change on resume (default: 0.2 on a "
                                  "CUDA GPU)", check="probability")
-    bias: bool = option(True, "biases in Linear and LayerNorm layers, as GPT-2")
+    n_kv_head: int | None = option(None, "key/value heads, --arch llama's grouped-query attention "
+                                         "(default: --n-head)", check="positive")
+    qk_norm: bool = option(False, "RMSNorm of each head's queries and keys (--arch llama, as Qwen3)")
+    bias: bool = option(True, "biases in Linear and LayerNorm layers, as GPT-2 (--arch llama: off)")
     attn_kernel: str = option("auto", "attention: manual (written out; auto's pick for bfloat16 "
                                       "on CPU up to 512 keys) or an SDPA kernel (may change on "
                                       "resume)", choices=list(ATTN_KERNELS))
@@ -131,7 +137,7 @@ def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict
          when torchrun restarted the job and a checkpoint is on disk: the checkpoint's options then
          stand wherever no flag was given, and its model shape is fixed;
       2. a new run on a CUDA GPU takes CUDA_DEFAULTS wherever no flag was given; then --preset
-         sets the shape;
+         sets the shape; --arch llama has no biases;
       3. --global-batch-size sets --grad-accum;
       4. the engine's own configuration (DeepSpeed's ds_config.json) is reconciled with the flags;
       5. --optimizer auto becomes Muon from scratch, AdamW from pretrained weights; AdamW's --lr;
@@ -146,6 +152,8 @@ def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict
         resumed = set(resume.get("train_config", {})) & CONFIG_FIELDS - given - {"init_from", "out_dir"}
     else:
         cfg = apply_preset(device_defaults(cfg, given, device), given)
+        if cfg.arch != "gpt2" and "bias" not in given:
+            cfg = replace(cfg, bias=False)
     given = given | resumed
     if cfg.global_batch_size is not None:
         cfg = replace(cfg, grad_accum=megatron.grad_accum_for(cfg, given))
@@ -183,7 +191,7 @@ def merge_resumed_config(cfg: TrainConfig, given: set[str], saved: dict, source:
         raise CLIError(f"{source} was trained with --optimizer {known['optimizer']}; its optimizer "
                        f"state cannot continue under --optimizer {values['optimizer']}")
     values["optimizer"] = known["optimizer"]
-    model_config = saved["model_config"]
+    model_config = {**asdict(GPTConfig()), **saved["model_config"]}  # older checkpoints: GPT-2's
     for name in MODEL_SHAPE:
         if name in given and values[name] != model_config[name]:
             raise CLIError(f"checkpoint {source} has {name}={model_config[name]} but {flag(name)} "

@@ -1,0 +1,166 @@
+"""Hugging Face folders of the llama family both ways: LlamaForCausalLM and Qwen3ForCausalLM (config.json,
+model.safetensors or indexed shards, tokenizer.json), the layout SmolLM, Qwen3 and Llama are published in.
+
+    model, facts = load_llama("path/to/SmolLM2-135M")   # a GPT of arch llama, and its tokenizer facts
+    save_llama(model, "out-dir", facts)                # transformers loads it alone: the same logits
+
+HF keeps q, k and v (and the MLP's gate and up) as separate matrices, which this toolkit holds as one
+(attn.c_attn, mlp.c_fc): they are concatenated on the way in and split on the way out. Both lay rotary
+pairs out the same way (rotate_half), so no weight is permuted. A tied head has no lm_head.weight.
+"""
+import os
+
+import torch
+
+from model import GPT, GPTConfig, check_config
+from toolkit.checkpoint import read_weights
+from toolkit.cli import CLIError
+from toolkit.device import check_memory
+from toolkit.documents import read_text
+from toolkit.files import atomic_write, read_json, write_json, write_text
+from toolkit.hf import NO_HF_TOKENIZER, TOKENIZER_FILE, write_tokenizer_files
+from toolkit.tokenizers import Tokenizer
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # Qwen3: Llama with QK-norm
+# HF's names of one block's tensors -> ours; q/k/v and gate/up are concatenated into one of ours
+BLOCK = {"input_layernorm": "ln_1", "post_attention_layernorm": "ln_2", "self_attn.o_proj": "attn.c_proj",
+         "mlp.down_proj": "mlp.c_proj", "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm"}
+FUSED = {"attn.c_attn": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.c_fc": ("mlp.gate_proj", "mlp.up_proj")}
+TOP = {"model.embed_tokens": "transformer.wte", "model.norm": "transformer.ln_f", "lm_head": "lm_head"}
+
+
+def is_llama_folder(path: str) -> bool:
+    """Whether path is an HF folder of a Llama or Qwen3 model."""
+    config = os.path.join(path, "config.json")
+    return os.path.isfile(config) and read_json(config, "HF config").get("model_type") in ARCHITECTURES
+
+
+def read_config(directory: str) -> GPTConfig:
+    """The GPTConfig of a Llama or Qwen3 config.json, refusing settings that change the function."""
+    path = os.path.join(directory, "config.json")
+    hf = read_json(path, "HF config")
+    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0),
+                                         "rope_type": (hf.get("rope_scaling") or {}).get("rope_type", "default")}
+    unsupported = {"hidden_act": hf.get("hidden_act", "silu") != "silu", "attention_bias": hf.get("attention_bias"),
+                   "mlp_bias": hf.get("mlp_bias"), "rope scaling": rope.get("rope_type", "default") != "default",
+                   "use_sliding_window": hf.get("use_sliding_window")}
+    if any(unsupported.values()):
+        raise CLIError(f"{path}: {', '.join(k for k, v in unsupported.items() if v)} is not supported here")
+    config = GPTConfig(arch="llama", bias=False, vocab_size=hf.get("vocab_size"), n_embd=hf.get("hidden_size"),
+                       n_layer=hf.get("num_hidden_layers"), n_head=hf.get("num_attention_heads"),
+                       n_kv_head=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim"),
+                       mlp_hidden=hf.get("intermediate_size"), block_size=hf.get("max_position_embeddings"),
+                       qk_norm=hf["model_type"] == "qwen3", rope_theta=float(rope.get("rope_theta", 10000.0)),
+                       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    try:
+        check_config(config)  # before anything is allocated
+        check_memory(config)
+    except ValueError as e:
+        raise CLIError(f"{path}: {e}") from None
+    return config
+
+
+def ours(hf: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """HF's state dict under this toolkit's names (float32, the fused matrices concatenated)."""
+    state = {ours_name + ".weight": hf[name + ".weight"] for name, ours_name in TOP.items()
+             if name + ".weight" in hf}
+    for i in range(config.n_layer):
+        layer = f"model.layers.{i}."
+        for name, ours_name in BLOCK.items():
+            if layer + name + ".weight" in hf:
+                state[f"transformer.h.{i}.{ours_name}.weight"] = hf[layer + name + ".weight"]
+        for ours_name, names in FUSED.items():
+            parts = [hf.get(layer + name + ".weight") for name in names]
+            if all(part is not None for part in parts):
+                state[f"transformer.h.{i}.{ours_name}.weight"] = torch.cat(parts)
+    if config.tie_embeddings:
+        state["lm_head.weight"] = state.get("transformer.wte.weight")
+    return {name: tensor.float().contiguous() for name, tensor in state.items() if tensor is not None}
+
+
+def load_llama(path: str, **overrides) -> tuple[GPT, dict]:
+    """The GPT (arch llama) of an HF Llama or Qwen3 folder, and its tokenizer facts (its
+    tokenizer.json, or the facts this toolkit wrote beside a vocabulary HF cannot represent)."""
+    config = read_config(path)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with torch.device("meta"):  # skip the random init; every tensor is replaced below
+        model = GPT(config)
+    expected = model.state_dict()
+    state = ours(read_weights(path), config)
+    missing = sorted(set(expected) - set(state))
+    wrong = [f"{k} {tuple(state[k].shape)} (the config implies {tuple(expected[k].shape)})"
+             for k in sorted(set(expected) & set(state)) if state[k].shape != expected[k].shape]
+    if missing or wrong:
+        raise CLIError(f"{path}: the weights do not fit its config.json: missing {missing[:3]}, {wrong[:2]}")
+    model.load_state_dict(state, assign=True)
+    if config.tie_embeddings:  # assign=True replaced the tied parameter
+        model.lm_head.weight = model.transformer.wte.weight
+    return model, read_tokenizer(path)
+
+
+def read_tokenizer(directory: str) -> dict:
+    """An HF folder's tokenizer facts: TOKENIZER_FILE when this toolkit wrote one, else its
+    tokenizer.json as a BPE."""
+    facts_path, json_path = os.path.join(directory, TOKENIZER_FILE), os.path.join(directory, "tokenizer.json")
+    if os.path.isfile(facts_path):
+        return read_json(facts_path, "tokenizer facts")
+    if not os.path.isfile(json_path):
+        raise CLIError(f"{directory} has no tokenizer.json: the model's text cannot be tokenized")
+    return Tokenizer("bpe", tokenizer_json=read_text(json_path, "tokenizer.json"), source=json_path).facts()
+
+
+def hf_tensors(model: GPT) -> dict[str, torch.Tensor]:
+    """The model's weights under HF's names (the fused matrices split; a tied head left out)."""
+    config, state = model.config, model.state_dict()
+    q, kv = config.n_head * config.head_size, config.kv_heads * config.head_size
+    splits = {"attn.c_attn": [q, kv, kv], "mlp.c_fc": [config.mlp_width] * 2}
+    tensors = {name + ".weight": state[ours_name + ".weight"] for name, ours_name in TOP.items()
+               if not (name == "lm_head" and config.tie_embeddings)}
+    for i in range(config.n_layer):
+        block = f"transformer.h.{i}."
+        for name, ours_name in BLOCK.items():
+            if block + ours_name + ".weight" in state:
+                tensors[f"model.layers.{i}.{name}.weight"] = state[block + ours_name + ".weight"]
+        for ours_name, names in FUSED.items():
+            for name, part in zip(names, state[block + ours_name + ".weight"].split(splits[ours_name])):
+                tensors[f"model.layers.{i}.{name}.weight"] = part
+    return {name: tensor.detach().float().contiguous().cpu() for name, tensor in tensors.items()}
+
+
+def save_llama(model: GPT, out_dir: str, tokenizer: dict) -> str:
+    """An HF folder that transformers loads alone, offline, as the same model: config.json (Qwen3's
+    layout with QK-norm, Llama's without), model.safetensors, generation_config.json, and the
+    tokenizer files of a GPT-2 or BPE vocabulary (tokenizer facts and a README for char and byte).
+    Returns a line saying what was written."""
+    from safetensors.torch import save_file
+
+    c = model.config
+    model_type = "qwen3" if c.qk_norm else "llama"
+    eot_id = tokenizer.get("eot_id")
+    hf = {"model_type": model_type, "architectures": [ARCHITECTURES[model_type]], "vocab_size": c.vocab_size,
+          "hidden_size": c.n_embd, "intermediate_size": c.mlp_width, "num_hidden_layers": c.n_layer,
+          "num_attention_heads": c.n_head, "num_key_value_heads": c.kv_heads, "head_dim": c.head_size,
+          "max_position_embeddings": c.block_size, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
+          "rope_theta": c.rope_theta, "rope_scaling": None,  # transformers 4's keys, then 5's
+          "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
+          "tie_word_embeddings": c.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+          "attention_dropout": c.dropout, "initializer_range": 0.02, "torch_dtype": "float32",
+          "bos_token_id": eot_id, "eos_token_id": eot_id}
+    if model_type == "qwen3":
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layer)
+    tensors = hf_tensors(model)
+    atomic_write(os.path.join(out_dir, "model.safetensors"),
+                 lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    write_json(os.path.join(out_dir, "config.json"), hf)
+    write_json(os.path.join(out_dir, "generation_config.json"),
+               {"bos_token_id": eot_id, "eos_token_id": eot_id, "max_length": c.block_size})
+    name = f"an HF {ARCHITECTURES[model_type]} folder"
+    if tokenizer.get("tokenizer") in ("gpt2", "bpe"):
+        write_tokenizer_files(out_dir, tokenizer, c.block_size)
+        return f"wrote {name} to {out_dir}"
+    write_json(os.path.join(out_dir, TOKENIZER_FILE), tokenizer)
+    write_text(os.path.join(out_dir, "README.md"), NO_HF_TOKENIZER.format(**tokenizer))
+    return f"wrote {name} to {out_dir} (its {tokenizer['tokenizer']} tokenizer has no HF tokenizer: see README.md)"
