@@ -36,7 +36,7 @@ class GPTConfig:
     arch: str = "gpt2"  # one of ARCHS
     n_kv_head: int | None = None  # key/value heads of grouped-query attention (default: n_head)
     head_dim: int | None = None  # default n_embd // n_head (Qwen3 sets its own)
-    mlp_hidden: int | None = None  # the gated MLP's width (default: 8/3 n_embd rounded up to 64)
+    mlp_hidden: int | None = None  # the gated MLP's width (default: 8/3 n_embd rounded up to 32)
     qk_norm: bool = False  # RMSNorm of each head's queries and keys (Qwen3, nanochat)
     rope_theta: float = 10000.0  # the base of the rotary frequencies
     norm_eps: float = 1e-5  # RMSNorm's epsilon
@@ -54,7 +54,7 @@ class GPTConfig:
     def mlp_width(self) -> int:
         if self.arch == "gpt2":
             return 4 * self.n_embd
-        return self.mlp_hidden or -(-8 * self.n_embd // 3 // 64) * 64
+        return self.mlp_hidden or -(-8 * self.n_embd // 3 // 32) * 32
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters of this shape, counted without building it; non_embedding leaves out the input

@@ -23,6 +23,7 @@ from toolkit.flags import flag, option
 
 MODEL_SHAPE = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "qk_norm")
 PRESET_SHAPE = ("n_layer", "n_head", "n_embd")  # what --preset sets
+LLAMA_DEFAULTS = dict(bias=False, qk_norm=True)  # --arch llama's own defaults
 # `python train.py` on a CUDA GPU: nanoGPT's shakespeare_char shape, compiled, a model that uses the GPU
 # in about the wall time two CPU cores take for the 4 x 128 default (docs/performance.md)
 CUDA_DEFAULTS = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, dropout=0.2,
@@ -51,7 +52,8 @@ class TrainConfig(RunConfig, megatron.MegatronOptions):
                                  "CUDA GPU)", check="probability")
     n_kv_head: int | None = option(None, "key/value heads, --arch llama's grouped-query attention "
                                          "(default: --n-head)", check="positive")
-    qk_norm: bool = option(False, "RMSNorm of each head's queries and keys (--arch llama, as Qwen3)")
+    qk_norm: bool = option(False, "RMSNorm of each head's queries and keys, as Qwen3 (--arch llama: on; "
+                                  "--no-qk-norm for Llama's layout)")
     bias: bool = option(True, "biases in Linear and LayerNorm layers, as GPT-2 (--arch llama: off)")
     attn_kernel: str = option("auto", "attention: manual (written out; auto's pick for bfloat16 "
                                       "on CPU up to 512 keys) or an SDPA kernel (may change on "
@@ -137,7 +139,7 @@ def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict
          when torchrun restarted the job and a checkpoint is on disk: the checkpoint's options then
          stand wherever no flag was given, and its model shape is fixed;
       2. a new run on a CUDA GPU takes CUDA_DEFAULTS wherever no flag was given; then --preset
-         sets the shape; --arch llama has no biases;
+         sets the shape; --arch llama takes LLAMA_DEFAULTS (no biases, QK-norm);
       3. --global-batch-size sets --grad-accum;
       4. the engine's own configuration (DeepSpeed's ds_config.json) is reconciled with the flags;
       5. --optimizer auto becomes Muon from scratch, AdamW from pretrained weights; AdamW's --lr;
@@ -152,8 +154,8 @@ def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict
         resumed = set(resume.get("train_config", {})) & CONFIG_FIELDS - given - {"init_from", "out_dir"}
     else:
         cfg = apply_preset(device_defaults(cfg, given, device), given)
-        if cfg.arch != "gpt2" and "bias" not in given:
-            cfg = replace(cfg, bias=False)
+        if cfg.arch != "gpt2":  # its defaults: no biases, QK-norm (measured: docs/performance.md)
+            cfg = replace(cfg, **{name: value for name, value in LLAMA_DEFAULTS.items() if name not in given})
     given = given | resumed
     if cfg.global_batch_size is not None:
         cfg = replace(cfg, grad_accum=megatron.grad_accum_for(cfg, given))
