@@ -36,7 +36,7 @@ EVAL_ITERS=${EVAL_ITERS:-10}
 # shellcheck disable=SC2086  # MPIRUN_ARGS and MODEL are lists of words
 mpirun -np $((NODES * GPUS_PER_NODE)) --hostfile "$HOSTFILE" -x MASTER_PORT -x PATH -x LD_LIBRARY_PATH $MPIRUN_ARGS \
     python "$ROOT/train_ds.py" --deepspeed --deepspeed_config "$DS_CONFIG" \
-    $MODEL --seq-length "$SEQ_LEN" --tp-size "$TP_SIZE" --pipeline-stages "$PP_SIZE" \
+    --arch gpt2 $MODEL --seq-length "$SEQ_LEN" --tp-size "$TP_SIZE" --pipeline-stages "$PP_SIZE" \
     --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE" \
     --train-samples "$TRAIN_SAMPLES" --lr 1e-4 --min-lr 1e-5 --lr-warmup-samples $((TRAIN_SAMPLES / 100)) \
     --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS" --save-interval "$SAVE_INTERVAL" \

@@ -27,7 +27,7 @@ if [ -n "$NODE_RANK" ]; then
 fi
 # shellcheck disable=SC2086  # MODEL is a list of words
 deepspeed "${LAUNCH[@]}" "$ROOT/train_ds.py" --deepspeed --deepspeed_config "$DS_CONFIG" \
-    $MODEL --seq-length "$SEQ_LEN" --tp-size "$TP_SIZE" --pipeline-stages "$PP_SIZE" \
+    --arch gpt2 $MODEL --seq-length "$SEQ_LEN" --tp-size "$TP_SIZE" --pipeline-stages "$PP_SIZE" \
     --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE" \
     --train-samples "$TRAIN_SAMPLES" --save-interval "$SAVE_INTERVAL" \
     --data-path "$DATA_PATH" --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" \

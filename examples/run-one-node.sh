@@ -30,7 +30,7 @@ EVAL_ITERS=${EVAL_ITERS:-10}
 
 deepspeed --num_gpus "$N_GPUS" --master_port "$MASTER_PORT" "$ROOT/train_ds.py" \
     --deepspeed --deepspeed_config "$DS_CONFIG" \
-    --num-layers "$NLAYERS" --hidden-size "$NHIDDEN" --num-attention-heads "$NHEADS" --seq-length "$SEQ_LEN" \
+    --arch gpt2 --num-layers "$NLAYERS" --hidden-size "$NHIDDEN" --num-attention-heads "$NHEADS" --seq-length "$SEQ_LEN" \
     --tp-size "$TP_SIZE" --pipeline-stages "$PP_SIZE" \
     --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE" \
     --train-samples "$TRAIN_SAMPLES" --lr 1e-4 --min-lr 1e-5 --lr-warmup-samples $((TRAIN_SAMPLES / 100)) \

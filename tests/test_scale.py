@@ -105,8 +105,8 @@ MEGATRON_MODEL = {"NLAYERS": "2", "NHIDDEN": "32", "NHEADS": "2", "SEQ_LEN": "32
                   "GLOBAL_BATCH_SIZE": "8", "TRAIN_SAMPLES": "80"}
 RUN = ["--device", "cpu", "--dtype", "float32", "--eval-iters", "2", "--log-interval", "1", "--lr", "3e-3",
        "--min-lr", "1e-5", "--lr-warmup-samples", "0", "--optimizer", "adamw"]  # AdamW: DeepSpeed's configs use it
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
-         "--micro-batch-size", "4", "--global-batch-size", "8", "--train-samples", "80", *RUN]
+MODEL = ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",  # Megatron's GPT-2
+         "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8", "--train-samples", "80", *RUN]
 
 
 def launch_ds(data, out_dir, *extra, config="ds_config_zero1.json", slots=2, timeout=300):

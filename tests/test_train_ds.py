@@ -15,6 +15,7 @@ import torch
 
 from conftest import ROOT, TINY_MODEL, assert_one_line_error, fake_deepspeed_folder, run_main
 from toolkit.distributed import free_port
+from toolkit.model_sources import load_model
 
 pytest.importorskip("deepspeed")
 
@@ -109,8 +110,7 @@ def test_zero3_offload_trains_converts_and_samples(zero3_run, tmp_path):
 
     exported = run_main("test_ds.py", "--ckpt", ds, "--export-hf", tmp_path / "hf", env=ENV)
     assert exported.returncode == 0, exported.stderr
-    from toolkit.hf import load_gpt2
-    hf = load_gpt2(str(tmp_path / "hf"))
+    hf, _ = load_model(str(tmp_path / "hf"))  # the default family's: an HF Qwen3 folder
     assert_same_weights(hf.state_dict(), engine_weights)
 
 

@@ -81,8 +81,8 @@ def check_layout(layout: Layout, config: GPTConfig, zero_stage: int, training: b
                          f"{config.n_layer} blocks; each stage needs at least one")
     if config.arch != "gpt2" and layout.model_parallel > 1:
         raise ValueError(f"--pipeline-stages and --tp-size lay out GPT-2's modules (learned positions, a tied "
-                         f"head, q, k and v as equal thirds); --arch {config.arch} trains with ZeRO (any stage, "
-                         "with offload) and data parallelism")
+                         f"head, q, k and v as equal thirds): add --arch gpt2; --arch {config.arch} trains with "
+                         "ZeRO (any stage, with offload) and data parallelism")
     if config.n_head % layout.tp_size or config.n_embd % layout.tp_size:
         raise ValueError(f"--tp-size {layout.tp_size} must divide the {config.n_head} heads and the width "
                          f"{config.n_embd}")

@@ -38,9 +38,10 @@ class TrainConfig(RunConfig, megatron.MegatronOptions):
     init_from: str = option("scratch", "scratch, resume (from OUT_DIR/ckpt.pt), or pretrained weights: an "
                                        "HF GPT-2, Llama or Qwen3 folder, a GPT-2 name, a checkpoint")
     # model
-    arch: str = option("gpt2", "gpt2: GPT-2 exactly (learned positions, LayerNorm, GELU, biases, tied head); "
-                               "llama: rotary positions, RMSNorm, a gated SiLU MLP, no biases, an untied head "
-                               "(Llama, Qwen3, SmolLM)", choices=list(ARCHS))
+    arch: str = option("llama", "the model family from scratch: llama, rotary positions, RMSNorm, QK-norm, a "
+                                "gated SiLU MLP, no biases, an untied head (Llama, Qwen3, SmolLM: better per "
+                                "minute, docs/performance.md); gpt2, GPT-2 exactly (--preset's family). "
+                                "--init-from and resume keep the family of the weights", choices=list(ARCHS))
     preset: str | None = option(None, "model size preset (sets n_layer, n_head, "
                                       "n_embd)", choices=sorted(PRESETS))
     n_layer: int = option(4, "transformer blocks (default: 6 on a CUDA GPU)", check="positive")
@@ -139,7 +140,8 @@ def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict
          when torchrun restarted the job and a checkpoint is on disk: the checkpoint's options then
          stand wherever no flag was given, and its model shape is fixed;
       2. a new run on a CUDA GPU takes CUDA_DEFAULTS wherever no flag was given; then --preset
-         sets the shape; --arch llama takes LLAMA_DEFAULTS (no biases, QK-norm);
+         sets the shape, and GPT-2's family unless --arch is given; a llama model from scratch
+         takes LLAMA_DEFAULTS (no biases, QK-norm);
       3. --global-batch-size sets --grad-accum;
       4. the engine's own configuration (DeepSpeed's ds_config.json) is reconciled with the flags;
       5. --optimizer auto becomes Muon from scratch, AdamW from pretrained weights; AdamW's --lr;
@@ -154,7 +156,7 @@ def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict
         resumed = set(resume.get("train_config", {})) & CONFIG_FIELDS - given - {"init_from", "out_dir"}
     else:
         cfg = apply_preset(device_defaults(cfg, given, device), given)
-        if cfg.arch != "gpt2":  # its defaults: no biases, QK-norm (measured: docs/performance.md)
+        if cfg.arch == "llama" and cfg.init_from == "scratch":  # measured: docs/performance.md
             cfg = replace(cfg, **{name: value for name, value in LLAMA_DEFAULTS.items() if name not in given})
     given = given | resumed
     if cfg.global_batch_size is not None:
@@ -222,10 +224,13 @@ def device_defaults(cfg: TrainConfig, given: set[str], device: torch.device) -> 
 
 
 def apply_preset(cfg: TrainConfig, given: set[str]) -> TrainConfig:
-    """--preset sets the shape; a shape flag given with it that says otherwise is an error."""
+    """--preset sets the shape of GPT-2 (or GPT-3) and, unless --arch is given, GPT-2's family; a
+    shape flag given with it that says otherwise is an error."""
     if not cfg.preset:
         return cfg
     shape = {name: PRESETS[cfg.preset][name] for name in PRESET_SHAPE}
+    if "arch" not in given:
+        shape["arch"] = "gpt2"
     for name, value in shape.items():
         if name in given and getattr(cfg, name) != value:
             raise CLIError(f"--preset {cfg.preset} has {name.replace('_', '-')} {value} but "
