@@ -1,6 +1,6 @@
 """Sample text from a model trained by train_ds.py (any layout: ZeRO, pipeline or tensor parallel),
-or export it as a plain ckpt.pt (--export-ckpt, what test.py and train.py read) or an HF GPT-2
-folder (--export-hf).
+or export it as a plain ckpt.pt (--export-ckpt, what test.py and train.py read), an HF folder of its
+family (--export-hf) or a GGUF file for llama.cpp (--export-gguf).
 
 --ckpt is either
   * the DeepSpeed checkpoint folder itself (OUT_DIR/ds): the weights of its `latest` checkpoint (or --tag)
@@ -20,8 +20,7 @@ import sys
 from toolkit import cli
 from toolkit.checkpoint import make_checkpoint, save_checkpoint
 from toolkit.ds_checkpoint import default_deepspeed_source, load_deepspeed_model
-from toolkit.files import check_output
-from toolkit.model_sources import save_hf
+from toolkit.model_sources import add_export_arguments, check_exports, export
 from toolkit.sampling import add_sampling_arguments, check_sampling_args, run_sampling
 from toolkit.tokenizers import load_tokenizer
 
@@ -39,18 +38,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="the DeepSpeed checkpoint folder holding the model config, when --ckpt is converted "
                              "output stored elsewhere (default: the folder above it)")
     parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step2000 (default: latest)")
-    parser.add_argument("--export-hf", metavar="DIR", default=None,
-                        help="write the model as an HF folder of its family (weights, config, tokenizer "
-                             "files) and exit")
+    add_export_arguments(parser)
     parser.add_argument("--export-ckpt", metavar="PATH", default=None,
                         help="write the model as a plain ckpt.pt (weights, configs, tokenizer; no "
                              "optimizer state) for test.py, and exit")
     add_sampling_arguments(parser)
     args = parser.parse_args(argv)
     check_sampling_args(args, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir])
-    for flag, path in (("--export-hf", args.export_hf), ("--export-ckpt", args.export_ckpt)):
-        if path:
-            check_output(path, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir], flag)
+    outputs = {"--export-hf": args.export_hf, "--export-gguf": args.export_gguf, "--export-ckpt": args.export_ckpt}
+    check_exports(outputs, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir], args.overwrite)
     if args.ckpt is None:
         args.ckpt = DEFAULT_DS_DIR if args.tag else default_deepspeed_source(DEFAULT_DS_DIR, CONVERTED_NAME)
     model, state, label = load_deepspeed_model(args.ckpt, args.ds_dir, args.tag, attn_kernel=args.attn_kernel)
@@ -60,9 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         save_checkpoint(make_checkpoint(state, model, None, None, {}), args.export_ckpt)
         print(f"wrote {args.export_ckpt} (iteration {state['iter_num']}); sample it with `python "
               f"test.py --ckpt {args.export_ckpt}`", flush=True)
-    if args.export_hf:
-        print(save_hf(model, args.export_hf, facts), flush=True)
-    if args.export_ckpt or args.export_hf:
+    export(model, facts, args)
+    if any(outputs.values()):
         return
     run_sampling(model, load_tokenizer(facts), args, args.ckpt)
 

@@ -55,6 +55,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def gguf_logits(path: Path, ids: list[int]) -> torch.Tensor:
+    """llama.cpp's logits (llama-cpp-python) at every position of ids, for a GGUF file."""
+    import numpy as np
+    from llama_cpp import Llama
+    llm = Llama(model_path=str(path), n_ctx=max(64, len(ids)), logits_all=True, verbose=False, n_threads=1)
+    llm.eval(ids)
+    logits = torch.tensor(np.array(llm.scores[: len(ids)]))
+    llm.close()
+    return logits
+
+
 def run_script(script: str, *args: str, cwd: Path | None = None, timeout: float = 300,
                env: dict | None = None, input: str = "") -> subprocess.CompletedProcess:
     """Run one of the project's scripts in a subprocess, the way a user would."""

@@ -13,7 +13,9 @@ import torch
 import zstandard
 
 from conftest import TINY_MODEL, assert_one_line_error, run_main, write_llmc_shard
+from toolkit import documents
 from toolkit.checkpoint import load_checkpoint
+from toolkit.documents import ZstdReader, read_documents
 from toolkit.model_sources import load_model
 from toolkit.tokenizers import load_tokenizer
 
@@ -202,3 +204,66 @@ def test_a_checkpoint_and_data_of_other_tokenizers_are_refused(char_data, tmp_pa
                        "--init-from", "resume", "--max-iters", "4")
     assert_one_line_error(resumed, "tokenizer")
     assert (tmp_path / "ckpt" / "ckpt.pt").read_bytes() == before
+
+
+# ----------------------------------------------------------------------------- bombs (issue 49)
+
+def test_a_parquet_row_group_that_expands_far_is_read_a_few_rows_at_a_time(tmp_path):
+    path = tmp_path / "bomb.parquet"
+    pq.write_table(pa.table({"text": ["x" * 10_000] * 4000}), path, row_group_size=4000, compression="zstd")
+    assert pq.ParquetFile(path).num_row_groups == 1 and path.stat().st_size < 1 << 20  # 40 MB of text
+    rows, peak = 0, 0
+    for pieces, _ in read_documents([str(path)]):
+        rows, peak = rows + 1, max(peak, pa.total_allocated_bytes())
+        assert pieces == ["x" * 10_000]
+    assert rows == 4000 and peak < 12 << 20, peak  # the whole group would be 40 MB
+
+
+def zst_reads(path) -> tuple[int, int]:
+    """(bytes, the most held decompressed at once) of reading path through the .zst reader."""
+    reader, total, most = ZstdReader(str(path)), 0, 0
+    buffer = bytearray(1 << 20)
+    while n := reader.readinto(buffer):
+        total, most = total + n, max(most, len(reader.pending))
+    reader.close()
+    return total, most
+
+
+def test_zstd_streams_with_bounded_memory_and_reads_frames_that_meet_a_step(tmp_path, monkeypatch):
+    bomb = tmp_path / "zeros.txt.zst"
+    bomb.write_bytes(zstandard.ZstdCompressor(level=3).compress(bytes(256 << 20)))  # 256 MiB of zeros
+    assert bomb.stat().st_size < 64 << 10
+    total, most = zst_reads(bomb)
+    assert total == 256 << 20 and most <= 40 << 20, most  # the old reader held all 256 MiB at once
+    # a first frame that ends exactly where a read step does, then a second: read whole
+    step, lines = ZstdReader.STEP, ""
+    while True:
+        lines += json.dumps({"text": f"row {len(lines)} {hash(len(lines)) % 9973}"}) + "\n"
+        first = zstandard.ZstdCompressor(level=1).compress(lines.encode())
+        if len(first) % step == 0 and len(first) >= 2 * step:
+            break
+    two = tmp_path / "two.jsonl.zst"
+    two.write_bytes(first + zstandard.ZstdCompressor().compress(b'{"text": "second frame"}\n'))
+    assert zst_reads(two)[0] == len(lines) + len('{"text": "second frame"}\n')
+    out = tmp_path / "two-out"
+    result = run_main("tokenizer.py", "--input", two, "--tokenizer", "byte", "--output-dir", out)
+    assert result.returncode == 0, result.stderr
+    # zeros without a line break: text with no place to split, a JSON line past the limit: one line each
+    monkeypatch.setattr(documents, "UNCUT_LIMIT", 1 << 20)
+    monkeypatch.setattr(documents, "RECORD_LIMIT", 1 << 20)
+    (tmp_path / "zeros.jsonl.zst").write_bytes(bomb.read_bytes())
+    for name, fragment in (("zeros.txt.zst", "without a space or a line break"),
+                           ("zeros.jsonl.zst", "line 1 is longer than 1 MiB")):
+        result = run_main("tokenizer.py", "--input", tmp_path / name, "--tokenizer", "byte", "--output-dir",
+                          tmp_path / f"{name}-out")
+        assert_one_line_error(result, fragment)
+
+
+@pytest.mark.parametrize("data_files", [["data-00000-of-00001.arrow"], {"filename": "x.arrow"}, "x.arrow", [None],
+                                        7, [{"filename": 7}]])
+def test_a_datasets_state_json_of_another_shape_is_one_line(tmp_path, data_files):
+    folder = write_inputs(tmp_path)["datasets"]
+    state = json.loads((folder / "state.json").read_text())
+    (folder / "state.json").write_text(json.dumps({**state, "_data_files": data_files}))
+    result = run_main("tokenizer.py", "--input", folder, "--tokenizer", "byte", "--output-dir", tmp_path / "out")
+    assert_one_line_error(result, "state.json lists no arrow files")

@@ -470,3 +470,133 @@ def test_genfile_generation_shows_tokens_done_and_time_left(run_dir, tmp_path):
     assert "sampling: 100%" in text and "60/60" in text, text
     assert len((tmp_path / "g.jsonl").read_text().splitlines()) == 3
 
+
+
+def test_an_export_never_replaces_a_model_unless_overwrite(tmp_path):
+    """Issue 49: an export into a folder that holds a model refuses without --overwrite; with it, the folder is
+    replaced whole (the old model's tokenizer.json does not stay beside new weights)."""
+    def checkpoint(path, vocab_size, facts):
+        torch.manual_seed(vocab_size)
+        model = GPT(GPTConfig(block_size=16, vocab_size=vocab_size, n_layer=1, n_head=2, n_embd=16))
+        torch.save({"model": model.state_dict(), "model_config": vars(model.config), "tokenizer": facts,
+                    "iter_num": 1}, path)
+        return model
+
+    checkpoint(tmp_path / "gpt2.pt", 50257, {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256})
+    char = checkpoint(tmp_path / "char.pt", 4, {"tokenizer": "char", "vocab_size": 4, "eot_id": 3, "chars": "abc"})
+    hf = tmp_path / "hf"
+    assert run_main("test.py", "--ckpt", tmp_path / "gpt2.pt", "--export-hf", hf).returncode == 0
+    before = {p.name: p.read_bytes() for p in hf.iterdir()}
+    assert "tokenizer.json" in before
+    (hf / "notes.txt").write_text("mine")
+    refused = run_main("test.py", "--ckpt", tmp_path / "char.pt", "--export-hf", hf)
+    assert_one_line_error(refused, "already holds files", "--overwrite")
+    assert {p.name: p.read_bytes() for p in hf.iterdir() if p.name != "notes.txt"} == before
+    replaced = run_main("test.py", "--ckpt", tmp_path / "char.pt", "--export-hf", hf, "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert sorted(p.name for p in hf.iterdir()) == ["README.md", "config.json", "generation_config.json",
+                                                     "model.safetensors", "tokenizer_facts.json"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf")]  # no temporary folder left
+    sample = run_main("test.py", "--ckpt", hf, "--prompt", "ab", "--max-new-tokens", "3", "--device", "cpu")
+    assert sample.returncode == 0, sample.stderr
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"someone's model")
+    assert_one_line_error(run_main("test.py", "--ckpt", tmp_path / "char.pt", "--export-gguf", gguf),
+                          "already holds a file")
+    assert gguf.read_bytes() == b"someone's model"
+    assert run_main("test.py", "--ckpt", tmp_path / "char.pt", "--export-gguf", gguf, "--overwrite").returncode == 0
+    assert gguf.read_bytes()[:4] == b"GGUF"
+    assert char.config.vocab_size == 4
+
+
+def test_out_of_gpu_memory_is_one_line_saying_what_to_change_and_keeps_the_checkpoint(
+        run_dir, char_data, monkeypatch, tmp_path):
+    """Issue 49: torch's OutOfMemoryError, raised where a real GPU raises it (the model's forward), in training
+    (resumed, so a checkpoint is on disk), fine-tuning, sampling, evaluation and embedding."""
+    import model
+    calls = {"n": 0}
+
+    def out_of_memory(self, *args, **kwargs):
+        calls["n"] += 1
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(model.GPT, "_trunk", out_of_memory)
+    before = (run_dir / "ckpt.pt").read_bytes()
+    ckpt = run_dir / "ckpt.pt"
+    (tmp_path / "docs.txt").write_text("a document\n")
+    (tmp_path / "cls.jsonl").write_text('{"text": "a b", "label": "x"}\n{"text": "c d", "label": "y"}\n')
+    runs = {"train.py": train(char_data, run_dir, "--init-from", "resume", "--max-iters", "8"),
+            "finetune.py": run_main("finetune.py", "--task", "classify", "--train", tmp_path / "cls.jsonl", "--val",
+                                    tmp_path / "cls.jsonl", "--init-from", ckpt, "--out-dir", tmp_path / "ft",
+                                    "--device", "cpu"),
+            "test.py": run_main("test.py", "--ckpt", ckpt, "--max-new-tokens", "5", "--device", "cpu"),
+            "eval.py": run_main("eval.py", "--ckpt", ckpt, "--data-dir", char_data, "--device", "cpu"),
+            "embed.py": run_main("embed.py", "encode", "--ckpt", ckpt, "--input", tmp_path / "docs.txt",
+                                 "--out", tmp_path / "emb", "--device", "cpu")}
+    for script, result in runs.items():
+        assert result.returncode == 1, (script, result.stderr[-2000:])
+        assert_one_line_error(result, "out of GPU memory", "Tried to allocate 20.00 GiB", "--batch-size")
+    assert calls["n"] >= len(runs)
+    assert_unchanged(run_dir, before)
+    assert not list(tmp_path.glob("emb*"))
+
+
+@pytest.mark.parametrize("size", ["100000000000000000000", "1000000000"])
+def test_an_absurd_bpe_vocabulary_size_is_one_line(tmp_path, size):
+    (tmp_path / "t.txt").write_text("some text to train on\n")
+    result = run_main("tokenizer.py", "--input", tmp_path / "t.txt", "--tokenizer", "bpe", "--vocab-size", size,
+                      "--output-dir", tmp_path / "out")
+    assert_one_line_error(result, f"--vocab-size {size} is more than 1,048,576")
+
+
+def test_a_tokenizer_file_with_a_gap_in_its_ids_keeps_every_id(tmp_path):
+    """Issue 49: 258 entries, one of them id 70000: the vocabulary is 70001 ids, in 32-bit bins."""
+    from toolkit.tokenizers import SPELLING
+    vocab = {SPELLING[b]: b for b in range(256)}
+    vocab["<|endoftext|>"], vocab["ab"] = 256, 70000
+    spec = {"version": "1.0", "added_tokens": [{"id": 256, "content": "<|endoftext|>", "single_word": False,
+                                                "lstrip": False, "rstrip": False, "normalized": False,
+                                                "special": True}],
+            "normalizer": None, "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
+                                                  "trim_offsets": True, "use_regex": True},
+            "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": True,
+                                                "trim_offsets": True, "use_regex": True},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
+                      "merges": [["a", "b"]]}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    (tmp_path / "t.txt").write_text("ab ab cab\n" * 50)
+    out = tmp_path / "out"
+    result = run_main("tokenizer.py", "--input", tmp_path / "t.txt", "--tokenizer-file", tmp_path / "tokenizer.json",
+                      "--output-dir", out)
+    assert result.returncode == 0, result.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["vocab_size"] == 70001 and meta["dtype"] == "uint32", meta
+    ids = np.concatenate([np.fromfile(out / name, np.uint32) for name in ("train.bin", "val.bin")])
+    assert 70000 in ids and ids.max() == 70000
+
+
+def test_a_request_that_would_never_finish_shows_progress_and_ctrl_c_keeps_the_samples(run_dir, tmp_path):
+    """Issue 49: no terminal, a billion tokens a sample: progress on stderr within seconds; Ctrl-C keeps the
+    samples finished by then in the genfile."""
+    def start(*flags):
+        return subprocess.Popen([sys.executable, "test.py", "--ckpt", str(run_dir / "ckpt.pt"), "--device", "cpu",
+                                 "--num-samples", "1000000", *flags], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+
+    huge = start("--max-new-tokens", "1000000000", "--genfile", str(tmp_path / "huge.jsonl"))
+    shown, began = "", time.monotonic()
+    while "tok/s" not in shown and time.monotonic() - began < 60:  # (a bar without a terminal ends no line)
+        shown += os.read(huge.stderr.fileno(), 4096).decode(errors="replace")
+    assert "sampling:" in shown and "/1000000000000000" in shown, shown
+    huge.send_signal(signal.SIGINT)
+    assert huge.wait(timeout=60) == 130
+    kept = [json.loads(line) for line in (tmp_path / "huge.jsonl").read_text().splitlines()]
+    assert all(line["finished"] for line in kept)  # only samples that ended (at end-of-text), each whole
+    short = start("--max-new-tokens", "4", "--genfile", str(tmp_path / "short.jsonl"))
+    time.sleep(4)
+    short.send_signal(signal.SIGINT)
+    assert short.wait(timeout=60) == 130
+    assert b"holds the samples finished before the interrupt" in short.stderr.read()
+    lines = [json.loads(line) for line in (tmp_path / "short.jsonl").read_text().splitlines()]
+    assert lines and all(line["length"] <= 4 for line in lines)

@@ -77,7 +77,7 @@ def test_recipe_of_the_quick_start_is_pinned():
     cfg = settled("--device", "cpu")  # the CPU recipe (a GPU has its own defaults)
     recipe = dict(arch="llama", n_layer=4, n_head=4, n_kv_head=None, n_embd=128, block_size=64, batch_size=32,
                   grad_accum=1, max_iters=300, lr=4e-3, min_lr=None, warmup_iters=25, lr_decay_iters=None,
-                  optimizer="muon", muon_lr=0.05, weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0,
+                  optimizer="muon", muon_lr=0.03, weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0,
                   dropout=0.0, bias=False, qk_norm=True, dtype="auto", compile=False, eval_interval=100,
                   eval_iters=20)
     assert {k: getattr(cfg, k) for k in recipe} == recipe

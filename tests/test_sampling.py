@@ -111,13 +111,14 @@ def test_genfile_is_not_replaced_without_overwrite(char_ckpt, tmp_path):
 
 
 def test_hf_export_of_a_char_model_samples_and_generates_in_transformers(char_data, tmp_path):
-    """A char vocabulary has no GPT-2 end-of-text id: the export names none, and keeps its own tokenizer."""
+    """A char vocabulary's end-of-text id is its own (past the characters): the export names it, and keeps the
+    toolkit's tokenizer facts."""
     import transformers
     facts = json.loads((char_data / "meta.json").read_text())
     model = write_checkpoint(tmp_path / "ckpt.pt", facts)
     save_gpt2(model, str(tmp_path / "hf"), facts)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["bos_token_id"] is None and config["eos_token_id"] is None
+    assert config["bos_token_id"] == config["eos_token_id"] == len(facts["chars"]) == facts["eot_id"]
     assert oct((tmp_path / "hf" / "model.safetensors").stat().st_mode & 0o777) != oct(0o600)
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     out = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False, pad_token_id=0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import ROOT, assert_one_line_error, run_main, run_script
+from conftest import ROOT, assert_one_line_error, gguf_logits, rel_err, run_main, run_script
 from model import GPT, GPTConfig
 from toolkit import lora
 from toolkit.chat import (CHAT_TOKENS, add_chat_tokens, chat_prompt, encode_conversation,
@@ -168,6 +168,10 @@ def test_lora_trains_only_the_adapters_and_merges_to_the_same_model(pretrained, 
     assert run_main("test.py", "--ckpt", adapter_ckpt, "--prompt", "Title of dict?", "--max-new-tokens", "5",
                     "--num-samples", "1", "--device", "cpu").returncode == 0
     assert run_main("test.py", "--ckpt", adapter_ckpt, "--export-hf", tmp_path / "hf").returncode == 0
+    exported = run_main("test.py", "--ckpt", adapter_ckpt, "--export-gguf", tmp_path / "m.gguf", "--outtype", "f32")
+    assert exported.returncode == 0, exported.stderr
+    ids = idx[0].tolist()
+    assert rel_err(gguf_logits(tmp_path / "m.gguf", ids), unmerged[0]) < 1e-3  # llama.cpp runs the merged model
 
 
 def test_lora_for_a_gpt1_task_trains_the_adapters_and_the_head(pretrained, tmp_path):

@@ -266,7 +266,8 @@ def test_gz_text_folder_char_level(tmp_path):
     meta = json.load(open(out / "meta.json"))
     tok = load_tokenizer(meta)
     assert meta["chars"] == "".join(sorted(set("first document\nsecond document, ünïcode\n")))
-    assert (meta["eot_id"], meta["documents"], meta["train_documents"], meta["val_documents"]) == (None, 2, 1, 1)
+    assert (meta["eot_id"], meta["documents"], meta["train_documents"], meta["val_documents"]) == (17, 2, 1, 1)
+    assert meta["vocab_size"] == len(meta["chars"]) + 1  # the end-of-text id, past the characters (unused here)
     split_texts = [tok.decode(np.fromfile(out / name, np.uint16).tolist()) for name in ("train.bin", "val.bin")]
     assert sorted(split_texts) == ["first document\n", "second document, ünïcode\n"]
 
@@ -292,7 +293,8 @@ def test_default_corpus(tmp_path):
     train, val = np.fromfile(folder / "train.bin", np.uint16), np.fromfile(folder / "val.bin", np.uint16)
     documents = len(prepare.default_corpus_documents())
     assert (meta["format"], meta["tokenizer"], meta["documents"]) == ("nanogpt", "char", documents)
-    assert 80 <= meta["vocab_size"] <= 130 and meta["vocab_size"] == len(meta["chars"])
+    assert 80 <= meta["vocab_size"] <= 130 and meta["vocab_size"] == len(meta["chars"]) + 1 == meta["eot_id"] + 1
+    assert meta["eot_id"] not in train and meta["eot_id"] not in val  # an id of its own, not in the text
     assert 0.09 < len(val) / (len(train) + len(val)) < 0.11
     assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
     assert load_tokenizer(meta).decode(train[:200].tolist()) == "\n\n".join(prepare.default_corpus_documents())[:200]

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, assert_one_line_error, fake_deepspeed_folder, run_main
+from conftest import ROOT, TINY_MODEL, assert_one_line_error, fake_deepspeed_folder, gguf_logits, rel_err, run_main
 from toolkit.distributed import free_port
 from toolkit.model_sources import load_model
 
@@ -112,6 +112,11 @@ def test_zero3_offload_trains_converts_and_samples(zero3_run, tmp_path):
     assert exported.returncode == 0, exported.stderr
     hf, _ = load_model(str(tmp_path / "hf"))  # the default family's: an HF Qwen3 folder
     assert_same_weights(hf.state_dict(), engine_weights)
+    exported = run_main("test_ds.py", "--ckpt", ds, "--export-gguf", tmp_path / "m.gguf", "--outtype", "f32", env=ENV)
+    assert exported.returncode == 0, exported.stderr
+    ids = list(range(20))
+    with torch.no_grad():
+        assert rel_err(gguf_logits(tmp_path / "m.gguf", ids), hf.eval()(torch.tensor([ids]))[0][0]) < 1e-3
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,19 @@ def error_message(error: Exception) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch's OutOfMemoryError (CUDA, or a RuntimeError that says so: MPS, other backends), without
+    importing torch (data preparation never does)."""
+    return type(error).__name__ == "OutOfMemoryError" or (isinstance(error, RuntimeError)
+                                                         and "out of memory" in str(error).lower())
+
+
+OUT_OF_MEMORY = ("out of GPU memory ({}): the model, batch or context did not fit; lower --batch-size (and raise "
+                 "--grad-accum to keep the batch), --block-size or the model's size, use --dtype bfloat16, or "
+                 "train with ZeRO-3 and CPU offload (train_ds.py; its --estimate-memory says what fits); "
+                 "checkpoints already written are as they were")
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an error's text (a library's may run on for pages), or its type's name."""
     text = str(error).strip()
@@ -66,6 +79,11 @@ def run(main: Callable[[], None]) -> None:
         main()
     except (CLIError, ValueError, OSError) as e:
         print(f"error: {error_message(e)}", file=sys.stderr)
+        sys.exit(1)
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        print(f"error: {OUT_OF_MEMORY.format(first_line(e))}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -127,9 +145,13 @@ def run_distributed(main: Callable[[], None]) -> None:
         stop_torchrun_restarts()
         status = 1
     except RuntimeError as e:  # a peer died or hung: the launcher stops (or restarts) the job anyway
-        if not isinstance(e, dist.DistError) and "gloo" not in str(e):
+        if is_out_of_memory(e):  # on any rank: each says so, with its rank
+            print(f"error: rank {os.environ.get('RANK', '0')}: {OUT_OF_MEMORY.format(first_line(e))}",
+                  file=sys.stderr, flush=True)
+            stop_torchrun_restarts()
+        elif not isinstance(e, dist.DistError) and "gloo" not in str(e):
             raise
-        if int(os.environ.get("RANK", "0")) == 0:
+        elif int(os.environ.get("RANK", "0")) == 0:
             print(f"error: lost contact with another process ({first_line(e)})", file=sys.stderr,
                   flush=True)
         status = 1

@@ -25,27 +25,32 @@ from toolkit.tokenizers import CUT
 
 
 class ZstdReader(io.RawIOBase):
-    """A .zst file's bytes, frame after frame; one that ends inside a frame raises EOFError, as a
-    truncated .gz does (zstandard's own reader would end there quietly)."""
+    """A .zst file's bytes, frame after frame, with bounded memory: compressed input goes in STEP bytes
+    at a time, and zstd makes at most ~32,000 bytes of one (a 128 KiB block of one repeated byte takes
+    4), so a step yields at most ~32 MB, however the file was made. One that ends inside a frame raises
+    EOFError, as a truncated .gz does (zstandard's own reader would end there quietly)."""
+
+    STEP = 1 << 10
 
     def __init__(self, path: str):
-        self.file, self.pending, self.at = open(path, "rb"), b"", 0
-        self.frame = zstandard.ZstdDecompressor().decompressobj()
+        self.file, self.pending, self.at, self.unused = open(path, "rb"), b"", 0, b""
+        self.frame, self.started = zstandard.ZstdDecompressor().decompressobj(), False
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
         while self.at == len(self.pending):
-            data = self.file.read(1 << 20)
+            data, self.unused = self.unused or self.file.read(self.STEP), b""
             if not data:
-                if not self.frame.eof and self.file.tell():
+                if self.started and not self.frame.eof:
                     raise EOFError("the file ends inside a zstd frame (truncated)")
                 return 0
-            self.pending, self.at = self.frame.decompress(data), 0
-            while self.frame.eof and self.frame.unused_data:  # the next frame
-                rest, self.frame = self.frame.unused_data, zstandard.ZstdDecompressor().decompressobj()
-                self.pending += self.frame.decompress(rest)
+            if self.frame.eof:  # the next frame (which may start exactly where a step does)
+                self.frame = zstandard.ZstdDecompressor().decompressobj()
+            self.pending, self.at, self.started = self.frame.decompress(data), 0, True
+            if self.frame.eof:
+                self.unused = self.frame.unused_data
         n = min(len(buffer), len(self.pending) - self.at)  # (an offset: slicing off the front would copy
         buffer[:n] = self.pending[self.at:self.at + n]      # the rest of the block on every read)
         self.at += n
@@ -60,6 +65,8 @@ COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open,
               ".zst": lambda path, mode: io.BufferedReader(ZstdReader(path))}
 TABLES = (".parquet", ".arrow")  # a row a document, the text in one column
 BLOCK = 1 << 24  # a text file is read and decoded 16 MB at a time
+RECORD_LIMIT = 1 << 28  # the bytes of one JSON line (a record, held whole to parse it): 256 MiB
+UNCUT_LIMIT = 1 << 26  # the characters of text with no place where the tokenizers split (CUT): 64 Mi
 JSON_SUFFIXES = (".jsonl", ".json")
 # what reading a (compressed) file raises when it is unreadable, corrupt or cut short
 READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError)
@@ -96,21 +103,25 @@ def input_files(paths: list[str], pattern: str) -> list[str]:
 def saved_dataset_files(folder: str) -> list[str]:
     """The arrow files of a dataset that HF `datasets` saved (save_to_disk), in its order."""
     state = read_json(os.path.join(folder, "state.json"), "datasets state")
-    names = [entry.get("filename") for entry in (state.get("_data_files") or [])]
-    if not names or not all(isinstance(n, str) and os.path.basename(n) == n for n in names):
-        raise CLIError(f"{folder}/state.json lists no arrow files: not a folder of datasets' save_to_disk")
+    entries = state.get("_data_files") if isinstance(state, dict) else None
+    names = [entry.get("filename") for entry in entries if isinstance(entry, dict)] if isinstance(entries, list) else []
+    if not names or len(names) != len(entries) or not all(isinstance(n, str) and os.path.basename(n) == n
+                                                          for n in names):
+        raise CLIError(f"{folder}/state.json lists no arrow files as datasets' save_to_disk writes them "
+                       '("_data_files": [{"filename": "data-00000-of-00001.arrow"}, ...])')
     return [os.path.join(folder, name) for name in names]
 
 
 def table_documents(path: str, key: str, skip_bad_lines: bool,
                     stats: ReadStats) -> Iterator[tuple[list[str], int]]:
-    """([text], input bytes) of each row of a parquet file (a row group at a time) or an arrow file (a
+    """([text], input bytes) of each row of a parquet file (256 rows at a time) or an arrow file (a
     record batch at a time, the file or the stream format): the column named key."""
     try:
         if path.endswith(".parquet"):
             table = pq.ParquetFile(path)
             columns, sizes = table.schema_arrow.names, os.path.getsize(path) / max(1, table.metadata.num_rows)
-            batches = (table.read_row_group(i, columns=[key]) for i in range(table.num_row_groups))
+            # batches of rows, not whole row groups: one group may expand to gigabytes
+            batches = table.iter_batches(batch_size=256, columns=[key])  # (lazily: the key is checked first)
         else:
             source = pa.memory_map(path)
             try:
@@ -163,8 +174,11 @@ def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
     """([text], input bytes) of each JSON line: the string under key."""
     offset = number = 0
     with open_binary(path) as f:
-        for line in f:  # (not enumerate(f), whose cached result tuple would keep the last line alive)
+        while line := f.readline(RECORD_LIMIT + 1):
             number += 1
+            if len(line) > RECORD_LIMIT:
+                raise CLIError(f"{path} line {number} is longer than {RECORD_LIMIT >> 20} MiB, the most one JSON "
+                               "record may hold here; split the document, or give it as a text file")
             try:
                 text = line.decode("utf-8", errors=errors)
             except UnicodeDecodeError as e:
@@ -207,6 +221,9 @@ def text_pieces(f, path: str, errors: str) -> tuple[list[str], int]:
         if cuts:  # (none in the last 64K characters: the text goes on whole into the next piece)
             pieces.append(text[:cuts[-1]])
             text = text[cuts[-1]:]
+        if len(text) > UNCUT_LIMIT:
+            raise CLIError(f"{path}: over {UNCUT_LIMIT >> 20} Mi characters without a space or a line break "
+                           f"(byte offset {size}): not text a tokenizer can split; is it binary, or zeros?")
         rest = text
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from model import GPT
 from toolkit import distributed
@@ -142,12 +143,13 @@ def gpt_logits_at(model: GPT, device: torch.device, dtype: torch.dtype) -> Logit
 
 @torch.no_grad()
 def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int]]], block_size: int,
-                   batch_size: int, device: torch.device,
-                   shard: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                   batch_size: int, device: torch.device, shard: tuple[int, int] | None = None,
+                   progress: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(log-likelihood, greedy) of each continuation given its context: the summed log-probabilities
     of its tokens, and whether each was the likeliest. In a process group every data-parallel rank
     (shard: its index and the count; default every process) scores an equal share, so engines whose
-    forward is collective stay in step, and the shares are summed into the whole."""
+    forward is collective stay in step, and the shares are summed into the whole. progress names a
+    bar of the requests scored, on stderr (eval.py's)."""
     rank, world = shard or (distributed.rank(), distributed.world_size())
     for _, continuation in requests:
         if len(continuation) > block_size:
@@ -163,6 +165,7 @@ def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int
         inputs.append((i, whole, continuation))
     inputs.sort(key=lambda item: -len(item[1]))  # long first: similar lengths share a batch
     scores = torch.zeros(2, len(requests), dtype=torch.float64)
+    bar = tqdm(total=len(inputs), desc=progress, unit="req", disable=progress is None or rank > 0)
     for start in range(0, len(inputs), batch_size):
         batch = inputs[start:start + batch_size]
         idx = torch.zeros(len(batch), len(batch[0][1]), dtype=torch.long)
@@ -185,6 +188,8 @@ def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int
                 scores[0, i] = token_scores[offset:offset + n].sum()
                 scores[1, i] = float(token_greedy[offset:offset + n].all())
             offset += n
+        bar.update(len(batch))
+    bar.close()
     if distributed.world_size() > 1:  # model-parallel ranks of one replica hold the same share: count it once
         replicas = distributed.world_size() // world
         scores = torch.tensor(distributed.all_reduce_sum(scores.flatten().tolist(), device),
@@ -195,19 +200,20 @@ def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int
 class ChoiceTask:
     """A HellaSwag-format file, tokenized once, scored on demand (the trainers' --eval-tasks)."""
 
-    def __init__(self, path: str, tok: Tokenizer, limit: int | None = None):
+    def __init__(self, path: str, tok: Tokenizer, limit: int | None = None, progress: bool = False):
         self.name = os.path.splitext(os.path.basename(path))[0]
         self.items = read_choices(path, limit)
+        self.progress = self.name if progress else None  # eval.py's bars, on stderr
         try:
-            self.requests = [encode_pair(tok, item.query, " " + choice)
-                             for item in self.items for choice in item.choices]
+            items = tqdm(self.items, desc=f"{self.name}: tokenizing", unit="item", disable=not progress)
+            self.requests = [encode_pair(tok, item.query, " " + choice) for item in items for choice in item.choices]
         except ValueError as e:  # a character outside a char vocabulary
             raise CLIError(f"{path}: {e}") from None
 
     def score(self, logits_at: LogitsAt, block_size: int, batch_size: int, device: torch.device,
               shard: tuple[int, int] | None = None) -> dict:
         """acc and acc_norm: items whose likeliest ending (per character for acc_norm) is right."""
-        lls, _ = loglikelihoods(logits_at, self.requests, block_size, batch_size, device, shard)
+        lls, _ = loglikelihoods(logits_at, self.requests, block_size, batch_size, device, shard, self.progress)
         right = right_norm = offset = 0
         for item in self.items:
             scores = lls[offset:offset + len(item.choices)]

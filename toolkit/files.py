@@ -176,6 +176,25 @@ def refuse_existing(paths: list[str], overwrite: bool) -> None:
         raise CLIError(f"{existing[0]} already exists; use --overwrite to replace it")
 
 
+def replace_folder(path: str, write: Callable[[str], Any]) -> Any:
+    """Call write(tmp) to fill a new folder beside path, then put it in path's place whole: an old folder
+    there is removed only once the new one is complete, so no file of the old stays mixed in."""
+    tmp, old = temporary_name(path), temporary_name(path) + "-old"
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    try:
+        result = write(tmp)
+        if os.path.isdir(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+    except OSError as e:
+        raise write_error(path, e) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return result
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -166,10 +166,9 @@ def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> str:
         write_json(os.path.join(out_dir, TOKENIZER_FILE), tokenizer)
     if tokenizer.get("tokenizer") in ("gpt2", "bpe"):
         write_tokenizer_files(out_dir, tokenizer, c.block_size)
-        return f"wrote an HF GPT-2 folder to {out_dir}"
+        return "an HF GPT-2 folder"
     write_text(os.path.join(out_dir, "README.md"), NO_HF_TOKENIZER.format(**tokenizer))
-    return (f"wrote an HF GPT-2 folder to {out_dir} (its {tokenizer['tokenizer']} tokenizer has no "
-            "HF tokenizer: see its README.md)")
+    return f"an HF GPT-2 folder (its {tokenizer['tokenizer']} tokenizer has no HF tokenizer: see its README.md)"
 
 
 NO_HF_TOKENIZER = """# A model with this toolkit's {tokenizer} tokenizer
@@ -220,9 +219,9 @@ def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
     atomic_write(os.path.join(out_dir, "tokenizer.json"), bpe.save)
 
 
-def gpt2_files(out_dir: str, facts: dict) -> HFTokenizer:
-    """GPT-2's vocab.json and merges.txt written from the BPE ranks tiktoken uses, and the fast
-    tokenizer they make."""
+def gpt2_vocab_merges(facts: dict) -> tuple[dict[str, int], list[str]]:
+    """GPT-2's vocabulary (byte-level token text -> id, end-of-text included) and merges, in rank
+    order, rebuilt from the BPE ranks tiktoken uses."""
     ranks = gpt2_ranks(facts.get("vocab_file"), facts.get("merge_file"))
 
     def text(token: bytes) -> str:
@@ -232,6 +231,12 @@ def gpt2_files(out_dir: str, facts: dict) -> HFTokenizer:
     vocab[EOT_TEXT] = facts["eot_id"]
     merges = [" ".join(map(text, merge_of(token, ranks))) for token, _ in
               sorted(((t, r) for t, r in ranks.items() if len(t) > 1), key=lambda item: item[1])]
+    return vocab, merges
+
+
+def gpt2_files(out_dir: str, facts: dict) -> HFTokenizer:
+    """GPT-2's vocab.json and merges.txt, and the fast tokenizer they make."""
+    vocab, merges = gpt2_vocab_merges(facts)
     write_json(os.path.join(out_dir, "vocab.json"), vocab)
     write_text(os.path.join(out_dir, "merges.txt"), "#version: 0.2\n" + "\n".join(merges) + "\n")
     bpe = HFTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges]))

@@ -134,7 +134,7 @@ def save_llama(model: GPT, out_dir: str, tokenizer: dict) -> str:
     """An HF folder that transformers loads alone, offline, as the same model: config.json (Qwen3's
     layout with QK-norm, Llama's without), model.safetensors, generation_config.json, and the
     tokenizer files of a GPT-2 or BPE vocabulary (tokenizer facts and a README for char and byte).
-    Returns a line saying what was written."""
+    Returns what it wrote, in words."""
     from safetensors.torch import save_file
 
     c = model.config
@@ -160,7 +160,7 @@ def save_llama(model: GPT, out_dir: str, tokenizer: dict) -> str:
     name = f"an HF {ARCHITECTURES[model_type]} folder"
     if tokenizer.get("tokenizer") in ("gpt2", "bpe"):
         write_tokenizer_files(out_dir, tokenizer, c.block_size)
-        return f"wrote {name} to {out_dir}"
+        return name
     write_json(os.path.join(out_dir, TOKENIZER_FILE), tokenizer)
     write_text(os.path.join(out_dir, "README.md"), NO_HF_TOKENIZER.format(**tokenizer))
-    return f"wrote {name} to {out_dir} (its {tokenizer['tokenizer']} tokenizer has no HF tokenizer: see README.md)"
+    return f"{name} (its {tokenizer['tokenizer']} tokenizer has no HF tokenizer: see its README.md)"

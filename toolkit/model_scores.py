@@ -36,7 +36,7 @@ def score_model(args: argparse.Namespace) -> tuple[dict, dict]:
         full["val"] = {"data_dir": os.path.abspath(args.data_dir), **results["val"]}
     local = [task for task in args.tasks if task.endswith(".jsonl")]
     for path in local:
-        task = ChoiceTask(path, tok, args.limit)
+        task = ChoiceTask(path, tok, args.limit, progress=True)
         if task.name in results:
             raise CLIError(f"two --tasks files are named {task.name}; rename one")
         results[task.name] = task.score(gpt_logits_at(model, device, dtype), model.config.block_size,

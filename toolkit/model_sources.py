@@ -1,18 +1,20 @@
 """Every model a script can start from, read by one function: a ckpt.pt (pretrained or fine-tuned),
 a DeepSpeed checkpoint folder (OUT_DIR, OUT_DIR/ds, a global_stepN folder, or the zero_to_fp32
 output inside it), an HF folder of GPT-2, Llama or Qwen3, or a GPT-2 hub name found in the local
-Hugging Face cache; a LoRA checkpoint is read as its base with the adapters merged in. And the one
-writer of HF folders, for either family.
+Hugging Face cache; a LoRA checkpoint is read as its base with the adapters merged in. And the
+exports the scripts share: an HF folder, for either family, and a GGUF file (toolkit/gguf_export.py).
 
     model, facts = load_model("ckpt/ckpt.pt")     # the GPT and its tokenizer facts (load_tokenizer(facts))
     save_hf(model, "out-dir", facts)              # GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM
 """
+import argparse
 import os
 
 from model import GPT
-from toolkit import hf, hf_llama, lora
+from toolkit import gguf_export, hf, hf_llama, lora
 from toolkit.checkpoint import load_checkpoint, model_from_checkpoint, usable_config
 from toolkit.cli import CLIError
+from toolkit.files import check_output, replace_folder
 from toolkit.ds_checkpoint import is_deepspeed_folder, load_deepspeed_model
 from toolkit.gpt2_vocab import GPT2_FACTS
 
@@ -48,10 +50,42 @@ def load_model(path: str, **overrides) -> tuple[GPT, dict]:
 
 
 def save_hf(model: GPT, out_dir: str, facts: dict) -> str:
-    """An HF folder of the model's family that transformers loads alone; a line saying what it wrote."""
-    if model.config.arch == "gpt2":
-        return hf.save_gpt2(model, out_dir, facts)
-    return hf_llama.save_llama(model, out_dir, facts)
+    """An HF folder of the model's family that transformers loads alone, in place of any folder there
+    (whole: nothing of an old model stays mixed in); a line saying what it wrote."""
+    writer = hf.save_gpt2 if model.config.arch == "gpt2" else hf_llama.save_llama
+    return f"wrote {replace_folder(out_dir, lambda tmp: writer(model, tmp, facts))} to {out_dir}"
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--export-hf", metavar="DIR",
+                        help="write the model as an HF folder of its family (weights, config, tokenizer "
+                             "files) and exit")
+    parser.add_argument("--export-gguf", metavar="FILE",
+                        help="write the model and its tokenizer as one GGUF file for llama.cpp, ollama or "
+                             "LM Studio, and exit")
+    parser.add_argument("--outtype", choices=gguf_export.WEIGHT_TYPES, default="f16",
+                        help="the GGUF's weight type, as llama.cpp's converter names it (default: f16; "
+                             "vectors stay f32)")
+
+
+def check_exports(outputs: dict[str, str | None], inputs: list[str], overwrite: bool) -> None:
+    """Refuse (CLIError), before any model is read, an export (flag -> path) onto an input, or onto
+    an existing file or a folder with files in it unless overwrite."""
+    for flag, path in outputs.items():
+        if path:
+            check_output(path, inputs, flag)
+            holds_files = os.path.isdir(path) and bool(os.listdir(path))
+            if (holds_files or os.path.isfile(path)) and not overwrite:
+                raise CLIError(f"{flag} {path} already holds {'files' if holds_files else 'a file'}; use "
+                               "--overwrite to replace it whole")
+
+
+def export(model: GPT, facts: dict, args: argparse.Namespace) -> None:
+    """The exports args ask for (--export-hf, --export-gguf), each announced on stdout."""
+    if args.export_hf:
+        print(save_hf(model, args.export_hf, facts), flush=True)
+    if args.export_gguf:
+        print(gguf_export.save_gguf(model, args.export_gguf, facts, args.outtype), flush=True)
 
 
 def load_adapted(checkpoint: dict, path: str, **overrides) -> GPT:

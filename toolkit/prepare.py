@@ -120,8 +120,8 @@ def default_corpus_documents() -> list[str]:
 def prepare_default_corpus(data_dir: str = DEFAULT_CORPUS_DIR) -> dict:
     """pydoc topics, char-level as nanoGPT's shakespeare_char: the last 10% of characters is val."""
     documents = default_corpus_documents()
-    text = "\n\n".join(documents) + "\n"  # a blank line between documents reads naturally; no EOT
-    tokenizer = Tokenizer("char", chars="".join(sorted(set(text))))
+    text = "\n\n".join(documents) + "\n"  # a blank line between documents reads naturally; no EOT in it
+    tokenizer = Tokenizer("char", chars="".join(sorted(set(text))), char_eot=True)  # (its id, as every vocabulary)
     ids = tokenizer.encode_array(text).astype(np.uint16)
     n_train = int(len(ids) * 0.9)
     meta = {**tokenizer.facts(), "documents": len(documents), "source": "pydoc_data.topics"}
@@ -175,8 +175,9 @@ def build_tokenizer(args: argparse.Namespace, files: list[str]) -> Tokenizer:
         chars.update(text)
     if not chars:
         raise CLIError(f"no text in the input ({len(files)} file(s)); nothing to tokenize")
-    # llm.c's shards start each document with end-of-text: then the table has one
-    return Tokenizer("char", chars="".join(sorted(chars)), char_eot=args.append_eod or args.format == "llmc")
+    # an end-of-text id past the characters, as every vocabulary here has, used or not (--append-eod);
+    # it ends generation in llama.cpp (toolkit/gguf_export.py)
+    return Tokenizer("char", chars="".join(sorted(chars)), char_eot=True)
 
 
 def make_writer(args: argparse.Namespace, tokenizer: Tokenizer):

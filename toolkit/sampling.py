@@ -46,7 +46,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                              "natively, else float32 (default: auto)")
     parser.add_argument("--attn-kernel", default="auto", choices=ATTN_KERNELS, help="attention implementation")
     parser.add_argument("--genfile", help="write samples as JSONL lines {text, length, finished} (Megatron)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --genfile")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --genfile or export")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="print tokens as they come (default: when stdout is a terminal)")
     parser.add_argument("--interactive", action="store_true", help="read prompts from stdin in a loop")
@@ -88,12 +88,12 @@ class Sampler:
         self.ctx = autocast(self.device, dtype)
         self.stream = sys.stdout.isatty() if args.stream is None else args.stream
         self.template = is_chat_tokenizer(tok)  # an instruction-tuned model: replies end at <|end|>
-        # with --genfile, Megatron-style generation of many samples: the tokens so far, their rate and the time
-        # left, on stderr when it is a terminal (the samples themselves still go to stdout)
+        # samples printed whole (not streamed) show the tokens so far, their rate and the time left on stderr,
+        # terminal or not, from the first tokens on: a request of a billion tokens is seen to be one
         total = args.num_samples * args.max_new_tokens
-        quiet = genfile is None or self.stream
-        self.progress = tqdm(total=total, unit="tok", desc="sampling", disable=True if quiet else None,
-                             dynamic_ncols=True)
+        terminal = sys.stderr.isatty()  # (elsewhere a bar from 2 s on, then every 5 s: a quick error stays one line)
+        self.progress = tqdm(total=total, unit="tok", desc="sampling", disable=self.stream, dynamic_ncols=True,
+                             mininterval=0.5 if terminal else 5.0, delay=0 if terminal else 2.0)
         self.eos = tok.special_tokens[END] if self.template else tok.eot_id
 
     def generation_kwargs(self, max_new_tokens: int | None = None) -> dict:
@@ -190,7 +190,8 @@ def check_sampling_args(args: argparse.Namespace, inputs: list[str]) -> None:
 
 def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: str) -> None:
     """Sample once from --prompt, over prompts typed on stdin with --interactive, or talk with
-    --chat. The genfile appears whole when sampling ends; a failure or an interrupt leaves none."""
+    --chat. The genfile appears when sampling ends, or at Ctrl-C with the samples finished by then;
+    a failure leaves none."""
     if (args.chat or args.system) and not is_chat_tokenizer(tok):
         flag = "--chat" if args.chat else "--system"
         raise CLIError(f"{source} was never instruction-tuned, so it has no chat template for "
@@ -203,10 +204,18 @@ def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: s
     prompt = None if args.interactive else args.prompt
     if prompt and prompt.startswith(PROMPT_FILE):  # FILE:path: the file's text
         prompt = read_text(prompt[len(PROMPT_FILE):], f"--prompt {PROMPT_FILE}")
+    interrupted = False
     with atomic_open(args.genfile) if args.genfile else nullcontext() as genfile:
         sampler = Sampler(model, tok, args, genfile)
-        sample_prompts(sampler, prompt)
+        try:
+            sample_prompts(sampler, prompt)
+        except KeyboardInterrupt:  # Ctrl-C: the genfile keeps the samples finished so far
+            interrupted = True
         sampler.progress.close()
+    if interrupted:
+        if args.genfile:
+            print(f"{args.genfile} holds the samples finished before the interrupt", file=sys.stderr)
+        raise KeyboardInterrupt
 
 
 def chat(sampler: Sampler) -> None:

@@ -36,6 +36,7 @@ EOT_TEXT = "<|endoftext|>"
 # the tokens of the whole, a piece at a time.
 CUT = re.compile(r"(?<=\S)(?= \S)|(?<=\S\n)(?=\S)|(?<=[，。！？；：、])(?=[^\W_])")
 KINDS = ("gpt2", "bpe", "char", "byte")
+MAX_BPE_VOCAB = 1 << 20  # the largest BPE trained here
 # GPT-2's byte-level alphabet: the printable stand-in of each byte in its tokens (encoder.py of openai/gpt-2)
 PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
 SPELLING = {**{b: chr(b) for b in PRINTABLE},
@@ -50,6 +51,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> str:
     if vocab_size < 257:
         raise CLIError(f"--vocab-size {vocab_size} is too small: a byte-level BPE holds the 256 bytes and "
                        f"{EOT_TEXT}, 257 at least")
+    if vocab_size > MAX_BPE_VOCAB:
+        raise CLIError(f"--vocab-size {vocab_size} is more than {MAX_BPE_VOCAB:,}: larger than any BPE in use "
+                       "(Qwen3's has 151,669 tokens) and than HF tokenizers can train in memory")
     bpe = HFTokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -137,7 +141,9 @@ class Tokenizer:
             self.vocab_size, self.eot_id = self.encoding.n_vocab, self.encoding.eot_token
         elif name == "bpe":
             self.bpe, self.tokenizer_json = read_bpe(tokenizer_json, source), tokenizer_json
-            self.vocab_size, self.eot_id = self.bpe.get_vocab_size(), self.bpe.token_to_id(EOT_TEXT)
+            # the largest id + 1, not the number of entries: a tokenizer.json may leave ids out
+            self.vocab_size = max(self.bpe.get_vocab(with_added_tokens=True).values()) + 1
+            self.eot_id = self.bpe.token_to_id(EOT_TEXT)
             self.byte_level = isinstance(self.bpe.decoder, decoders.ByteLevel)
         elif name == "char":
             if not chars or len(set(chars)) != len(chars):
@@ -208,8 +214,8 @@ class Tokenizer:
             return self.encoding.decode_bytes([i for i in ids if 0 <= i < self.encoding.n_vocab])
         if self.name == "byte":
             return bytes(i for i in ids if 0 <= i < 256)
-        tokens = (self.bpe.id_to_token(i) for i in ids if 0 <= i < self.bpe.get_vocab_size())
-        return bytes(BYTE_OF.get(c, 0x3F) for token in tokens for c in token)  # (not the alphabet: "?")
+        tokens = (self.bpe.id_to_token(i) for i in ids if 0 <= i < self.vocab_size)
+        return bytes(BYTE_OF.get(c, 0x3F) for token in tokens if token for c in token)  # (not the alphabet: "?")
 
     def token_bytes(self) -> np.ndarray:
         """The UTF-8 bytes each token id stands for, 0 for end-of-text and special tokens: what bits
@@ -224,9 +230,9 @@ class Tokenizer:
             lengths[:n] = [len(self.encoding.decode_single_token_bytes(i)) for i in range(n)]
         else:
             added = {token.content for token in self.bpe.get_added_tokens_decoder().values()}
-            for i in range(self.bpe.get_vocab_size()):
-                token = self.bpe.id_to_token(i)
-                lengths[i] = 0 if token in added else len(token) if self.byte_level else \
+            for i in range(self.vocab_size):
+                token = self.bpe.id_to_token(i)  # (None for an id a tokenizer.json leaves out)
+                lengths[i] = 0 if token is None or token in added else len(token) if self.byte_level else \
                     len(self.bpe.decode([i]).encode("utf-8"))
         if self.eot_id is not None:
             lengths[self.eot_id] = 0

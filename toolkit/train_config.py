@@ -72,7 +72,7 @@ class TrainConfig(RunConfig, megatron.MegatronOptions):
     lr: float | None = option(None, "peak learning rate of AdamW (Muon's is --muon-lr); default "
                                     "4e-3, or 4e-3 x 128 / n-embd where AdamW trains the blocks' "
                                     "matrices from scratch", check="positive-number")
-    muon_lr: float = option(0.05, "Muon's peak learning rate (it follows --lr's schedule)",
+    muon_lr: float = option(0.03, "Muon's peak learning rate (it follows --lr's schedule)",
                             check="non-negative-number")
     min_lr: float | None = option(None, "final learning rate of the cosine decay (default lr/10)",
                                   check="non-negative-number")
