@@ -221,3 +221,15 @@ def test_without_lm_eval_a_harness_task_names_the_install(gpt2_model):
     result = subprocess.run([sys.executable, "-c", code, str(ROOT / "eval.py"), "--ckpt", str(gpt2_model / "ckpt.pt"),
                              "--tasks", "arc_easy"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert_one_line_error(result, "pip install lm_eval")
+
+
+def test_a_task_file_shows_its_progress(gpt2_model, tmp_path, monkeypatch):
+    """Issue 49: a huge task file is read, tokenized and scored with bars on stderr (in a log from
+    cli.PROGRESS_DELAY on, so that a quick error stays one line: here from the start)."""
+    from toolkit import cli
+    monkeypatch.setattr(cli, "PROGRESS_DELAY", 0.0)
+    path = write_jsonl(tmp_path / "many.jsonl", hellaswag_rows(40))
+    result = run_main("eval.py", "--ckpt", gpt2_model / "ckpt.pt", "--tasks", path)
+    assert result.returncode == 0, result.stderr
+    for bar in ("many.jsonl: reading", "many: tokenizing", "many: 100%", "160/160"):
+        assert bar in result.stderr, result.stderr

@@ -15,6 +15,9 @@ import time
 from collections.abc import Callable
 
 _at_end: list[Callable[[], None]] = []  # what run() does when main() ends, however it ends
+# progress bars written where stderr is no terminal (a log) start this many seconds in: an error before
+# then stays the one line on stderr
+PROGRESS_DELAY = 2.0
 
 
 class CLIError(Exception):

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from model import GPT
-from toolkit import distributed
+from toolkit import cli, distributed
 from toolkit.batches import get_batch
 from toolkit.cli import CLIError
 from toolkit.device import autocast
@@ -107,11 +107,14 @@ def choice_item(record, where: str) -> Choice:
     return Choice(query, [preprocess(e) for e in endings], label)
 
 
-def read_choices(path: str, limit: int | None = None) -> list[Choice]:
-    """The items of a HellaSwag-format JSON-lines file (the first `limit` of them)."""
+def read_choices(path: str, limit: int | None = None, progress: bool = False) -> list[Choice]:
+    """The items of a HellaSwag-format JSON-lines file (the first `limit` of them); progress: a bar of
+    the lines read, on stderr."""
     from toolkit.documents import json_lines  # a run without choice files never reads documents
     items = []
-    for number, record in json_lines(path):
+    lines = tqdm(json_lines(path), desc=f"{os.path.basename(path)}: reading", unit="line",
+                 delay=cli.PROGRESS_DELAY, disable=not progress)
+    for number, record in lines:
         items.append(choice_item(record, f"{path} line {number}"))
         if limit is not None and len(items) == limit:
             break
@@ -165,7 +168,8 @@ def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int
         inputs.append((i, whole, continuation))
     inputs.sort(key=lambda item: -len(item[1]))  # long first: similar lengths share a batch
     scores = torch.zeros(2, len(requests), dtype=torch.float64)
-    bar = tqdm(total=len(inputs), desc=progress, unit="req", disable=progress is None or rank > 0)
+    bar = tqdm(total=len(inputs), desc=progress, unit="req", delay=cli.PROGRESS_DELAY,
+               disable=progress is None or rank > 0)
     for start in range(0, len(inputs), batch_size):
         batch = inputs[start:start + batch_size]
         idx = torch.zeros(len(batch), len(batch[0][1]), dtype=torch.long)
@@ -202,10 +206,11 @@ class ChoiceTask:
 
     def __init__(self, path: str, tok: Tokenizer, limit: int | None = None, progress: bool = False):
         self.name = os.path.splitext(os.path.basename(path))[0]
-        self.items = read_choices(path, limit)
+        self.items = read_choices(path, limit, progress)
         self.progress = self.name if progress else None  # eval.py's bars, on stderr
         try:
-            items = tqdm(self.items, desc=f"{self.name}: tokenizing", unit="item", disable=not progress)
+            items = tqdm(self.items, desc=f"{self.name}: tokenizing", unit="item", delay=cli.PROGRESS_DELAY,
+                         disable=not progress)
             self.requests = [encode_pair(tok, item.query, " " + choice) for item in items for choice in item.choices]
         except ValueError as e:  # a character outside a char vocabulary
             raise CLIError(f"{path}: {e}") from None

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from model import ATTN_KERNELS, GPT, check_sampling
 from toolkit.chat import END, chat_prompt, fit_history, is_chat_tokenizer
+from toolkit import cli
 from toolkit.cli import CLIError
 from toolkit.device import autocast, check_attn_kernel, resolve_device, resolve_dtype
 from toolkit.documents import read_text
@@ -91,9 +92,9 @@ class Sampler:
         # samples printed whole (not streamed) show the tokens so far, their rate and the time left on stderr,
         # terminal or not, from the first tokens on: a request of a billion tokens is seen to be one
         total = args.num_samples * args.max_new_tokens
-        terminal = sys.stderr.isatty()  # (elsewhere a bar from 2 s on, then every 5 s: a quick error stays one line)
+        terminal = sys.stderr.isatty()  # (in a log: every 5 s, from cli.PROGRESS_DELAY on)
         self.progress = tqdm(total=total, unit="tok", desc="sampling", disable=self.stream, dynamic_ncols=True,
-                             mininterval=0.5 if terminal else 5.0, delay=0 if terminal else 2.0)
+                             mininterval=0.5 if terminal else 5.0, delay=0 if terminal else cli.PROGRESS_DELAY)
         self.eos = tok.special_tokens[END] if self.template else tok.eot_id
 
     def generation_kwargs(self, max_new_tokens: int | None = None) -> dict:
