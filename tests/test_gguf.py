@@ -142,6 +142,11 @@ def test_the_export_from_a_checkpoint_on_the_defaults_runs_in_llama_cpp(char_dat
     out = llm("def ", max_tokens=8, temperature=0.0)
     assert out["usage"]["completion_tokens"] > 0
     llm.close()
+    # benchmarks/bench_gguf.py: a row per weight type
+    bench = run_main("benchmarks/bench_gguf.py", "--ckpt", tmp_path / "ckpt.pt", "--data-dir", char_data)
+    assert bench.returncode == 0, bench.stderr
+    rows = {line.split()[0]: line.split() for line in bench.stdout.splitlines()[1:]}
+    assert list(rows) == ["f32", "f16", "bf16", "q8_0"] and float(rows["f32"][2]) < 1e-3, bench.stdout
 
 
 def test_what_gguf_cannot_hold_is_one_error_line(char_data, tmp_path):
