@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from toolkit import files
 from toolkit.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.embedding import POOLINGS, chunk_spans, encode, pooling_weights, top_k
 from toolkit.index import Index, retrieval_metrics
+from toolkit.prepare import default_corpus_documents
 
 BYTES = {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256}
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # for a process of its own: tiny models run fastest on one thread
@@ -66,6 +68,30 @@ def write_retrieval_set(folder) -> None:
     write_jsonl(folder / "docs.jsonl", documents)
     write_jsonl(folder / "train.jsonl", [{"query": q, "positive": d["text"]} for q, d in zip(queries[:70], documents)])
     write_jsonl(folder / "heldout.jsonl", [{"query": q, "id": d["id"]} for q, d in zip(queries, documents)][70:])
+
+
+# a sentence: after another or a blank line, 40 to 250 characters (a "." inside a word does not end it)
+SENTENCE = re.compile(r"(?<=[.!?:]\s|\n\n)[A-Z](?:[^.!?]|[.!?](?!\s)){40,250}?[.!?](?=\s)")
+
+
+def write_pydoc_retrieval_set(folder, seed: int = 0) -> None:
+    """A retrieval set from the embedded corpus (issue 47's): each Python documentation topic with two sentences
+    cut out is a document (folder/docs.jsonl); the cut sentences are the queries. The topics are split in two:
+    tune.jsonl holds the first half's queries as pairs with their documents, heldout.jsonl the second half's
+    queries with their documents' ids, for eval. Tuning from the documents alone sees no query at all.
+    benchmarks/bench_embed.py uses it too."""
+    rng, documents, queries = random.Random(seed), [], []
+    for number, text in enumerate(default_corpus_documents()):
+        cut = sorted(rng.sample(list(SENTENCE.finditer(text)), 2) if len(SENTENCE.findall(text)) >= 2 else [],
+                     key=lambda m: m.start())
+        for m in reversed(cut):
+            text = text[:m.start()] + text[m.end():]
+        documents.append({"id": f"topic{number}", "text": text})
+        queries += [(" ".join(m.group().split()), number) for m in cut]
+    write_jsonl(folder / "docs.jsonl", documents)
+    write_jsonl(folder / "tune.jsonl",
+                [{"query": q, "positive": documents[n]["text"]} for q, n in queries if n % 2 == 0])
+    write_jsonl(folder / "heldout.jsonl", [{"query": q, "id": documents[n]["id"]} for q, n in queries if n % 2])
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +243,59 @@ def test_every_command_that_encodes_offers_the_dtypes_of_the_other_scripts():
 
 
 # ----- contrastive tuning -----
+
+def write_topic_set(folder) -> None:
+    """40 documents, each 20 sentences of its own topic's invented words among common ones, and 80 queries: new
+    sentences of each topic, in no document. folder/ckpt.pt is the untuned (random) encoder."""
+    rng = random.Random(0)
+    common = ["the", "and", "of", "to", "is", "in", "with", "for", "on", "as"]
+    topics = [["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 7))) for _ in range(8)]
+              for _ in range(40)]
+
+    def sentence(words: list[str]) -> str:
+        return " ".join(rng.choice(words) if rng.random() < 0.5 else rng.choice(common) for _ in range(8)) + "."
+
+    write_model(folder / "ckpt.pt")
+    write_jsonl(folder / "docs.jsonl", [{"id": f"t{i}", "text": " ".join(sentence(w) for _ in range(20))}
+                                        for i, w in enumerate(topics)])
+    write_jsonl(folder / "queries.jsonl", [{"query": sentence(w), "id": f"t{i}"} for i, w in enumerate(topics)
+                                           for _ in range(2)])
+
+
+def test_tune_from_documents_alone_raises_recall_of_unseen_queries_on_the_defaults(tmp_path):
+    """Issue 47: no labels, two spans of a document as a pair; the queries are in no document tuned on."""
+    write_topic_set(tmp_path)
+    recall = {}
+    for name, ckpt in (("untuned", tmp_path / "ckpt.pt"), ("tuned", tmp_path / "tuned" / "ckpt.pt")):
+        if name == "tuned":
+            tuned = embed_py("tune", "--ckpt", tmp_path / "ckpt.pt", "--input", tmp_path / "docs.jsonl", "--out-dir",
+                             tmp_path / "tuned", *DEVICE, "--log-interval", "100")
+            assert tuned.returncode == 0, tuned.stderr
+            assert "on 0 pairs and 40 documents" in tuned.stdout
+        made = embed_py("index", "--ckpt", ckpt, "--input", tmp_path / "docs.jsonl", "--out", tmp_path / name, *DEVICE)
+        assert made.returncode == 0, made.stderr
+        recall[name] = metrics(embed_py("eval", "--index", tmp_path / name, "--pairs", tmp_path / "queries.jsonl"))
+    before, after = recall["untuned"], recall["tuned"]
+    assert after["recall@1"] >= 1.5 * before["recall@1"] and after["recall@10"] > before["recall@10"], recall
+    assert after["mrr@10"] > before["mrr@10"]
+
+
+def test_tune_with_documents_and_pairs_holds_out_a_tenth_and_keeps_the_best(corpus, tmp_path):
+    """--input and --pairs together: 100 documents + 70 pairs, 17 held out; the checkpoint is the best evaluation's
+    (the untuned encoder's included), the run says so; neither input is one line."""
+    result = embed_py("tune", "--ckpt", corpus / "ckpt.pt", "--input", corpus / "docs.jsonl", "--pairs",
+                      corpus / "train.jsonl", "--out-dir", tmp_path / "both", *TUNE)
+    assert result.returncode == 0, result.stderr
+    assert "on 70 pairs and 100 documents, 17 held out for the best checkpoint" in result.stdout, result.stdout
+    saved = load_checkpoint(str(tmp_path / "both" / "ckpt.pt"))
+    history = saved["history"]
+    best = min(history["val"])
+    assert saved["embedding"]["val"]["val_loss"] == best and saved["iter_num"] == \
+        history["eval_iter"][history["val"].index(best)]
+    assert "the best checkpoint is" in result.stdout
+    assert_one_line_error(embed_py("tune", "--ckpt", corpus / "ckpt.pt", "--out-dir", tmp_path / "none", *DEVICE),
+                          "tune learns from --input")
+
 
 def test_tune_raises_recall_on_held_out_queries(corpus, tmp_path):
     before = metrics(embed_py("eval", "--index", corpus / "index", "--pairs", corpus / "heldout.jsonl", *DEVICE))

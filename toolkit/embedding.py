@@ -25,7 +25,7 @@ from toolkit.checkpoint import CHECKPOINT_FILE, run_state
 from toolkit.cli import CLIError
 from toolkit.config import RunConfig, settle_run
 from toolkit.device import autocast, describe, run_device
-from toolkit.documents import Document, json_records
+from toolkit.documents import Document, json_records, read_corpus
 from toolkit.files import check_output, claim_out_dir, fingerprint, refuse_existing
 from toolkit.flags import option
 from toolkit.hf import find_model_dir
@@ -200,19 +200,30 @@ class TuneConfig(RunConfig):
     """embed.py tune's options: the trainers' (RunConfig), with its own defaults for some."""
     ckpt: str = option(None, "the model to tune: a ckpt.pt, or an HF GPT-2 folder / cached name",
                        required=True)
-    pairs: str = option(None, 'JSON lines {"query": ..., "positive": ...[, "negative": ...]}',
-                        required=True)
+    input: str | None = option(None, "documents to learn from, read as index's --input: two random spans of "
+                                     "one document are a positive pair, the other documents of the batch its "
+                                     "negatives (Contriever); no labels needed")
+    json_key: str = option("text", "field holding the text in --input's JSON lines")
+    glob: str = option("*.txt", "file name pattern inside an --input folder")
+    pairs: str | None = option(None, 'labelled pairs, JSON lines {"query": ..., "positive": ...[, "negative": '
+                                     "...]}; with --input or alone")
     out_dir: str = option(None, "where the checkpoint, the loss curve and the TensorBoard logs go",
                           required=True)
+    crop_tokens: int | None = option(None, "the longest span cut from a document (default: the block size); "
+                                           "spans are a quarter of it to all of it", check="positive")
+    val_fraction: float = option(0.1, "documents and pairs held out (10 at least) to keep the best checkpoint "
+                                      "by their InfoNCE loss, the untuned encoder's included", check="probability")
     bias_only: bool = option(False, "train the bias parameters only (SGPT's BitFit)")
     pooling: str = option("weighted-mean", "as encode's", choices=list(POOLINGS))
-    temperature: float = option(0.05, "InfoNCE temperature", check="positive-number")
+    temperature: float = option(0.1, "InfoNCE temperature", check="positive-number")
     max_iters: int = option(200, "optimizer steps", check="positive")
-    lr: float = option(1e-4, "peak learning rate", check="positive-number")
+    lr: float = option(1e-3, "peak learning rate", check="positive-number")
     warmup_iters: int = option(10, "linear warmup steps, then cosine decay to lr/10",
                                check="non-negative")
     weight_decay: float = option(0.0, "AdamW weight decay (2-D weights only)",
                                  check="non-negative-number")
+    grad_clip: float = option(0.0, "clip gradients at this global norm (0 = off: at 1 recall@10 gained nothing, "
+                                   "docs/performance.md)", check="non-negative-number")
 
 
 def read_tune_pairs(path: str, tokenizer: Tokenizer,
@@ -247,22 +258,38 @@ def train_bias_only(model: GPT) -> None:
 
 
 class Contrastive(Objective):
-    """The loop's objective for tune: InfoNCE of each batch of pairs, each query against all
-    positives of the batch, then the hard negatives it holds. Every epoch is a new seeded
-    permutation of the pairs; an incomplete last batch is left out, so every batch has the same
-    number of in-batch negatives."""
+    """The loop's objective for tune: InfoNCE of each batch of examples, each query against all
+    positives of the batch, then the hard negatives it holds. An example is a labelled pair, or a
+    document whose two random spans (crops, seeded by the step) are the query and its positive.
+    Every epoch is a new seeded permutation of the examples; an incomplete last batch is left out,
+    so every batch has the same number of in-batch negatives. A held-out share of the examples,
+    with crops drawn once, is the evaluation: its InfoNCE loss among themselves."""
 
-    def __init__(self, cfg: TuneConfig, model: GPT, facts: dict,
-                 pairs: list[tuple[list[int], ...]], dtype: torch.dtype):
-        self.cfg, self.model, self.facts, self.pairs, self.dtype = cfg, model, facts, pairs, dtype
-        self.batch_size = min(cfg.batch_size, len(pairs))
+    def __init__(self, cfg: TuneConfig, model: GPT, facts: dict, examples: list, dtype: torch.dtype):
+        self.cfg, self.model, self.facts, self.dtype = cfg, model, facts, dtype
+        self.crop_tokens = min(cfg.crop_tokens or model.config.block_size, model.config.block_size)
+        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        held = int(len(examples) * cfg.val_fraction) if len(examples) * cfg.val_fraction >= 10 else 0
+        self.examples = [examples[i] for i in order[held:]]
+        self.val = self.crops([examples[i] for i in order[:held]], np.random.default_rng(cfg.seed))
+        self.batch_size = min(cfg.batch_size, len(self.examples))
+
+    def crops(self, examples: list, rng: np.random.Generator) -> list[tuple[list[int], ...]]:
+        """Pairs as they are; each document as two spans of crop_tokens / 4 to crop_tokens tokens."""
+        def span(ids: list[int]) -> list[int]:
+            n = min(len(ids), int(rng.integers(max(1, self.crop_tokens // 4), self.crop_tokens + 1)))
+            start = int(rng.integers(0, len(ids) - n + 1))
+            return ids[start:start + n]
+
+        return [example if isinstance(example, tuple) else (span(example), span(example)) for example in examples]
 
     def micro_batches(self, step: int) -> list[tuple[list[tuple[list[int], ...]], float]]:
-        epoch, index = divmod(step, len(self.pairs) // self.batch_size)
+        epoch, index = divmod(step, len(self.examples) // self.batch_size)
         seeded = torch.Generator().manual_seed(self.cfg.seed + epoch)
-        order = torch.randperm(len(self.pairs), generator=seeded)
+        order = torch.randperm(len(self.examples), generator=seeded)
         rows = order[index * self.batch_size:][: self.batch_size].tolist()
-        return [([self.pairs[i] for i in rows], 1.0)]
+        rng = np.random.default_rng([self.cfg.seed, step])  # a step's crops, the same when resumed
+        return [(self.crops([self.examples[i] for i in rows], rng), 1.0)]
 
     def loss(self, model: GPT, batch: list[tuple[list[int], ...]]) -> torch.Tensor:
         positives = [pair[1] for pair in batch]
@@ -270,22 +297,32 @@ class Contrastive(Objective):
         queries = embed(model, [pair[0] for pair in batch], self.cfg.pooling, self.dtype)
         documents = embed(model, positives + negatives, self.cfg.pooling, self.dtype)
         # InfoNCE in float32, whatever dtype the model ran in: documents[i] is the positive of
-        # queries[i], every other document (other positives, hard negatives after them) a negative
+        # queries[i], every other document (other positives, hard negatives after them) a negative;
+        # and both ways (as CLIP): queries[i] is also the one for documents[i] among the queries
         with torch.autocast(queries.device.type, enabled=False):
             logits = queries @ documents.T / self.cfg.temperature
-            return F.cross_entropy(logits, torch.arange(len(queries), device=queries.device))
+            labels = torch.arange(len(queries), device=queries.device)
+            return (F.cross_entropy(logits, labels) + F.cross_entropy(logits[:, :len(queries)].T, labels)) / 2
 
     def throughput(self) -> tuple[int, str, None]:
         return self.batch_size, "pairs", None
 
     def evaluate(self, engine: Engine) -> dict[str, float]:
-        return {}  # `embed.py eval` measures recall against an index
+        """The held-out examples' InfoNCE loss (none held out: no evaluation; `embed.py eval`
+        measures recall against an index)."""
+        if not self.val:
+            return {}
+        self.model.eval()
+        with torch.no_grad():
+            loss = self.loss(self.model, self.val).item()
+        self.model.train()
+        return {"val_loss": round(loss, 4)}
 
     def checkpoint_state(self, best: dict | None) -> dict:
         cfg = self.cfg
-        embedding = {"base": encoder_identity(cfg.ckpt), "pairs": os.path.abspath(cfg.pairs),
-                     "pooling": cfg.pooling, "temperature": cfg.temperature,
-                     "bias_only": cfg.bias_only}
+        sources = {"input": cfg.input and os.path.abspath(cfg.input), "pairs": cfg.pairs and os.path.abspath(cfg.pairs)}
+        embedding = {"base": encoder_identity(cfg.ckpt), **sources, "pooling": cfg.pooling,
+                     "temperature": cfg.temperature, "bias_only": cfg.bias_only, "val": best}
         return {**run_state(self.model, cfg, self.facts), "embedding": embedding}
 
 
@@ -293,25 +330,34 @@ def setup_tune(cfg: TuneConfig) -> Trainer:
     """The tune run, ready to fit: the options checked, the encoder and its pairs loaded, OUT_DIR
     claimed (a ckpt.pt there is replaced only with --overwrite), the run described on stdout."""
     flags.check_values(cfg)
+    if not (cfg.input or cfg.pairs):
+        raise CLIError("tune learns from --input (documents, no labels needed), --pairs, or both")
     path = os.path.join(cfg.out_dir, CHECKPOINT_FILE)
-    check_output(path, [cfg.ckpt, cfg.pairs], "--out-dir")
+    check_output(path, [cfg.ckpt, cfg.pairs, cfg.input], "--out-dir")
     refuse_existing([path], cfg.overwrite)
     cfg = settle_run(cfg)
     device, dtype = run_device(cfg.device, cfg.dtype)
     model, tokenizer, facts = load_encoder(cfg.ckpt, device)
-    pairs = read_tune_pairs(cfg.pairs, tokenizer, model.config.block_size)
+    pairs = read_tune_pairs(cfg.pairs, tokenizer, model.config.block_size) if cfg.pairs else []
+    documents = [ids for ids in (token_ids(tokenizer, d.text, d.where())
+                                 for d in read_corpus(cfg.input, cfg.json_key, "id", cfg.glob)) if len(ids) > 1
+                 ] if cfg.input else []
+    if len(pairs) + len(documents) < 2:
+        raise CLIError("tune needs two documents or pairs at least (each batch's others are the negatives)")
     if cfg.bias_only:
         train_bias_only(model)
     model.train()
-    objective = Contrastive(cfg, model, facts, pairs, dtype)
+    objective = Contrastive(cfg, model, facts, pairs + documents, dtype)
     engine = TorchEngine(path)
     engine.start(model, cfg, device, dtype, objective.loss)
     claim_out_dir(cfg.out_dir, path, resuming=False, overwrite=True)  # refuse_existing checked
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = model.num_params(non_embedding=False)
-    print(f"tuning {trained / 1e6:.3f}M of {total / 1e6:.3f}M parameters on {len(pairs):,} pairs, "
-          f"batch {objective.batch_size}, {cfg.pooling} pooling, temperature {cfg.temperature}; "
-          f"device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}")
-    loop = LoopConfig(max_iters=cfg.max_iters, hint="a lower --lr or a higher --temperature")
+    held = f", {len(objective.val):,} held out for the best checkpoint" if objective.val else ""
+    print(f"tuning {trained / 1e6:.3f}M of {total / 1e6:.3f}M parameters on {len(pairs):,} pairs and "
+          f"{len(documents):,} documents{held}, batch {objective.batch_size}, {cfg.pooling} pooling, temperature "
+          f"{cfg.temperature}; device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}")
+    loop = LoopConfig(max_iters=cfg.max_iters, eval_interval=max(1, cfg.max_iters // 10), keep_best=bool(objective.val),
+                      hint="a lower --lr or a higher --temperature")
     schedule = Schedule(cfg.lr, cfg.warmup_iters, cfg.max_iters, cfg.lr / 10)
     return Trainer(engine, objective, schedule, loop, cfg, desc="tune")

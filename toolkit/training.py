@@ -275,6 +275,8 @@ class Trainer:
             self.evaluate()
         if not loop.keep_best:
             self.save()
+        elif not loop.latest_path:  # no resumable state kept (embed.py tune): the best is the checkpoint
+            return
         elif self.stopped:
             self.save(latest=True)
         elif self.master and os.path.exists(loop.latest_path):
@@ -320,7 +322,7 @@ class Trainer:
         self.log.evaluation(self.step, metrics, self.engine.path if saved else None)
         if saved:
             self.save()
-        if self.loop.keep_best and self.step < self.loop.max_iters:
+        if self.loop.keep_best and self.loop.latest_path and self.step < self.loop.max_iters:
             self.save(latest=True)
 
     def save(self, latest: bool = False) -> None:
