@@ -211,8 +211,9 @@ class TuneConfig(RunConfig):
                           required=True)
     crop_tokens: int | None = option(None, "the longest span cut from a document (default: the block size); "
                                            "spans are a quarter of it to all of it", check="positive")
-    val_fraction: float = option(0.1, "documents and pairs held out (10 at least) to keep the best checkpoint "
-                                      "by their InfoNCE loss, the untuned encoder's included", check="probability")
+    val_fraction: float = option(0.1, "documents and pairs held out (10 at least, from 40 examples on; 0: none) "
+                                      "to keep the best checkpoint by their InfoNCE loss, the untuned encoder's "
+                                      "included", check="probability")
     bias_only: bool = option(False, "train the bias parameters only (SGPT's BitFit)")
     pooling: str = option("weighted-mean", "as encode's", choices=list(POOLINGS))
     temperature: float = option(0.1, "InfoNCE temperature", check="positive-number")
@@ -269,7 +270,8 @@ class Contrastive(Objective):
         self.cfg, self.model, self.facts, self.dtype = cfg, model, facts, dtype
         self.crop_tokens = min(cfg.crop_tokens or model.config.block_size, model.config.block_size)
         order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        held = int(len(examples) * cfg.val_fraction) if len(examples) * cfg.val_fraction >= 10 else 0
+        # a tenth, 10 at least (fewer say little), from 40 examples on (30 or more left to learn from)
+        held = max(10, int(len(examples) * cfg.val_fraction)) if cfg.val_fraction and len(examples) >= 40 else 0
         self.examples = [examples[i] for i in order[held:]]
         self.val = self.crops([examples[i] for i in order[:held]], np.random.default_rng(cfg.seed))
         self.batch_size = min(cfg.batch_size, len(self.examples))
