@@ -32,7 +32,6 @@ from toolkit.tokenizers import EOT_TEXT, SPELLING
 
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0")
 NORMAL, CONTROL = 1, 3  # llama.cpp's token types (gguf.TokenType)
-GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 # the Split pattern before a ByteLevel without its own, as Qwen2 and Qwen3's tokenizer.json have it
 SPLIT_PATTERNS = {"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+"
                   "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+": "qwen2"}
