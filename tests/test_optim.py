@@ -4,8 +4,8 @@ import torch
 
 from conftest import TINY_MODEL, assert_one_line_error, run_main
 from model import GPT, GPTConfig
-from toolkit.checkpoint import load_checkpoint
-from toolkit.optim import Muon, make_optimizer, orthogonalize
+from toolkit.checkpoint import load_checkpoint, save_checkpoint
+from toolkit.optim import EMBEDDING_LR_SCALE, Muon, make_optimizer, orthogonalize
 from toolkit.train_config import TrainConfig, parse_config, settle, settle_optimizer
 from toolkit.training import TorchEngine
 
@@ -57,6 +57,43 @@ def test_muon_update_is_orthogonal_at_muon_lr():
     singular = torch.linalg.svdvals((before - fc.detach()) / (0.05 * 2))  # sqrt(64 / 16) = 2 for a tall matrix
     singular = singular[:15]  # LayerNorm's output sums to zero over its 16 features: the gradient has rank 15
     assert singular.min() > 0.5 and singular.max() < 1.3, singular
+
+
+def test_an_untied_embedding_takes_larger_steps_under_muon():
+    """The llama family's own input embedding moves EMBEDDING_LR_SCALE x AdamW's rate (AdamW's first step moves
+    every weight with a gradient by its rate), its head AdamW's rate; GPT-2's tied embedding is its head too and
+    keeps AdamW's rate, as does an untied embedding under AdamW (pretrained weights' default)."""
+    def first_steps(arch: str, optimizer: str) -> tuple[float, float]:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=16, arch=arch,
+                              bias=arch == "gpt2", tie_embeddings=arch == "gpt2"))
+        opt = make_optimizer(model, optimizer, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99), muon_lr=0.05)
+        wte, head = model.transformer.wte.weight, model.lm_head.weight
+        before = wte.detach().clone(), head.detach().clone()
+        model(torch.randint(0, 16, (4, 8)), torch.randint(0, 16, (4, 8)), chunked_loss=True)[1].backward()
+        opt.step()
+        return (wte - before[0]).abs().max().item(), (head - before[1]).abs().max().item()
+    embedding, head = first_steps("llama", "muon")
+    assert embedding == pytest.approx(1e-3 * EMBEDDING_LR_SCALE, rel=1e-3) and head == pytest.approx(1e-3, rel=1e-3)
+    assert first_steps("gpt2", "muon") == pytest.approx((1e-3, 1e-3), rel=1e-3)
+    assert first_steps("llama", "adamw") == pytest.approx((1e-3, 1e-3), rel=1e-3)
+
+
+def test_an_optimizer_state_laid_out_otherwise_is_one_line(char_data, tmp_path):
+    """A checkpoint whose Muon groups differ from this version's (before the untied embedding's own group) is
+    refused in one line that says how to go on from its weights, and is left as it was."""
+    flags = ["--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--eval-interval", "100"]
+    assert run_main("train.py", *flags, "--max-iters", "2").returncode == 0
+    path = tmp_path / "ckpt.pt"
+    ckpt = load_checkpoint(str(path))
+    *groups, embedding = ckpt["optimizer"]["param_groups"]
+    groups[1]["params"] += embedding["params"]  # the embedding back among AdamW's decayed weights
+    ckpt["optimizer"]["param_groups"] = groups
+    save_checkpoint(ckpt, str(path))
+    written = path.read_bytes()
+    resumed = run_main("train.py", *flags, "--init-from", "resume", "--max-iters", "4")
+    assert_one_line_error(resumed, "optimizer state does not fit", f"--init-from {path} --optimizer muon")
+    assert path.read_bytes() == written
 
 
 def test_newton_schulz_runs_in_the_runs_dtype_where_it_is_bfloat16(tmp_path):

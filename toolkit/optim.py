@@ -1,12 +1,13 @@
 """The optimizers: AdamW (with weight decay on matrices only), and Muon for the transformer's
 matrices with AdamW for everything else, in one torch optimizer.
 
-    optimizer = make_optimizer(model, "muon", lr=4e-3, muon_lr=0.05, weight_decay=0.1, betas=(0.9, 0.99))
+    optimizer = make_optimizer(model, "muon", lr=4e-3, muon_lr=0.03, weight_decay=0.1, betas=(0.9, 0.99))
 
 Muon (Keller Jordan, 2024; kellerjordan.github.io/posts/muon) replaces each 2-D weight's update by
 the orthogonalised Nesterov momentum: a few Newton-Schulz iterations push the singular values of the
 momentum towards 1, so every direction of the matrix learns at a similar rate. It is meant for the
-hidden matrices; embeddings, the tied LM head, biases and LayerNorm gains keep AdamW. It is the
+hidden matrices; embeddings, the LM head, biases and norm gains keep AdamW (an untied input
+embedding at a 30x larger rate, as nanochat's and modded-nanogpt's embeddings). It is the
 default for training from scratch because it reaches a given loss in far fewer steps
 (docs/performance.md).
 
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+# Muon's AdamW lr times this for an untied input embedding (measured: docs/performance.md)
+EMBEDDING_LR_SCALE = 30
 # the Muon write-up's quintic Newton-Schulz coefficients: singular values converge fast near 1
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -112,19 +115,26 @@ def make_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, 
                    dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
     """adamw: torch's AdamW over decay_groups (fused on CUDA). muon: Muon at muon_lr without weight
     decay (its updates have a fixed size) for the 2-D weights of the transformer blocks (of the GPT
-    or its .body), AdamW at lr for the rest; lr_scale (muon_lr / lr) moves the Muon group along the
-    schedule. Newton-Schulz runs in bfloat16 when the run computes in it (dtype), else float32."""
+    or its .body), AdamW at lr for the rest, an untied input embedding at EMBEDDING_LR_SCALE x lr;
+    each group's lr_scale (muon_lr / lr for Muon's) moves it along the schedule. Newton-Schulz
+    runs in bfloat16 when the run computes in it (dtype), else float32."""
     if name == "adamw":
         impl = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
         return torch.optim.AdamW(decay_groups(model, weight_decay), lr=lr, betas=betas, **impl)
-    blocks = getattr(model, "body", model).transformer.h
-    matrices = [p for p in blocks.parameters() if p.requires_grad and p.dim() == 2]
-    chosen = set(matrices)
+    gpt = getattr(model, "body", model)
+    matrices = [p for p in gpt.transformer.h.parameters() if p.requires_grad and p.dim() == 2]
+    embedding = gpt.transformer.wte.weight
+    untied = [embedding] if not gpt.config.tie_embeddings and embedding.requires_grad else []
+    chosen = set(matrices) | set(untied)
     rest = [g | {"params": [p for p in g["params"] if p not in chosen]}
             for g in decay_groups(model, weight_decay)]
     muon = {"params": matrices, "muon": True, "weight_decay": 0.0, "lr": muon_lr, "lr_scale": muon_lr / lr}
+    # an untied input embedding takes far larger steps than the head that reads the same tokens (as
+    # nanochat and modded-nanogpt): each of its rows learns only where its token occurs
+    fast = [{"params": untied, "weight_decay": weight_decay, "lr": lr * EMBEDDING_LR_SCALE,
+             "lr_scale": EMBEDDING_LR_SCALE}] if untied else []
     ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-    return Muon([muon, *rest], lr=lr, betas=betas, ns_dtype=ns_dtype)
+    return Muon([muon, *rest, *fast], lr=lr, betas=betas, ns_dtype=ns_dtype)
 
 
 @dataclass

@@ -152,7 +152,12 @@ class TorchEngine:
             if "model" in resume:  # (a LoRA checkpoint holds adapters instead: toolkit/lora.py)
                 load_weights(self.gpt, resume["model"], self.path)
             if resume.get("optimizer"):
-                self.optimizer.load_state_dict(resume["optimizer"])
+                try:
+                    self.optimizer.load_state_dict(resume["optimizer"])
+                except ValueError as e:  # groups laid out otherwise, e.g. by an earlier version
+                    raise CLIError(f"{self.path}: its optimizer state does not fit this optimizer "
+                                   f"({e}); to go on from its weights with a fresh optimizer: "
+                                   f"--init-from {self.path} --optimizer {cfg.optimizer}") from None
             if resume.get("scaler"):
                 self.scaler.load_state_dict(resume["scaler"])
             restore_rng(resume.get("rng") or {}, device)
