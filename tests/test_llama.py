@@ -49,10 +49,18 @@ def test_it_trains_resumes_exactly_samples_and_exports(char_data, tmp_path):
     assert from_hf.stdout == from_ckpt.stdout
 
 
-def test_pipeline_and_tensor_parallel_layouts_refuse_it(char_data, tmp_path):
-    result = run_main("train_ds.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, *LLAMA,
+@pytest.mark.parametrize("flags, message", [
+    (["--arch", "llama", "--n-kv-head", "1", "--no-qk-norm"], "--n-kv-head 1 below --n-head 2"),  # equal thirds
+    (["--arch", "llama", "--n-kv-head", "2"], "add --no-qk-norm"),  # QK-norm (the default) sees a shard's heads
+    (["--arch", "llama", "--no-qk-norm"], None),  # Llama's layout: tests/test_scale.py trains it
+])
+def test_tensor_parallel_takes_llamas_layout(char_data, tmp_path, flags, message):
+    result = run_main("train_ds.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, *flags,
                       "--tp-size", "2", "--estimate-memory", "--num-gpus", "2", env={"DS_ACCELERATOR": "cpu"})
-    assert_one_line_error(result, "--arch llama trains with ZeRO")
+    if message is None:
+        assert result.returncode == 0 and "2 tensor-parallel" in result.stdout, result.stderr
+    else:
+        assert_one_line_error(result, message)
 
 
 def test_an_open_models_folder_is_instruction_tuned_with_lora_chats_and_goes_back(tmp_path, chats,  # noqa: F811

@@ -217,6 +217,23 @@ def test_autotp_composes_with_zero3_offload(ds_ops, char_data, reference, tmp_pa
     check_layout_run(out, result, reference, tmp_path, None)
 
 
+@pytest.mark.parametrize("layout, family", [(["--pipeline-stages", "2"], ["--arch", "llama"]),
+                                            (["--tp-size", "2"], ["--arch", "llama", "--no-qk-norm"])])
+def test_the_llama_family_trains_in_a_pipeline_and_tensor_parallel_as_train_py(ds_ops, char_data, tmp_path, layout,
+                                                                                 family):
+    """Its own head as the pipeline's last layer and rotary positions in each stage's blocks (QK-norm on, the
+    default); the gated MLP's gate and up halves each split by AutoTP (Llama's layout: a shard's QK-norm would
+    see its own heads alone): train.py's losses, and the layers or shards convert."""
+    result = run_main("train.py", "--data-path", char_data, "--save", tmp_path / "ref", *MODEL, *family)
+    assert result.returncode == 0, result.stderr
+    reference = torch.load(tmp_path / "ref" / "ckpt.pt", weights_only=True)
+    assert reference["model_config"]["arch"] == "llama" and not reference["model_config"]["tie_embeddings"]
+    out = tmp_path / "run"
+    result = launch_ds(char_data, out, *layout, *family)
+    assert ("pipeline stages" if "--pipeline-stages" in layout else "tensor-parallel") in result.stdout
+    check_layout_run(out, result, reference, tmp_path, None)
+
+
 @pytest.mark.parametrize("world, stages, tp, heads, zero, message", [
     (2, 2, 1, 2, 3, "pipeline engine supports ZeRO stage 0 or 1, not 3"),
     (2, 3, 1, 2, 1, "processes cannot hold"),

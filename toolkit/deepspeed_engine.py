@@ -33,7 +33,7 @@ from toolkit.ds_checkpoint import (check_deepspeed_files, mark_complete, prune_d
 from toolkit.optim import decay_groups
 from toolkit.model_parallel import Layout, autotp_config, check_layout, estimate_memory, pipeline_module
 from toolkit.megatron import grad_accum_for
-from toolkit.train_config import TrainConfig, apply_preset, settle_optimizer
+from toolkit.train_config import TrainConfig, apply_preset, family_defaults, settle_optimizer
 
 # Values that both the flags and the DeepSpeed config can set: (flags, config key, the config value
 # the flags give for W processes, the flag values a config value gives). --grad-accum counts
@@ -137,17 +137,23 @@ def zero_stage(ds: dict) -> int:
     return int((ds.get("zero_optimization") or {}).get("stage", 0))
 
 
+def shape_of(cfg: TrainConfig) -> GPTConfig:
+    """The model the flags describe, with GPT-2's vocabulary: what a layout is checked against and
+    the memory estimate counts."""
+    gpt2 = cfg.arch == "gpt2"
+    return GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                     bias=cfg.bias and gpt2, arch=cfg.arch, n_kv_head=cfg.n_kv_head, qk_norm=cfg.qk_norm,
+                     tie_embeddings=gpt2)
+
+
 def memory_estimate(cfg: TrainConfig, given: set[str], ds: dict, nodes: int, gpus: int,
                     pipeline_stages: int, tp_size: int) -> str:
     """train_ds.py --estimate-memory: the model on the meta device, this layout over nodes x gpus,
     the config's ZeRO stage and offload, the precision of --dtype or else the config's (float32 when
     neither sets one), and DeepSpeed's own estimators for ZeRO 2 and 3, as lines of text."""
-    cfg = apply_preset(cfg, given)
+    cfg = family_defaults(apply_preset(cfg, given), given)
     stage, zero = zero_stage(ds), ds.get("zero_optimization") or {}
-    gpt2 = cfg.arch == "gpt2"
-    config = GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                       bias=cfg.bias and gpt2, arch=cfg.arch, n_kv_head=cfg.n_kv_head, qk_norm=cfg.qk_norm,
-                       tie_embeddings=gpt2)  # GPT-2's vocabulary
+    config = shape_of(cfg)
     try:
         layout = Layout(nodes * gpus, pipeline_stages, tp_size)
         check_layout(layout, config, stage, training=False)
@@ -250,9 +256,7 @@ class DeepSpeedEngine:
         if self.universal:
             self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}), "load_universal": True}
         try:
-            check_layout(self.layout, GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                                                arch=cfg.arch),
-                         zero_stage(self.ds_config))
+            check_layout(self.layout, shape_of(cfg), zero_stage(self.ds_config))
         except ValueError as e:
             raise CLIError(str(e)) from None
         if self.layout.tp_size > 1:
@@ -261,7 +265,7 @@ class DeepSpeedEngine:
                 raise CLIError(f"{os.path.basename(self.ds_path)} sets tensor_parallel.autotp_size "
                                f"{given_tp} but --tp-size {self.layout.tp_size} was given; they "
                                "must agree")
-            self.ds_config["tensor_parallel"] = autotp_config(self.layout.tp_size)
+            self.ds_config["tensor_parallel"] = autotp_config(self.layout.tp_size, shape_of(cfg))
         return cfg
 
     def start(self, model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, loss,

@@ -2,17 +2,18 @@
 (deepspeed.pipe.PipelineModule), tensor-parallel shards (AutoTP), the names each layout gives the
 weights, and what a layout costs in memory.
 
-Pipeline: the layers are the token embedding (TiedLayerSpec "wte", whose weight is also the LM
-head), the position embedding, the blocks, the final LayerNorm and the tied head. They are cut from
-a GPT that every rank builds with the same seed (so any layout starts from train.py's weights); each
-stage keeps its own layers and the blocks are balanced over the stages (embeddings on the first, the
-head on the last). The loss is model.chunked_cross_entropy on the head's input and the tied weight,
-as GPT.forward's training path.
+Pipeline: the layers are the token embedding (for GPT-2 a TiedLayerSpec "wte", whose weight is
+also the LM head), the position embedding (GPT-2's learned one; the llama family's blocks rotate by
+position themselves) with the embedding dropout, the blocks, the final norm and the head (the tied
+embedding, or the llama family's own lm_head). They are cut from a GPT that every rank builds with
+the same seed (so any layout starts from train.py's weights); each stage keeps its own layers and
+the blocks are balanced over the stages (embeddings on the first, the head on the last). The loss is
+model.chunked_cross_entropy on the head's input and weight, as GPT.forward's training path.
 
-Tensor parallel: AutoTP splits c_attn (q, k and v each by heads) and c_fc by output columns, both
-c_proj by input rows (an all-reduce after them); embeddings, LayerNorms and the head stay whole.
-CausalSelfAttention takes its head count from the width it receives, so a shard runs n_head / T
-heads.
+Tensor parallel: AutoTP splits c_attn (q, k and v each by heads) and c_fc (the llama family's gate
+and up halves each) by output columns, both c_proj by input rows (an all-reduce after them);
+embeddings, norms and the head stay whole. CausalSelfAttention takes its head count from the width
+it receives, so a shard runs n_head / T heads.
 """
 import math
 import re
@@ -21,15 +22,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from model import GPT, GPTConfig, chunked_cross_entropy
+from model import GPT, GPTConfig, chunked_cross_entropy, rotary
 
 # AutoTP's partition rules for model.py's names: (parameter pattern, column or row, sub-parameters)
 TP_RULES = [
     (r".*\.attn\.c_attn\.weight$", "column", 3),  # [q; k; v]: each split by heads
     (r".*\.attn\.c_proj\.weight$", "row", 1),
-    (r".*\.mlp\.c_fc\.weight$", "column", 1),
+    (r".*\.mlp\.c_fc\.weight$", "column", 1),  # the llama family's [gate; up]: 2 (tp_rules)
     (r".*\.mlp\.c_proj\.weight$", "row", 1),
 ]
+
+
+def tp_rules(config: GPTConfig) -> list[tuple[str, str, int]]:
+    """TP_RULES for this family: the gated MLP's c_fc is two matrices, each split by columns."""
+    return [(p, kind, 2 if config.arch != "gpt2" and ".c_fc" in p else parts) for p, kind, parts in TP_RULES]
 
 
 @dataclass
@@ -79,10 +85,12 @@ def check_layout(layout: Layout, config: GPTConfig, zero_stage: int, training: b
     if layout.pipeline_stages > config.n_layer:
         raise ValueError(f"--pipeline-stages {layout.pipeline_stages} is more than the model's "
                          f"{config.n_layer} blocks; each stage needs at least one")
-    if config.arch != "gpt2" and layout.model_parallel > 1:
-        raise ValueError(f"--pipeline-stages and --tp-size lay out GPT-2's modules (learned positions, a tied "
-                         f"head, q, k and v as equal thirds): add --arch gpt2; --arch {config.arch} trains with "
-                         "ZeRO (any stage, with offload) and data parallelism")
+    if layout.tp_size > 1 and config.qk_norm:
+        raise ValueError("--tp-size with QK-norm: each shard would train the norms' weights on its own heads "
+                         "alone; add --no-qk-norm (Llama's layout) or lay the model out in --pipeline-stages")
+    if layout.tp_size > 1 and config.kv_heads != config.n_head:
+        raise ValueError(f"--tp-size splits q, k and v as equal thirds: --n-kv-head {config.kv_heads} below "
+                         f"--n-head {config.n_head} (grouped-query attention) trains with ZeRO or a pipeline")
     if config.n_head % layout.tp_size or config.n_embd % layout.tp_size:
         raise ValueError(f"--tp-size {layout.tp_size} must divide the {config.n_head} heads and the width "
                          f"{config.n_embd}")
@@ -90,11 +98,11 @@ def check_layout(layout: Layout, config: GPTConfig, zero_stage: int, training: b
 
 # ----- tensor parallel (AutoTP) -----
 
-def autotp_config(tp_size: int) -> dict:
+def autotp_config(tp_size: int, config: GPTConfig) -> dict:
     """The "tensor_parallel" section of a DeepSpeed config that shards this model tp_size ways."""
     specs = [{"patterns": [pattern], "partition_type": kind, **({"shape": [parts, -1], "partition_dim": 0}
                                                                  if parts > 1 else {})}
-             for pattern, kind, parts in TP_RULES]
+             for pattern, kind, parts in tp_rules(config)]
     return {"autotp_size": tp_size, "vocab_parallel_lm_head": False,
             "partition_config": {"use_default_specs": False, "layer_specs": specs}}
 
@@ -102,7 +110,8 @@ def autotp_config(tp_size: int) -> dict:
 # ----- pipeline (deepspeed.pipe) -----
 
 class TokenEmbedding(nn.Module):
-    """The tied token embedding: input embedding on the first stage, LM head weight on the last."""
+    """The token embedding; GPT-2's is tied: input embedding on the first stage, LM head weight on
+    the last."""
 
     def __init__(self, model: GPT):
         super().__init__()
@@ -113,21 +122,32 @@ class TokenEmbedding(nn.Module):
 
 
 class PositionEmbedding(nn.Module):
+    """GPT-2's learned positions (the llama family has none) and the embedding dropout."""
+
     def __init__(self, model: GPT):
         super().__init__()
-        self.wpe, self.drop = model.transformer.wpe, model.transformer.drop
+        self.drop = model.transformer.drop
+        if "wpe" in model.transformer:
+            self.wpe = model.transformer.wpe
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(x + self.wpe(torch.arange(x.size(1), device=x.device)))
+        if hasattr(self, "wpe"):
+            x = x + self.wpe(torch.arange(x.size(1), device=x.device))
+        return self.drop(x)
 
 
 class BlockPipe(nn.Module):
+    """A block; the llama family's turns queries and keys by their positions (GPT._trunk)."""
+
     def __init__(self, model: GPT, index: int):
         super().__init__()
-        self.block = model.transformer.h[index]
+        self.block, self.config = model.transformer.h[index], model.config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(x)
+        if self.config.arch == "gpt2":
+            return self.block(x)
+        positions = torch.arange(x.size(1), device=x.device)
+        return self.block(x, None, rotary(positions, self.config.head_size, self.config.rope_theta))
 
 
 class FinalNorm(nn.Module):
@@ -139,6 +159,17 @@ class FinalNorm(nn.Module):
         return self.ln_f(x)
 
 
+class Head(nn.Module):
+    """An untied LM head: hands the loss the hidden states and its weight (no logits)."""
+
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.lm_head = model.lm_head
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, self.lm_head.weight
+
+
 def pipeline_module(model: GPT, stages: int):
     """model as a deepspeed.pipe.PipelineModule of `stages` stages (needs the process group)."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -146,18 +177,21 @@ def pipeline_module(model: GPT, stages: int):
     # builds logits
     head = lambda embedding, x: (x, embedding.wte.weight)
     loss = lambda outputs, targets: chunked_cross_entropy(*outputs, targets)
-    layers = [TiedLayerSpec("wte", TokenEmbedding, model, tied_weight_attr=["wte.weight"]),
-              LayerSpec(PositionEmbedding, model),
+    if model.config.tie_embeddings:
+        first = TiedLayerSpec("wte", TokenEmbedding, model, tied_weight_attr=["wte.weight"])
+        last = TiedLayerSpec("wte", TokenEmbedding, model, forward_fn=head, tied_weight_attr=["wte.weight"])
+    else:
+        first, last = LayerSpec(TokenEmbedding, model), LayerSpec(Head, model)
+    layers = [first, LayerSpec(PositionEmbedding, model),
               *[LayerSpec(BlockPipe, model, i) for i in range(model.config.n_layer)],
-              LayerSpec(FinalNorm, model),
-              TiedLayerSpec("wte", TokenEmbedding, model, forward_fn=head, tied_weight_attr=["wte.weight"])]
+              LayerSpec(FinalNorm, model), last]
     return PipelineModule(layers, num_stages=stages, loss_fn=loss, partition_method="type:BlockPipe")
 
 
 def gpt_state_from_universal(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GPT's state dict from a pipeline's parameter names ("tied_modules.wte.wte.weight",
-    "1.wpe.weight", "{2 + i}.block.*" for block i, "{n_layer + 2}.ln_f.*"), as the universal
-    checkpoint names them."""
+    """GPT's state dict from a pipeline's parameter names ("tied_modules.wte.wte.weight" or
+    "0.wte.weight", "1.wpe.weight", "{2 + i}.block.*" for block i, "{n_layer + 2}.ln_f.*",
+    "{n_layer + 3}.lm_head.weight" when untied), as the universal checkpoint names them."""
     state = {}
     for name, tensor in weights.items():
         layer, rest = name.split(".", 1)
@@ -165,10 +199,12 @@ def gpt_state_from_universal(weights: dict[str, torch.Tensor]) -> dict[str, torc
             key = "transformer." + rest.removeprefix("wte.")
         elif rest.startswith("block."):
             key = f"transformer.h.{int(layer) - 2}." + rest.removeprefix("block.")
+        elif rest.startswith("lm_head."):
+            key = rest
         else:
-            key = "transformer." + rest  # wpe.*, ln_f.*
+            key = "transformer." + rest  # wte.*, wpe.*, ln_f.*
         state[key] = tensor
-    state["lm_head.weight"] = state["transformer.wte.weight"]
+    state.setdefault("lm_head.weight", state["transformer.wte.weight"])  # tied
     return state
 
 
@@ -217,7 +253,7 @@ def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: s
     ln_f = sum(p.numel() for p in model.transformer.ln_f.parameters())
     if layout.pipeline_stages == 1:  # (an untied head is as big as the embedding)
         device_params = wte * (2 - config.tie_embeddings) + wpe + ln_f + config.n_layer * per_block
-    else:  # the first stage holds the embeddings, the last the final norm and its copy of the tied head
+    else:  # the first stage holds the embeddings, the last the final norm and the head (a tied one copied)
         device_params = max(wte + wpe, wte + ln_f) + blocks * per_block
     largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
 

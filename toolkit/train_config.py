@@ -155,9 +155,7 @@ def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict
         cfg = merge_resumed_config(cfg, given, resume, engine.path)
         resumed = set(resume.get("train_config", {})) & CONFIG_FIELDS - given - {"init_from", "out_dir"}
     else:
-        cfg = apply_preset(device_defaults(cfg, given, device), given)
-        if cfg.arch == "llama" and cfg.init_from == "scratch":  # measured: docs/performance.md
-            cfg = replace(cfg, **{name: value for name, value in LLAMA_DEFAULTS.items() if name not in given})
+        cfg = family_defaults(apply_preset(device_defaults(cfg, given, device), given), given)
     given = given | resumed
     if cfg.global_batch_size is not None:
         cfg = replace(cfg, grad_accum=megatron.grad_accum_for(cfg, given))
@@ -167,6 +165,14 @@ def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict
     cfg = replace(cfg, **megatron.steps_from_samples(cfg))
     check_config(cfg)
     return cfg, resume
+
+
+def family_defaults(cfg: TrainConfig, given: set[str]) -> TrainConfig:
+    """A llama model from scratch takes LLAMA_DEFAULTS wherever no flag was given (measured:
+    docs/performance.md)."""
+    if cfg.arch != "llama" or cfg.init_from != "scratch":
+        return cfg
+    return replace(cfg, **{name: value for name, value in LLAMA_DEFAULTS.items() if name not in given})
 
 
 def resuming(cfg: TrainConfig, checkpoint: str, device: torch.device) -> bool:
