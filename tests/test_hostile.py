@@ -582,12 +582,18 @@ def test_a_request_that_would_never_finish_shows_progress_and_ctrl_c_keeps_the_s
     def interrupted_once_sampling(genfile, max_new_tokens) -> tuple[int, str]:
         proc = subprocess.Popen([sys.executable, "test.py", "--ckpt", str(run_dir / "ckpt.pt"), "--device", "cpu",
                                  "--num-samples", "1000000", "--max-new-tokens", max_new_tokens, "--genfile",
-                                 str(genfile)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                 str(genfile)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1"})
         shown, began = "", time.monotonic()
         while "tok/s" not in shown and time.monotonic() - began < 120:  # (a bar without a terminal ends no line)
             shown += os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
         proc.send_signal(signal.SIGINT)
-        status = proc.wait(timeout=60)
+        try:
+            status = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # where every thread is: faulthandler's dump on SIGABRT
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(timeout=30)
+            pytest.fail(f"no exit 60 s after SIGINT: {shown[-300:]}{proc.stderr.read().decode(errors='replace')}")
         return status, shown + proc.stderr.read().decode(errors="replace")
 
     status, shown = interrupted_once_sampling(tmp_path / "huge.jsonl", "1000000000")

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import IO
 
@@ -24,6 +25,7 @@ from toolkit.cli import CLIError
 from toolkit.device import autocast, check_attn_kernel, resolve_device, resolve_dtype
 from toolkit.documents import read_text
 from toolkit.files import atomic_open, check_output
+from toolkit.signals import StopRequest
 from toolkit.tokenizers import Tokenizer
 
 PROMPT_FILE = "FILE:"
@@ -115,22 +117,33 @@ class Sampler:
         """num_samples completions of text, printed (streamed or whole), written to the genfile."""
         ids, shown = self.prompt(text)
         done = 0
-        while done < self.args.num_samples:
-            n = 1 if self.stream else min(self.args.batch_size, self.args.num_samples - done)
-            idx = torch.tensor([ids] * n, dtype=torch.long, device=self.device)
-            with torch.no_grad(), self.ctx:
-                new = [self.stream_one(idx, shown)] if self.stream else self.batch(idx, shown)
-            for tokens in new:
-                self.record(shown, tokens)  # an instruction-tuned model's answer alone, as printed
-            done += n
-            if self.stream:
-                print("-" * 40, flush=True)
+        # a signal sets a flag that steps() checks: the KeyboardInterrupt Python's own handler raises is
+        # lost when it lands in a finalizer
+        with StopRequest() as self.stop:
+            while done < self.args.num_samples:
+                n = 1 if self.stream else min(self.args.batch_size, self.args.num_samples - done)
+                idx = torch.tensor([ids] * n, dtype=torch.long, device=self.device)
+                with torch.no_grad(), self.ctx:
+                    new = [self.stream_one(idx, shown)] if self.stream else self.batch(idx, shown)
+                for tokens in new:
+                    self.record(shown, tokens)  # an instruction-tuned model's answer alone, as printed
+                done += n
+                if self.stream:
+                    print("-" * 40, flush=True)
+
+    def steps(self, idx: torch.Tensor, max_new_tokens: int | None = None) -> Iterator[torch.Tensor]:
+        """The model's new tokens, one step at a time, until Ctrl-C (SIGINT or SIGTERM, self.stop's
+        flag) raises KeyboardInterrupt before the next."""
+        for step in self.model.generate_stream(idx, **self.generation_kwargs(max_new_tokens)):
+            if self.stop.requested:
+                raise KeyboardInterrupt
+            yield step
 
     def stream_one(self, idx: torch.Tensor, text: str, max_new_tokens: int | None = None) -> list[int]:
         """Typewriter output: print each piece of text as soon as it decodes to whole characters."""
         tokens, printed = [], ""
         print(text, end="", flush=True)
-        for step in self.model.generate_stream(idx, **self.generation_kwargs(max_new_tokens)):
+        for step in self.steps(idx, max_new_tokens):
             tokens.append(step[0].item())
             if tokens[-1] == self.eos:
                 break
@@ -142,7 +155,7 @@ class Sampler:
 
     def batch(self, idx: torch.Tensor, text: str) -> list[list[int]]:
         steps = []
-        for step in self.model.generate_stream(idx, **self.generation_kwargs()):
+        for step in self.steps(idx):
             steps.append(step)
             self.progress.update(len(step))
         self.progress.update((self.args.max_new_tokens - len(steps)) * len(idx))  # samples ended early
@@ -163,7 +176,7 @@ class Sampler:
         ids = chat_prompt(history, self.tok)[-(self.model.config.block_size - 1):]
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)
         room = self.model.config.block_size - len(ids)
-        with torch.no_grad(), self.ctx:
+        with torch.no_grad(), self.ctx, StopRequest() as self.stop:
             tokens = self.stream_one(idx, "", min(self.args.max_new_tokens, room))
         return self.tok.decode(self.strip_eot(tokens)[0])
 
