@@ -28,7 +28,7 @@ except ImportError:  # Windows: no advisory locks, no file size limit
     fcntl = resource = None
 
 CODE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the scripts; toolkit/ holds the rest
-TEMPORARY = re.compile(r"\..+\.tmp\d+")
+TEMPORARY = re.compile(r"\..+\.tmp(\d+)")
 
 
 def temporary_name(path: str) -> str:
@@ -139,10 +139,12 @@ def release_locks() -> None:
         os.close(_locks.popitem()[1])
 
 
-def remove_temporaries(folder: str) -> None:
-    """Delete temporary files a killed writer left in folder (call it holding the folder's lock)."""
+def remove_temporaries(folder: str, pid: int | None = None) -> None:
+    """Delete the temporary files in folder that a killed writer left (call it holding the folder's
+    lock), or only those of process pid (a writer cleaning up after itself)."""
     for name in os.listdir(folder):
-        if TEMPORARY.fullmatch(name) and os.path.isfile(os.path.join(folder, name)):
+        found = TEMPORARY.fullmatch(name)
+        if found and pid in (None, int(found[1])) and os.path.isfile(os.path.join(folder, name)):
             os.remove(os.path.join(folder, name))
 
 

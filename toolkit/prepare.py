@@ -21,7 +21,7 @@ from tqdm import tqdm
 from toolkit.cli import CLIError
 from toolkit.data import DEFAULT_CORPUS_DIR, NANOGPT_FILES, is_prepared, megatron_document_prefix
 from toolkit.documents import ReadStats, input_files, read_documents, read_text, without_compression
-from toolkit.files import refuse_existing, write_error, write_text
+from toolkit.files import refuse_existing, remove_temporaries, write_error, write_text
 from toolkit.tokenizers import CUT, Tokenizer, load_tokenizer, train_bpe
 from toolkit.writers import (LlmcWriter, MegatronWriter, NanoGPTWriter, llmc_shards, output_dtype,
                              write_nanogpt)
@@ -195,6 +195,12 @@ def make_writer(args: argparse.Namespace, tokenizer: Tokenizer):
     return NanoGPTWriter(args.output_dir, dtype, args.val_fraction, args.seed), None
 
 
+def remove_own_temporaries(folder: str) -> None:
+    """The unfinished files of this run, however far its writer got (it names them by this PID)."""
+    if os.path.isdir(folder):
+        remove_temporaries(folder, os.getpid())
+
+
 def prepare(args: argparse.Namespace) -> dict | None:
     """tokenizer.py's work, its flags checked: without --input the default corpus (unless it is
     there already); else args.input tokenized into the chosen format, replacing earlier outputs
@@ -210,12 +216,13 @@ def prepare(args: argparse.Namespace) -> dict | None:
     refuse_existing(outputs(args), args.overwrite)
     files = input_files(args.input, args.glob)
     tokenizer = build_tokenizer(args, files)
-    writer, tokenizer_file = make_writer(args, tokenizer)
-    tokenizer_file = tokenizer_file or os.path.join(args.output_dir, "tokenizer.json")
+    folder = os.path.dirname(outputs(args)[0]) or "."
     eod = "prepend" if args.format == "llmc" else "append" if args.append_eod else None
     stats = ReadStats()
     start, documents, tokens, nbytes = time.time(), 0, 0, 0
-    try:
+    try:  # from the first file the writer opens: a signal may land anywhere after that
+        writer, tokenizer_file = make_writer(args, tokenizer)
+        tokenizer_file = tokenizer_file or os.path.join(args.output_dir, "tokenizer.json")
         documents_read = read_documents(files, args.json_key, args.errors, args.skip_bad_lines, stats)
         quiet = args.quiet or not sys.stderr.isatty()
         known_size = not any(path != without_compression(path) for path in files)
@@ -236,10 +243,10 @@ def prepare(args: argparse.Namespace) -> dict | None:
             write_text(tokenizer_file, tokenizer.tokenizer_json)
         meta = writer.finish({**tokenizer.facts(), "append_eod": args.append_eod})
     except OSError as e:  # reading errors are CLIErrors already: this is the output failing
-        writer.discard()
-        raise write_error(writer.where, e) from None
+        remove_own_temporaries(folder)
+        raise write_error(outputs(args)[0] if args.format == "megatron" else folder, e) from None
     except BaseException:
-        writer.discard()
+        remove_own_temporaries(folder)
         raise
     seconds = max(time.time() - start, 1e-9)
     print(f"{documents:,} documents, {tokens:,} tokens in {seconds:.1f} s ({nbytes / 2**20 / seconds:.1f} MB/s, "

@@ -1,8 +1,9 @@
 """Writing the token formats that toolkit/data.py reads (tokenizer.py and the default corpus call
 these): a nanoGPT folder (train.bin, val.bin, meta.json) with a per-document train/val split,
 Megatron-LM's PREFIX.bin/.idx with this toolkit's PREFIX.json of tokenizer facts, and llm.c's
-shards. Every file is written under a temporary name and renamed only when complete; the metadata
-file comes last, so its presence means the data is whole."""
+shards. Every file is written under a temporary name (of this process: toolkit/prepare.py removes
+them when a run fails) and renamed only when complete; the metadata file comes last, so its
+presence means the data is whole."""
 import hashlib
 import os
 
@@ -44,11 +45,10 @@ def is_val_document(seed: int, index: int, val_fraction: float) -> bool:
 
 class NanoGPTWriter:
     """train.bin / val.bin (raw token ids) and meta.json in one folder; documents are split by
-    is_val_document. `where` names the output in errors."""
+    is_val_document."""
 
     def __init__(self, out_dir: str, dtype: np.dtype, val_fraction: float, seed: int):
         make_folder(out_dir, "--output-dir")
-        self.where = out_dir
         self.final = {name: os.path.join(out_dir, name) for name in NANOGPT_FILES}
         self.tmp = {name: temporary_name(self.final[name]) for name in ("train.bin", "val.bin")}
         self.files = {split: open(self.tmp[f"{split}.bin"], "wb+") for split in ("train", "val")}
@@ -110,13 +110,6 @@ class NanoGPTWriter:
         write_json(self.final["meta.json"], meta)  # last: its presence means complete
         return meta
 
-    def discard(self) -> None:
-        for f in self.files.values():
-            f.close()
-        for path in self.tmp.values():
-            if os.path.exists(path):
-                os.remove(path)
-
 
 def write_megatron_index(path: str, dtype: np.dtype, sizes: np.ndarray) -> None:
     """MMapIndexedDataset .idx: header, sizes, byte pointers, doc_idx (one item per document)."""
@@ -138,7 +131,6 @@ class MegatronWriter:
     def __init__(self, prefix: str, dtype: np.dtype):
         if os.path.dirname(prefix):
             make_folder(os.path.dirname(prefix), "--output-prefix")
-        self.where = prefix + ".bin"
         self.final = {ext: prefix + ext for ext in MEGATRON_EXTENSIONS}
         self.tmp = {ext: temporary_name(self.final[ext]) for ext in (".bin", ".idx")}
         self.file = open(self.tmp[".bin"], "wb")
@@ -163,12 +155,6 @@ class MegatronWriter:
         write_json(self.final[".json"], meta)  # last: its presence means complete
         return meta
 
-    def discard(self) -> None:
-        self.file.close()
-        for path in self.tmp.values():
-            if os.path.exists(path):
-                os.remove(path)
-
 
 def llmc_shards(folder: str) -> list[str]:
     """The names of the llm.c shards in a folder (none when it does not exist)."""
@@ -185,7 +171,7 @@ class LlmcWriter:
     def __init__(self, folder: str, shard_tokens: int, val_fraction: float):
         self.dtype = np.dtype(np.uint16)
         make_folder(folder, "--output-dir")
-        self.folder, self.where, self.shard_tokens, self.val_fraction = folder, folder, shard_tokens, val_fraction
+        self.folder, self.shard_tokens, self.val_fraction = folder, shard_tokens, val_fraction
         self.name = os.path.basename(os.path.abspath(folder))
         self.written: list[tuple[str, int]] = []  # (temporary path, tokens) of each closed shard
         self.file, self.filled, self.documents = None, 0, 0
@@ -243,11 +229,3 @@ class LlmcWriter:
                 "val_tokens": self.written[0][1], "train_tokens": sum(n for _, n in self.written[1:])}
         write_json(os.path.join(self.folder, "meta.json"), meta)  # last: its presence means complete
         return meta
-
-    def discard(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.written.append((self.file.name, 0))
-        for path, _ in self.written:
-            if os.path.exists(path):
-                os.remove(path)
