@@ -20,6 +20,7 @@ import conftest
 from toolkit import gpt2_vocab, prepare
 from toolkit.cli import CLIError
 from toolkit.data import load_corpus
+from toolkit.documents import input_files
 from toolkit.files import write_error
 from toolkit.tokenizers import Tokenizer, load_tokenizer
 from toolkit.writers import is_val_document
@@ -270,6 +271,21 @@ def test_gz_text_folder_char_level(tmp_path):
     assert meta["vocab_size"] == len(meta["chars"]) + 1  # the end-of-text id, past the characters (unused here)
     split_texts = [tok.decode(np.fromfile(out / name, np.uint16).tolist()) for name in ("train.bin", "val.bin")]
     assert sorted(split_texts) == ["first document\n", "second document, ünïcode\n"]
+
+
+def test_a_folder_of_other_files_names_the_glob_that_takes_them(tmp_path):
+    for name in ("shard_0.parquet", "shard_1.parquet", "notes.jsonl.zst", "README"):
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(CLIError) as error:
+        input_files([str(tmp_path)], "*.txt")
+    assert str(error.value) == (f"no files matching --glob '*.txt' under {tmp_path} "
+                                "(it holds 2 .parquet files: --glob '*.parquet')")
+    assert input_files([str(tmp_path)], "*.parquet")[-1].endswith("shard_1.parquet")
+    (tmp_path / "README").rename(tmp_path / "README.md")
+    for name in ("shard_0.parquet", "shard_1.parquet", "notes.jsonl.zst"):
+        (tmp_path / name).unlink()
+    with pytest.raises(CLIError, match=r"under \S+$"):  # nothing it could read: no advice
+        input_files([str(tmp_path)], "*.txt")
 
 
 def test_large_vocabulary_needs_32_bits(tmp_path):

@@ -12,6 +12,7 @@ import io
 import lzma
 import os
 import zlib
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -93,11 +94,23 @@ def input_files(paths: list[str], pattern: str) -> list[str]:
                 found += [os.path.join(root, n) for n in sorted(names)
                           if fnmatch.fnmatch(n, pattern) or fnmatch.fnmatch(without_compression(n), pattern)]
             if not found:
-                raise CLIError(f"no files matching --glob {pattern!r} under {path}")
+                raise CLIError(f"no files matching --glob {pattern!r} under {path}{other_kinds(path)}")
             files += found
         else:
             raise CLIError(f"input not found: {path}")
     return files
+
+
+def other_kinds(folder: str) -> str:
+    """What a folder holds instead, as the --glob that would take it, e.g. " (it holds 2 .parquet
+    files: --glob '*.parquet')"; empty when it holds no file of a readable kind."""
+    kinds = Counter(os.path.splitext(without_compression(name))[1] for _, _, names in os.walk(folder)
+                    for name in names)
+    readable = [(kind, n) for kind, n in kinds.most_common() if kind in (".txt", *TABLES, *JSON_SUFFIXES)]
+    if not readable:
+        return ""
+    kind, n = readable[0]
+    return f" (it holds {n} {kind} file{'s' * (n > 1)}: --glob '*{kind}')"
 
 
 def saved_dataset_files(folder: str) -> list[str]:
