@@ -32,8 +32,9 @@ PROMPT_FILE = "FILE:"
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", default="", help=f"start text, or {PROMPT_FILE}path to read it from a file "
-                        "(default: unconditional, starting from the end-of-text token)")
+    parser.add_argument("--prompt", "--start", default="", help=f"start text, or {PROMPT_FILE}path to read it "
+                        "from a file (--start: nanoGPT's sample.py name; default: unconditional, starting "
+                        "from the end-of-text token)")
     parser.add_argument("--num-samples", type=int, default=3, help="samples to draw (default: 3)")
     parser.add_argument("--max-new-tokens", type=int, default=500, help="tokens to generate per sample (default: 500)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
