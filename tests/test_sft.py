@@ -23,6 +23,7 @@ from toolkit.finetune_config import FinetuneConfig
 from toolkit.finetuning import setup
 from toolkit.gpt2_vocab import GPT2_FACTS
 from toolkit.hf import save_gpt2
+from toolkit.hf_llama import save_llama
 from toolkit.model_sources import load_model
 from toolkit.tokenizers import load_tokenizer
 
@@ -272,11 +273,20 @@ def test_a_bad_conversation_is_one_line_and_writes_nothing(line, message, pretra
     assert not (tmp_path / "out").exists()
 
 
-def test_the_hf_export_of_an_instruction_tuned_gpt2_names_the_template_tokens(tmp_path):
-    model = GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16))
+@pytest.mark.parametrize("family", [{}, dict(arch="llama", bias=False, qk_norm=True, tie_embeddings=False)],
+                         ids=["gpt2", "llama"])
+def test_the_hf_export_of_an_instruction_tuned_model_carries_the_template(family, tmp_path):
+    model = GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16, **family))
     tok = load_tokenizer(dict(GPT2_FACTS))
-    add_chat_tokens(model, tok)
-    save_gpt2(model, str(tmp_path), tok.facts())
+    special = add_chat_tokens(model, tok)
+    (save_llama if family else save_gpt2)(model, str(tmp_path), tok.facts())
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert hf_tok.convert_ids_to_tokens(list(range(50257, 50261))) == list(CHAT_TOKENS)
     assert hf_tok.encode("<|user|>Hi") == [tok.special_tokens["<|user|>"], *tok.encode("Hi")]
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "列表的标题？"},
+               {"role": "assistant", "content": " Lists"}, {"role": "user", "content": "And dict?"}]
+    ids = hf_tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    assert hf_tok.encode(ids) == chat_prompt(history, tok)  # the prompt test.py --chat gives the model
+    # generate() ends a reply at the turn's end, as test.py --chat does
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path)
+    assert generation.eos_token_id == [tok.eot_id, special["<|end|>"]]

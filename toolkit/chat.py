@@ -26,6 +26,10 @@ from toolkit.tokenizers import Tokenizer, add_tokens
 ROLES = ("system", "user", "assistant")
 END = "<|end|>"
 CHAT_TOKENS = (*(f"<|{role}|>" for role in ROLES), END)
+# the template in Jinja, for the exports: HF's apply_chat_template and llama.cpp's chat then lay a
+# conversation out in the same ids as turn_ids and chat_prompt below
+CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 
 @dataclass
@@ -42,6 +46,13 @@ def add_chat_tokens(model: GPT, tokenizer: Tokenizer) -> dict[str, int]:
 
 def is_chat_tokenizer(tokenizer: Tokenizer) -> bool:
     return all(name in tokenizer.special_tokens for name in CHAT_TOKENS)
+
+
+def chat_end_id(facts: dict) -> int | None:
+    """<|end|>'s id where a checkpoint's tokenizer facts hold the whole template (an
+    instruction-tuned model's), else None."""
+    special = facts.get("special_tokens") or {}
+    return special[END] if all(name in special for name in CHAT_TOKENS) else None
 
 
 # ----- files -----

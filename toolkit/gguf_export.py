@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from model import GPT
-from toolkit.chat import CHAT_TOKENS
+from toolkit.chat import CHAT_TEMPLATE, chat_end_id
 from toolkit.cli import CLIError
 from toolkit.files import atomic_write
 from toolkit.hf import gpt2_vocab_merges
@@ -42,8 +42,6 @@ LLAMA_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "se
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 GPT2_BLOCK = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
               "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
-CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
-                 "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 
 def spelled(data: bytes) -> str:
@@ -189,7 +187,7 @@ def add_vocabulary(writer, facts: dict) -> None:
     writer.add_eos_token_id(facts["eot_id"])
     writer.add_add_bos_token(False)  # this toolkit's models start at the text's first token
     writer.add_add_eos_token(False)
-    if all(name in (facts.get("special_tokens") or {}) for name in CHAT_TOKENS):
+    if chat_end_id(facts) is not None:
         writer.add_chat_template(CHAT_TEMPLATE)
 
 

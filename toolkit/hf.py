@@ -16,6 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from torch import nn
 
 from model import GPT, GPTConfig, check_config
+from toolkit.chat import CHAT_TEMPLATE, chat_end_id
 from toolkit.checkpoint import check_shape, read_weights
 from toolkit.device import check_memory
 from toolkit.cli import CLIError
@@ -160,8 +161,7 @@ def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> str:
     atomic_write(os.path.join(out_dir, "model.safetensors"),
                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     write_json(os.path.join(out_dir, "config.json"), hf)
-    write_json(os.path.join(out_dir, "generation_config.json"),
-               {"bos_token_id": eot_id, "eos_token_id": eot_id, "max_length": c.block_size})
+    write_generation_config(out_dir, tokenizer, c.block_size)
     if tokenizer != GPT2_FACTS:
         write_json(os.path.join(out_dir, TOKENIZER_FILE), tokenizer)
     if tokenizer.get("tokenizer") in ("gpt2", "bpe"):
@@ -192,11 +192,21 @@ def merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
     return parts[0], b"".join(parts[1:])
 
 
+def write_generation_config(out_dir: str, facts: dict, block_size: int) -> None:
+    """generation_config.json: generate() stops at the end-of-text token, and an instruction-tuned
+    model's also at <|end|>, the end of its turn (as Llama 3's lists <|eot_id|>)."""
+    eot_id, end_id = facts.get("eot_id"), chat_end_id(facts)
+    write_json(os.path.join(out_dir, "generation_config.json"), {
+        "bos_token_id": eot_id, "eos_token_id": eot_id if end_id is None else [eot_id, end_id],
+        "max_length": block_size})
+
+
 def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
     """The tokenizer files of a GPT-2 or a trained BPE vocabulary, so that AutoTokenizer gives this
     toolkit's ids: tokenizer.json (the fast tokenizer) with the special tokens a fine-tuning added,
-    its configuration, and for GPT-2 also vocab.json and merges.txt rebuilt from tiktoken's ranks
-    (the slow GPT2Tokenizer reads those alone)."""
+    its configuration (with the chat template of an instruction-tuned model, for
+    apply_chat_template), and for GPT-2 also vocab.json and merges.txt rebuilt from tiktoken's
+    ranks (the slow GPT2Tokenizer reads those alone)."""
     special = facts.get("special_tokens") or {}  # GPT-1's start, ...: <|start|>; the chat template's are so named
     added = {EOT_TEXT: facts["eot_id"], **{name if name.startswith("<|") else f"<|{name}|>": i
                                            for name, i in special.items()}}
@@ -215,7 +225,8 @@ def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
         "tokenizer_class": tokenizer_class, "model_max_length": block_size, "add_prefix_space": False,
         "bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT,
         "added_tokens_decoder": {str(i): {"content": name, "special": True, "lstrip": False, "rstrip": False,
-                                          "normalized": False, "single_word": False} for name, i in added.items()}})
+                                          "normalized": False, "single_word": False} for name, i in added.items()},
+        **({"chat_template": CHAT_TEMPLATE} if chat_end_id(facts) is not None else {})})
     atomic_write(os.path.join(out_dir, "tokenizer.json"), bpe.save)
 
 

@@ -18,7 +18,7 @@ from toolkit.cli import CLIError
 from toolkit.device import check_memory
 from toolkit.documents import read_text
 from toolkit.files import atomic_write, read_json, write_json, write_text
-from toolkit.hf import NO_HF_TOKENIZER, TOKENIZER_FILE, write_tokenizer_files
+from toolkit.hf import NO_HF_TOKENIZER, TOKENIZER_FILE, write_generation_config, write_tokenizer_files
 from toolkit.tokenizers import Tokenizer
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # Qwen3: Llama with QK-norm
@@ -155,8 +155,7 @@ def save_llama(model: GPT, out_dir: str, tokenizer: dict) -> str:
     atomic_write(os.path.join(out_dir, "model.safetensors"),
                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     write_json(os.path.join(out_dir, "config.json"), hf)
-    write_json(os.path.join(out_dir, "generation_config.json"),
-               {"bos_token_id": eot_id, "eos_token_id": eot_id, "max_length": c.block_size})
+    write_generation_config(out_dir, tokenizer, c.block_size)
     name = f"an HF {ARCHITECTURES[model_type]} folder"
     if tokenizer.get("tokenizer") in ("gpt2", "bpe"):
         write_tokenizer_files(out_dir, tokenizer, c.block_size)
