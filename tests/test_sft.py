@@ -290,3 +290,4 @@ def test_the_hf_export_of_an_instruction_tuned_model_carries_the_template(family
     # generate() ends a reply at the turn's end, as test.py --chat does
     generation = transformers.GenerationConfig.from_pretrained(tmp_path)
     assert generation.eos_token_id == [tok.eot_id, special["<|end|>"]]
+    assert load_model(str(tmp_path))[1]["special_tokens"] == special  # the toolkit chats with it again

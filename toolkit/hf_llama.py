@@ -18,6 +18,7 @@ from toolkit.cli import CLIError
 from toolkit.device import check_memory
 from toolkit.documents import read_text
 from toolkit.files import atomic_write, read_json, write_json, write_text
+from toolkit.gpt2_vocab import GPT2_FACTS
 from toolkit.hf import NO_HF_TOKENIZER, TOKENIZER_FILE, write_generation_config, write_tokenizer_files
 from toolkit.tokenizers import Tokenizer
 
@@ -133,7 +134,8 @@ def hf_tensors(model: GPT) -> dict[str, torch.Tensor]:
 def save_llama(model: GPT, out_dir: str, tokenizer: dict) -> str:
     """An HF folder that transformers loads alone, offline, as the same model: config.json (Qwen3's
     layout with QK-norm, Llama's without), model.safetensors, generation_config.json, and the
-    tokenizer files of a GPT-2 or BPE vocabulary (tokenizer facts and a README for char and byte).
+    tokenizer files of a GPT-2 or BPE vocabulary (a README for char and byte), and the toolkit's
+    tokenizer facts where they are not GPT-2's own, as save_gpt2 writes them.
     Returns what it wrote, in words."""
     from safetensors.torch import save_file
 
@@ -157,9 +159,10 @@ def save_llama(model: GPT, out_dir: str, tokenizer: dict) -> str:
     write_json(os.path.join(out_dir, "config.json"), hf)
     write_generation_config(out_dir, tokenizer, c.block_size)
     name = f"an HF {ARCHITECTURES[model_type]} folder"
+    if tokenizer != GPT2_FACTS:  # read back as they are: special tokens (tokenizer.json's added
+        write_json(os.path.join(out_dir, TOKENIZER_FILE), tokenizer)  # tokens do not say which), char, byte
     if tokenizer.get("tokenizer") in ("gpt2", "bpe"):
         write_tokenizer_files(out_dir, tokenizer, c.block_size)
         return name
-    write_json(os.path.join(out_dir, TOKENIZER_FILE), tokenizer)
     write_text(os.path.join(out_dir, "README.md"), NO_HF_TOKENIZER.format(**tokenizer))
     return f"{name} (its {tokenizer['tokenizer']} tokenizer has no HF tokenizer: see its README.md)"
