@@ -130,7 +130,8 @@ def tune_command(args: argparse.Namespace) -> None:
 
 def add_encoding_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True,
-                   help="the encoder: a ckpt.pt, or an HF GPT-2 folder / cached name")
+                   help="the encoder: a ckpt.pt, or an HF GPT-2, Llama or Qwen3 folder / "
+                        "cached name")
     p.add_argument("--input", required=True,
                    help="a text file (one text per line), a .jsonl/.json file (one text per JSON "
                         "line) or a folder (one text per file); .gz/.bz2/.xz read")

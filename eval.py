@@ -7,15 +7,15 @@ lm-evaluation-harness tasks by name or from a task YAML, and the loss of prepare
     python eval.py --ckpt ckpt/ckpt.pt --data-dir data/pydoc_char             # val loss, ppl, bits per byte
 
 --ckpt is anything the toolkit reads: a ckpt.pt, a DeepSpeed checkpoint folder or its zero_to_fp32
-output, an HF GPT-2 folder or a cached hub name (GPT-2 itself: --ckpt gpt2). The text is tokenized
-with the model's own tokenizer. A .jsonl of {ctx, endings, label} lines (or HellaSwag's own
-activity_label, ctx_a, ctx_b) is scored exactly as the harness's `hellaswag` task scores its data,
-so both give the same acc and acc_norm (toolkit/evaluation.py); the harness's own tasks go through
-its API (toolkit/harness.py); toolkit/model_scores.py runs them all. --data-dir scores the val split
-of tokenizer.py's output in windows of the model's block size: its loss, perplexity and bits per
-byte (docs/data.md), which compare models of different tokenizers. The last line printed is one
-JSON object {task: {metric: value}}; --output writes the full results. Formats and metrics:
-docs/eval.md.
+output, an HF GPT-2, Llama or Qwen3 folder, or a cached hub name (GPT-2 itself: --ckpt gpt2). The
+text is tokenized with the model's own tokenizer. A .jsonl of {ctx, endings, label} lines (or
+HellaSwag's own activity_label, ctx_a, ctx_b) is scored exactly as the harness's `hellaswag` task
+scores its data, so both give the same acc and acc_norm (toolkit/evaluation.py); the harness's own
+tasks go through its API (toolkit/harness.py); toolkit/model_scores.py runs them all. --data-dir
+scores the val split of tokenizer.py's output in windows of the model's block size: its loss,
+perplexity and bits per byte (docs/data.md), which compare models of different tokenizers. The last
+line printed is one JSON object {task: {metric: value}}; --output writes the full results. Formats
+and metrics: docs/eval.md.
 """
 import json
 import os

@@ -10,12 +10,13 @@ GPT-1 did, or for instruction following (sft); every weight, or LoRA adapters wi
 Examples are JSON lines (schemas: docs/finetune.md); toolkit/tasks.py lays each task out in tokens
 and holds the head, toolkit/finetuning.py trains it through the loop of toolkit/training.py.
 --init-from is anything the toolkit reads: a ckpt.pt, a DeepSpeed checkpoint folder (or the
-zero_to_fp32 output inside it), an HF GPT-2 folder or cached name. The loss is the task's plus
---lm-weight times the language-model loss on the same inputs. After every epoch the validation
-file is scored, and the best epoch's model is kept as OUT_DIR/ckpt.pt (train.py's format plus the
-head and the task; test.py samples from it). --predict labels a file with a fine-tuned checkpoint:
-the one given as --init-from, or after training the one just written. The last line printed is one
-JSON object: the best epoch's validation metrics (or, for --predict alone, what was written).
+zero_to_fp32 output inside it), an HF GPT-2, Llama or Qwen3 folder or a cached name. The loss is the
+task's plus --lm-weight times the language-model loss on the same inputs. After every epoch the
+validation file is scored, and the best epoch's model is kept as OUT_DIR/ckpt.pt (train.py's format
+plus the head and the task; test.py samples from it). --predict labels a file with a fine-tuned
+checkpoint: the one given as --init-from, or after training the one just written. The last line
+printed is one JSON object: the best epoch's validation metrics (or, for --predict alone, what was
+written).
 --batch-size is per process and --grad-accum counts micro-batches over all processes, as in
 train.py, so N processes train like one with the same global batch. sft learns the assistant turns
 of conversations through toolkit/chat.py's template (test.py --chat talks to the result);

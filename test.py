@@ -18,8 +18,8 @@ from toolkit.tokenizers import load_tokenizer
 def main(argv: list[str] | None = None) -> None:
     parser = cli.argument_parser(__doc__)
     parser.add_argument("--ckpt", default="ckpt/ckpt.pt",
-                        help="checkpoint file or folder, or an HF GPT-2 folder / cached name "
-                             "(default: ckpt/ckpt.pt)")
+                        help="checkpoint file or folder, or an HF GPT-2, Llama or Qwen3 folder / "
+                             "cached name (default: ckpt/ckpt.pt)")
     add_export_arguments(parser)
     add_sampling_arguments(parser)
     args = parser.parse_args(argv)

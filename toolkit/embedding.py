@@ -102,7 +102,7 @@ def encode(model: GPT, token_lists: list[list[int]], pooling: str, batch_size: i
 # ----- the encoder, and texts as token chunks -----
 
 def load_encoder(path: str, device: torch.device) -> tuple[GPT, Tokenizer, dict]:
-    """(model in eval mode on device, tokenizer, its facts) of a ckpt.pt or an HF GPT-2 folder."""
+    """(model in eval mode on device, tokenizer, its facts) of a ckpt.pt or an HF folder."""
     model, facts = load_model(path)
     return model.to(device).eval(), load_tokenizer(facts), facts
 
@@ -198,8 +198,8 @@ def top_k(vectors: np.ndarray, queries: torch.Tensor, k: int,
 @dataclass(frozen=True)
 class TuneConfig(RunConfig):
     """embed.py tune's options: the trainers' (RunConfig), with its own defaults for some."""
-    ckpt: str = option(None, "the model to tune: a ckpt.pt, or an HF GPT-2 folder / cached name",
-                       required=True)
+    ckpt: str = option(None, "the model to tune: a ckpt.pt, or an HF GPT-2, Llama or Qwen3 "
+                             "folder / cached name", required=True)
     input: str | None = option(None, "documents to learn from, read as index's --input: two random spans of "
                                      "one document are a positive pair, the other documents of the batch its "
                                      "negatives (Contriever); no labels needed")

@@ -45,7 +45,8 @@ class FinetuneConfig(RunConfig):
     labels: str = option("class", "class: labels are classes; float: similarity scores, learnt by "
                                   "regression", choices=["class", "float"])
     init_from: str = option("ckpt/ckpt.pt", "pretrained model: a ckpt.pt, a DeepSpeed folder or "
-                                            "its zero_to_fp32 output, an HF GPT-2 folder; resume: "
+                                            "its zero_to_fp32 output, an HF GPT-2, Llama or Qwen3 "
+                                            "folder; resume: "
                                             "continue the interrupted fine-tuning in OUT_DIR; with "
                                             "--predict alone, a fine-tuned ckpt.pt")
     predict: str | None = option(None, "examples to label with the fine-tuned model (JSON lines, "
