@@ -343,7 +343,8 @@ def bad_inputs(tmp_path) -> dict:
         "empty": (["--input", str(tmp_path / "empty.jsonl")], ["no non-empty documents"]),
         "non-utf8": (["--input", str(tmp_path / "latin1.txt")], ["latin1.txt", "byte offset 17", "--errors replace"]),
         "bad-json": (["--input", str(tmp_path / "bad.jsonl")], ["bad.jsonl line 3001", "--skip-bad-lines"]),
-        "no-key": (["--input", str(tmp_path / "nokey.jsonl")], ["nokey.jsonl line 2", "'text'"]),
+        "no-key": (["--input", str(tmp_path / "nokey.jsonl")],
+                   ["nokey.jsonl line 2", "no string 'text' key (its string keys: content)"]),
     }
 
 

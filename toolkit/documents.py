@@ -203,7 +203,7 @@ def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
             try:
                 value = parse_json(text, f"{path} line {number}")
                 if not (isinstance(value, dict) and isinstance(value.get(key), str)):
-                    raise CLIError(f"{path} line {number}: no string {key!r} key")
+                    raise missing_key(f"{path} line {number}", key, value)
             except CLIError as e:
                 if not skip_bad_lines:
                     raise CLIError(f"{e}; use --skip-bad-lines to go on (or --json-key)") from None
@@ -315,8 +315,15 @@ def json_records(path: str, keys: tuple[str, ...]) -> Iterator[tuple[int, dict]]
             raise CLIError(f"{path} line {number}: expected a JSON object")
         for key in keys:
             if not isinstance(record.get(key), str):
-                raise CLIError(f"{path} line {number}: no string {key!r} key")
+                raise missing_key(f"{path} line {number}", key, record)
         yield number, record
+
+
+def missing_key(where: str, key: str, value) -> CLIError:
+    """A JSON line without a string under key, naming the string keys it has instead."""
+    found = [k for k, v in value.items() if isinstance(v, str)] if isinstance(value, dict) else []
+    listed = f" (its string keys: {', '.join(found)})" if found else ""
+    return CLIError(f"{where}: no string {key!r} key{listed}")
 
 
 def record_id(path: str, number: int, value) -> str:
