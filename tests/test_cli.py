@@ -33,6 +33,22 @@ def test_megatron_save_is_not_taken_for_save_interval():
     assert cfg.out_dir == "ckpt_dir" and cfg.save_interval == 0 and "save_interval" not in explicit
 
 
+def test_underscore_spellings_are_the_kebab_case_flags():
+    """nanoGPT's --max_iters=7 (HF's and torchrun's parsers take both spellings too)."""
+    from toolkit import cli
+    from toolkit.train_config import parse_config
+    cfg, explicit, _ = parse_config(["--max_iters=7", "--data_dir", "x"])
+    assert (cfg.max_iters, cfg.data_dir) == (7, "x") and {"max_iters", "data_dir"} <= explicit
+    parser = cli.argument_parser(None)
+    parser.add_argument("--deepspeed_config")  # a library's own underscore flag stays its own
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("words", nargs="*")
+    args = parser.parse_args(["--deepspeed_config", "ds.json", "--top_k=3", "--", "--top_k"])
+    assert (args.deepspeed_config, args.top_k, args.words) == ("ds.json", 3, ["--top_k"])
+    misspelt = run_main("train.py", "--max_itrs=3")
+    assert misspelt.returncode == 2 and "unrecognized arguments: --max_itrs=3" in misspelt.stderr
+
+
 def test_sampling_imports_neither_the_training_core_nor_deepspeed():
     code = ("import runpy, sys; runpy.run_path('test.py', run_name='sampling'); "
             "print(sorted(m for m in ('toolkit.training', 'toolkit.pretraining', 'deepspeed') if m in sys.modules))")

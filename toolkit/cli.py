@@ -31,10 +31,26 @@ def at_end(action: Callable[[], None]) -> None:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser, whose usage errors are one line too: `error: ... (see --help)`, exit 2."""
+    """argparse's parser, whose usage errors are one line too: `error: ... (see --help)`, exit 2;
+    --max_iters (nanoGPT's spelling, which HF's and torchrun's parsers also take) is --max-iters."""
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        end = args.index("--") if "--" in args else len(args)  # after "--", every word is a value
+        return super().parse_known_args([self.dashed(a) for a in args[:end]] + args[end:], namespace)
+
+    def dashed(self, arg: str) -> str:
+        """arg with its flag's underscores as dashes, where only the dashed flag is an option here
+        (DeepSpeed's --deepspeed_config stays as it is)."""
+        flag, equals, value = arg.partition("=")
+        dashed = flag.replace("_", "-")
+        known = self._option_string_actions
+        if flag.startswith("--") and flag not in known and dashed in known:
+            return dashed + equals + value
+        return arg
 
 
 def argument_parser(description: str | None) -> ArgumentParser:

@@ -17,7 +17,7 @@ import math
 import os
 from dataclasses import field, fields
 
-from toolkit.cli import CLIError
+from toolkit.cli import ArgumentParser, CLIError
 from toolkit.files import read_json
 
 # check name -> (test, what the value must be)
@@ -94,7 +94,7 @@ def given(config_class: type, argv: list[str] | None, aliases: dict[str, list[st
           overrides: dict[str, dict | None] | None = None) -> set[str]:
     """The fields whose flags (or aliases) appear in argv: the values the user chose, which a
     resumed checkpoint does not override."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser = ArgumentParser(add_help=False, allow_abbrev=False)  # the same spellings as the script's
     add_flags(parser, config_class, aliases, argument_default=argparse.SUPPRESS, overrides=overrides)
     return set(vars(parser.parse_known_args(argv)[0]))
 
