@@ -48,8 +48,9 @@ def test_streams_samples_with_prompt(char_ckpt):
 def test_same_seed_same_samples_and_prompt_from_file(char_ckpt, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("import os\n")
-    runs = [run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, flag, f"FILE:{prompt}", "--seed", "7")
-            for flag in ("--prompt", "--start")]  # --start: nanoGPT's name
+    # --start: nanoGPT's name; the run's folder stands for its ckpt.pt, as nanoGPT's --out_dir does
+    runs = [run_main("test.py", "--ckpt", ckpt, *SAMPLE, flag, f"FILE:{prompt}", "--seed", "7")
+            for ckpt, flag in ((char_ckpt, "--prompt"), (char_ckpt.parent, "--start"))]
     assert runs[0].returncode == 0, runs[0].stderr
     assert runs[0].stdout == runs[1].stdout and runs[0].stdout.startswith("import os\n")
 

@@ -1,8 +1,9 @@
-"""Every model a script can start from, read by one function: a ckpt.pt (pretrained or fine-tuned),
-a DeepSpeed checkpoint folder (OUT_DIR, OUT_DIR/ds, a global_stepN folder, or the zero_to_fp32
-output inside it), an HF folder of GPT-2, Llama or Qwen3, or a GPT-2 hub name found in the local
-Hugging Face cache; a LoRA checkpoint is read as its base with the adapters merged in. And the
-exports the scripts share: an HF folder, for either family, and a GGUF file (toolkit/gguf_export.py).
+"""Every model a script can start from, read by one function: a ckpt.pt (pretrained or fine-tuned, or
+the --out-dir that holds it), a DeepSpeed checkpoint folder (OUT_DIR, OUT_DIR/ds, a global_stepN
+folder, or the zero_to_fp32 output inside it), an HF folder of GPT-2, Llama or Qwen3, or a GPT-2 hub
+name found in the local Hugging Face cache; a LoRA checkpoint is read as its base with the adapters
+merged in. And the exports the scripts share: an HF folder, for either family, and a GGUF file
+(toolkit/gguf_export.py).
 
     model, facts = load_model("ckpt/ckpt.pt")     # the GPT and its tokenizer facts (load_tokenizer(facts))
     save_hf(model, "out-dir", facts)              # GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM
@@ -12,7 +13,7 @@ import os
 
 from model import GPT
 from toolkit import gguf_export, hf, hf_llama, lora
-from toolkit.checkpoint import load_checkpoint, model_from_checkpoint, usable_config
+from toolkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, model_from_checkpoint, usable_config
 from toolkit.cli import CLIError
 from toolkit.files import check_output, replace_folder
 from toolkit.ds_checkpoint import is_deepspeed_folder, load_deepspeed_model
@@ -38,6 +39,8 @@ def load_model(path: str, **overrides) -> tuple[GPT, dict]:
     if is_deepspeed_source(path):
         model, state, _ = load_deepspeed_model(path, **overrides)
         return model, state["tokenizer"]
+    if os.path.isfile(os.path.join(path, CHECKPOINT_FILE)):  # a run's --out-dir (nanoGPT's sample.py reads one)
+        path = os.path.join(path, CHECKPOINT_FILE)
     if is_hf_source(path) and hf_llama.is_llama_folder(path):
         return hf_llama.load_llama(path, **overrides)
     if is_hf_source(path):
