@@ -159,8 +159,9 @@ def save_llama(model: GPT, out_dir: str, tokenizer: dict) -> str:
     write_json(os.path.join(out_dir, "config.json"), hf)
     write_generation_config(out_dir, tokenizer, c.block_size)
     name = f"an HF {ARCHITECTURES[model_type]} folder"
-    if tokenizer != GPT2_FACTS:  # read back as they are: special tokens (tokenizer.json's added
-        write_json(os.path.join(out_dir, TOKENIZER_FILE), tokenizer)  # tokens do not say which), char, byte
+    # read back as they are: special tokens (tokenizer.json's added tokens do not say which), char, byte
+    if tokenizer != GPT2_FACTS:
+        write_json(os.path.join(out_dir, TOKENIZER_FILE), tokenizer)
     if tokenizer.get("tokenizer") in ("gpt2", "bpe"):
         write_tokenizer_files(out_dir, tokenizer, c.block_size)
         return name

@@ -39,7 +39,7 @@ def load_model(path: str, **overrides) -> tuple[GPT, dict]:
     if is_deepspeed_source(path):
         model, state, _ = load_deepspeed_model(path, **overrides)
         return model, state["tokenizer"]
-    if os.path.isfile(os.path.join(path, CHECKPOINT_FILE)):  # a run's --out-dir (nanoGPT's sample.py reads one)
+    if os.path.isfile(os.path.join(path, CHECKPOINT_FILE)):  # a run's --out-dir, as nanoGPT samples
         path = os.path.join(path, CHECKPOINT_FILE)
     if is_hf_source(path) and hf_llama.is_llama_folder(path):
         return hf_llama.load_llama(path, **overrides)
