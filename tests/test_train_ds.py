@@ -82,6 +82,7 @@ def test_zero3_offload_trains_converts_and_samples(zero3_run, tmp_path):
     assert "global batch: 4 micro x 2 accumulation x 2 processes = 16 sequences" in result.stdout
     port = result.args[result.args.index("--master_port") + 1]
     assert "shm_comm" not in result.stdout + result.stderr  # DeepSpeed's shared-memory all-reduce: not built
+    assert "FutureWarning" not in result.stdout + result.stderr  # torch's renamed collectives, once a rank
     if os.path.isdir("/dev/shm"):  # nor its buffers left behind
         assert not [name for name in os.listdir("/dev/shm") if f"_127.0.0.1_{port}_" in name]
     state = train_state(out)

@@ -14,6 +14,7 @@ import datetime
 import functools
 import os
 import shutil
+import warnings
 from dataclasses import replace
 
 import cpuinfo
@@ -34,6 +35,10 @@ from toolkit.optim import decay_groups
 from toolkit.model_parallel import Layout, autotp_config, check_layout, estimate_memory, pipeline_module
 from toolkit.megatron import grad_accum_for
 from toolkit.train_config import TrainConfig, apply_preset, family_defaults, settle_optimizer
+
+# DeepSpeed's ZeRO-3 calls collectives that torch renamed; each rank's log would repeat torch's notice
+warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is "
+                        "deprecated", FutureWarning)
 
 # Values that both the flags and the DeepSpeed config can set: (flags, config key, the config value
 # the flags give for W processes, the flag values a config value gives). --grad-accum counts
