@@ -7,10 +7,13 @@ import json
 import lzma
 import os
 import resource
+import shutil
 import signal
 import struct
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -410,14 +413,22 @@ def limit_file_size():
     resource.setrlimit(resource.RLIMIT_FSIZE, (4000, 4000))
 
 
-def test_a_write_that_fails_names_the_output_and_leaves_nothing(tmp_path):
-    """The file size limit stands in for a full disk (the limit of a process: a process of its own)."""
+@pytest.mark.parametrize("filesystem", ["tmp", "tmpfs"])
+def test_a_write_that_fails_names_the_output_and_leaves_nothing(tmp_path, filesystem):
+    """The file size limit stands in for a full disk (the limit of a process: a process of its own);
+    on tmpfs too, whose folders' sizes are no block."""
+    if filesystem == "tmpfs" and not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
     src = write_jsonl(tmp_path / "a.jsonl", [f"document {i} " * 20 for i in range(200)])
-    out = tmp_path / "out"
-    result = subprocess.run([sys.executable, SCRIPT, "--input", src, "--tokenizer", "byte", "--output-dir", str(out)],
-                            capture_output=True, text=True, timeout=120, preexec_fn=limit_file_size)
-    assert_one_error_line(result, f"cannot write {out}", "file size limit", "nothing was replaced")
-    assert os.listdir(out) == []
+    out = tmp_path / "out" if filesystem == "tmp" else Path(tempfile.mkdtemp(dir="/dev/shm")) / "out"
+    try:
+        result = subprocess.run([sys.executable, SCRIPT, "--input", src, "--tokenizer", "byte", "--output-dir",
+                                 str(out)], capture_output=True, text=True, timeout=120, preexec_fn=limit_file_size)
+        assert_one_error_line(result, f"cannot write {out}", "file size limit", "nothing was replaced")
+        assert os.listdir(out) == []
+    finally:
+        if filesystem == "tmpfs":
+            shutil.rmtree(out.parent)
 
 
 def test_a_full_disk_is_said_in_words():

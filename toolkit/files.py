@@ -81,9 +81,10 @@ def write_error(path: str, error: Exception, tmp: str | None = None) -> CLIError
 
 
 def _why_write_failed(error: Exception, tmp: str) -> str:
-    written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+    written = os.path.getsize(tmp) if os.path.isfile(tmp) else 0
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if resource else None
-    if limit not in (None, getattr(resource, "RLIM_INFINITY", None)) and written >= limit:
+    too_large = isinstance(error, OSError) and error.errno == errno.EFBIG  # what a write past the limit gets
+    if limit not in (None, getattr(resource, "RLIM_INFINITY", None)) and (too_large or written >= limit):
         return f"the file size limit of {limit:,} bytes was reached (ulimit -f)"
     folder = os.path.dirname(os.path.abspath(tmp))
     while not os.path.isdir(folder):  # the nearest folder that exists holds the space
