@@ -27,9 +27,12 @@ def write_inputs(folder) -> dict[str, object]:
     """ROWS (with an id column beside the text) in every container tokenizer.py reads."""
     table = pa.table({"id": list(range(len(ROWS))), "text": ROWS})
     inputs = {"jsonl": folder / "rows.jsonl", "parquet": folder / "rows.parquet", "arrow": folder / "rows.arrow",
-              "arrow stream": folder / "stream.arrow", "datasets": folder / "saved", "zst": folder / "rows.jsonl.zst"}
+              "arrow stream": folder / "stream.arrow", "datasets": folder / "saved", "zst": folder / "rows.jsonl.zst",
+              "json array": folder / "rows.json"}
     lines = "".join(json.dumps({"id": i, "text": t}, ensure_ascii=False) + "\n" for i, t in enumerate(ROWS))
     inputs["jsonl"].write_text(lines)
+    inputs["json array"].write_text(json.dumps([{"id": i, "text": t} for i, t in enumerate(ROWS)], indent=1,
+                                               ensure_ascii=False))  # as alpaca_data.json is laid out
     pq.write_table(table, inputs["parquet"], row_group_size=7)
     assert pq.ParquetFile(inputs["parquet"]).num_row_groups == 9  # several row groups, read one at a time
     with pa.ipc.new_file(inputs["arrow"], table.schema) as writer:

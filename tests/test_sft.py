@@ -14,7 +14,7 @@ import transformers
 from conftest import ROOT, assert_one_line_error, gguf_logits, rel_err, run_main, run_script
 from model import GPT, GPTConfig
 from toolkit import lora
-from toolkit.chat import (CHAT_TOKENS, add_chat_tokens, chat_prompt, encode_conversation,
+from toolkit.chat import (CHAT_TOKENS, add_chat_tokens, chat_prompt, encode_conversation, messages_of,
                           encode_conversations, fit_history, pad_conversations)
 from toolkit.checkpoint import load_checkpoint
 from toolkit.distributed import free_port
@@ -253,6 +253,33 @@ def test_two_processes_instruction_tune_like_one(pretrained, chats, tmp_path):
     adapters = [load_checkpoint(str(tmp_path / run / "ckpt.pt"))["adapters"] for run in ("one", "two")]
     for key in adapters[0]:
         torch.testing.assert_close(adapters[0][key], adapters[1][key], atol=1e-4, rtol=0)
+
+
+def test_alpaca_and_sharegpt_files_train_as_their_messages_do(pretrained, chats, tmp_path):
+    """LLaMA-Factory's two layouts (most Chinese instruction sets), alpaca's as one JSON array."""
+    train, val = chats
+    layouts = {"alpaca": lambda m: {"instruction": m[0]["content"], "input": "", "output": m[1]["content"]},
+               "sharegpt": lambda m: {"conversations": [{"from": "human", "value": m[0]["content"]},
+                                                        {"from": "gpt", "value": m[1]["content"]}]}}
+    args = ["--task", "sft", "--val", val, "--init-from", pretrained, *FAST]
+    reports = {"messages": ok(run_main("finetune.py", *args, "--train", train, "--out-dir", tmp_path / "m", env=ENV))}
+    records = [json.loads(line)["messages"] for line in open(train)]
+    for name, layout in layouts.items():
+        path = tmp_path / f"{name}.json"
+        if name == "alpaca":
+            path.write_text(json.dumps([layout(m) for m in records], indent=2, ensure_ascii=False))
+        else:
+            path.write_text("".join(json.dumps(layout(m)) + "\n" for m in records))
+        reports[name] = ok(run_main("finetune.py", *args, "--train", path, "--out-dir", tmp_path / name, env=ENV))
+    assert reports["alpaca"] == reports["sharegpt"] == reports["messages"]
+    alpaca = {"system": "简短回答。", "instruction": "翻译成英文", "input": "数据放在哪里？",
+              "output": "Where is the data?"}
+    assert messages_of(alpaca) == [{"role": "system", "content": "简短回答。"},
+                                   {"role": "user", "content": "翻译成英文\n数据放在哪里？"},
+                                   {"role": "assistant", "content": "Where is the data?"}]
+    (tmp_path / "bad.json").write_text(json.dumps([alpaca, {"instruction": "no output"}], indent=2))
+    assert_one_line_error(run_main("finetune.py", *args, "--train", tmp_path / "bad.json", "--out-dir",
+                                   tmp_path / "bad"), f"{tmp_path / 'bad.json'} line 8: expected")
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -57,18 +57,22 @@ def chat_end_id(facts: dict) -> int | None:
 
 # ----- files -----
 
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
+                  "assistant": "assistant"}
+
+
 def messages_of(record) -> list[dict]:
-    """The messages of one line: {"messages": [{"role", "content"}, ...]} or the shorthand
-    {"prompt", "response"} (a user turn and the assistant's answer); a problem is a ValueError
-    saying what is wrong."""
-    is_object = isinstance(record, dict)
-    if is_object and "messages" not in record and {"prompt", "response"} <= record.keys():
-        record = {"messages": [{"role": "user", "content": record["prompt"]},
-                               {"role": "assistant", "content": record["response"]}]}
-    has_messages = is_object and isinstance(record.get("messages"), list) and record["messages"]
-    if not has_messages:
-        raise ValueError('expected {"messages": [{"role": ..., "content": ...}, ...]} or '
-                         '{"prompt": ..., "response": ...}')
+    """The messages of one record: {"messages": [{"role", "content"}, ...]}, or one of the layouts
+    of LLaMA-Factory's datasets (most Chinese ones): {"prompt", "response"}, alpaca's
+    {"instruction", "input" (optional: it follows the instruction after a line break), "output"}
+    with an optional "system", or ShareGPT's {"conversations": [{"from": "human"|"gpt"|"system",
+    "value"}, ...]}; a problem is a ValueError saying what is wrong."""
+    record = as_messages(record) if isinstance(record, dict) else record
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not (isinstance(messages, list) and messages):
+        raise ValueError('expected {"messages": [{"role": ..., "content": ...}, ...]}, {"prompt": '
+                         '..., "response": ...}, alpaca\'s {"instruction": ..., "output": ...} or '
+                         'ShareGPT\'s {"conversations": [{"from": ..., "value": ...}, ...]}')
     for i, message in enumerate(record["messages"]):
         is_message = isinstance(message, dict) and {"role", "content"} <= message.keys()
         if not is_message:
@@ -83,8 +87,34 @@ def messages_of(record) -> list[dict]:
     return record["messages"]
 
 
+def as_messages(record: dict) -> dict:
+    """A record of another layout as {"messages": [...]} (left as it is when it is none of them)."""
+    if "messages" in record:
+        return record
+    system = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+    if {"prompt", "response"} <= record.keys():
+        turns = [{"role": "user", "content": record["prompt"]},
+                 {"role": "assistant", "content": record["response"]}]
+    elif {"instruction", "output"} <= record.keys():
+        question, extra = record["instruction"], record.get("input") or ""
+        if not isinstance(extra, str):
+            raise ValueError('"input" is not a string')
+        if extra and isinstance(question, str):
+            question = f"{question}\n{extra}"
+        turns = [{"role": "user", "content": question},
+                 {"role": "assistant", "content": record["output"]}]
+    elif isinstance(record.get("conversations"), list):
+        turns = [{"role": SHAREGPT_ROLES.get(t.get("from"), t.get("from")),
+                  "content": t.get("value")} if isinstance(t, dict) else t
+                 for t in record["conversations"]]
+    else:
+        return record
+    return {"messages": system + turns}
+
+
 def read_conversations(path: str) -> list[tuple[int, list[dict]]]:
-    """(line number, messages) of each non-blank JSON line; a problem names the file and line."""
+    """(line number, messages) of each non-blank JSON line (or item of one JSON array); a problem
+    names the file and line."""
     conversations = []
     for number, record in json_lines(path):
         try:

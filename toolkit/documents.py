@@ -1,16 +1,19 @@
-"""Reading documents: a plain text file is one document, and so is a JSON line, or a row of a
-parquet or arrow file (the text under --json-key); folders are walked in a fixed order, and one that
-HF `datasets` wrote (save_to_disk) is read as its arrow files; .gz, .bz2, .xz and .zst files are
-decompressed on the fly. The same rows give the same documents whatever holds them. tokenizer.py
-streams its input from here (read_documents); embed.py reads a corpus of texts with ids (read_corpus).
+"""Reading documents: a plain text file is one document, and so is a JSON line (or an item of a .json
+file that holds one JSON array), or a row of a parquet or arrow file (the text under --json-key);
+folders are walked in a fixed order, and one that HF `datasets` wrote (save_to_disk) is read as its
+arrow files; .gz, .bz2, .xz and .zst files are decompressed on the fly. The same rows give the same
+documents whatever holds them. tokenizer.py streams its input from here (read_documents); embed.py
+reads a corpus of texts with ids (read_corpus).
 """
 import bz2
 import codecs
 import fnmatch
 import gzip
 import io
+import json
 import lzma
 import os
+import re
 import zlib
 from collections import Counter
 from collections.abc import Iterator
@@ -69,6 +72,7 @@ BLOCK = 1 << 24  # a text file is read and decoded 16 MB at a time
 RECORD_LIMIT = 1 << 28  # the bytes of one JSON line (a record, held whole to parse it): 256 MiB
 UNCUT_LIMIT = 1 << 26  # the characters of text with no place where the tokenizers split (CUT): 64 Mi
 JSON_SUFFIXES = (".jsonl", ".json")
+BETWEEN_ITEMS = re.compile(r"[\s,]*")  # of a JSON array
 # what reading a (compressed) file raises when it is unreadable, corrupt or cut short
 READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError)
 
@@ -200,17 +204,45 @@ def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
             del line  # a single huge record: its bytes go before its text is tokenized
             if text.isspace() or not text:
                 continue
+            if text.lstrip().startswith("["):  # one JSON array, not JSON lines
+                yield from array_documents(path, key, skip_bad_lines, stats)
+                return
+            where = f"{path} line {number}"
             try:
-                value = parse_json(text, f"{path} line {number}")
-                if not (isinstance(value, dict) and isinstance(value.get(key), str)):
-                    raise missing_key(f"{path} line {number}", key, value)
+                document = document_text(parse_json(text, where), key, where)
             except CLIError as e:
-                if not skip_bad_lines:
-                    raise CLIError(f"{e}; use --skip-bad-lines to go on (or --json-key)") from None
-                stats.bad_lines += 1
+                skip_or_raise(e, skip_bad_lines, stats)
                 continue
             del text
-            yield [value.pop(key)], size
+            yield [document], size
+
+
+def array_documents(path: str, key: str, skip_bad_lines: bool,
+                    stats: ReadStats) -> Iterator[tuple[list[str], int]]:
+    """json_documents' for a file of one JSON array (json_array), each item an equal share of its
+    bytes."""
+    items = list(json_array(path))
+    share = os.path.getsize(path) // max(1, len(items))
+    for number, value in items:
+        try:
+            yield [document_text(value, key, f"{path} line {number}")], share
+        except CLIError as e:
+            skip_or_raise(e, skip_bad_lines, stats)
+
+
+def document_text(value, key: str, where: str) -> str:
+    """The string under key of a JSON object, taken out of it (its memory goes with the
+    document)."""
+    if not (isinstance(value, dict) and isinstance(value.get(key), str)):
+        raise missing_key(where, key, value)
+    return value.pop(key)
+
+
+def skip_or_raise(error: CLIError, skip_bad_lines: bool, stats: ReadStats) -> None:
+    """A bad record is counted with --skip-bad-lines, else it stops the run."""
+    if not skip_bad_lines:
+        raise CLIError(f"{error}; use --skip-bad-lines to go on (or --json-key)") from None
+    stats.bad_lines += 1
 
 
 def text_pieces(f, path: str, errors: str) -> tuple[list[str], int]:
@@ -287,11 +319,33 @@ def read_lines(path: str) -> Iterator[tuple[int, str]]:
 
 
 def json_lines(path: str) -> Iterator[tuple[int, object]]:
-    """(line number, value) of every non-blank line of a JSON-lines file; a line that is not JSON is
-    a one-line error naming the file and the line."""
+    """(line number, value) of every non-blank line of a JSON-lines file, or of every item of a file
+    that holds one JSON array (json_array); a line that is not JSON is a one-line error naming the
+    file and the line."""
     for number, line in read_lines(path):
+        if line.lstrip().startswith("["):  # one array (alpaca_data.json), however it is laid out
+            yield from json_array(path)
+            return
         if line.strip():
             yield number, parse_json(line, f"{path} line {number}")
+
+
+def json_array(path: str) -> Iterator[tuple[int, object]]:
+    """(the line it starts on, value) of each item of a file that holds one JSON array, as HF
+    datasets' json loader reads it too; the whole file is read at once."""
+    text = read_text(path)
+    items = parse_json(text, path)
+    if not isinstance(items, list):
+        raise CLIError(f"{path}: expected JSON lines, or one JSON array")
+    # each item's first line, for the errors that name it: a walk over valid JSON, which cannot fail
+    opening = text.index("[")
+    decoder, end, line = json.JSONDecoder(), opening + 1, 1 + text.count("\n", 0, opening)
+    for item in items:
+        start = BETWEEN_ITEMS.match(text, end).end()
+        line += text.count("\n", end, start)
+        yield line, item
+        end = decoder.raw_decode(text, start)[1]
+        line += text.count("\n", start, end)
 
 
 # ----- a corpus of texts with ids (embed.py) -----
