@@ -331,6 +331,22 @@ def test_the_head_starts_fitted_to_the_pretrained_body(datasets, pretrained, tmp
     assert result["val_accuracy"] >= 0.8, result  # 0.97: the text's likelihood tells real from shuffled
 
 
+def test_without_val_a_share_of_train_is_held_out_from_the_seed(datasets, pretrained, tmp_path):
+    """As HF's validation_split_percentage: --val-fraction (0.1) of --train, the same on every run."""
+    from types import SimpleNamespace
+    from toolkit.batches import train_and_val
+    cfg = SimpleNamespace(train="t", val=None, val_fraction=0.1, seed=1337)
+    train, val = train_and_val(cfg, lambda path: list(range(100)))
+    assert len(val) == 10 and sorted(train + val) == list(range(100))
+    assert train_and_val(cfg, lambda path: list(range(100))) == (train, val)
+    assert train_and_val(SimpleNamespace(**{**vars(cfg), "seed": 1}), lambda path: list(range(100)))[1] != val
+    train_file, _ = datasets["classify"]
+    result = finetune("--task", "classify", "--train", train_file, "--init-from", pretrained, "--out-dir", tmp_path,
+                      "--epochs", "1", *FINETUNE)
+    assert f"validation: 64 of the 640 examples of {train_file} held out" in result.stdout
+    assert "576 train, 64 val examples" in result.stdout and ok(result)["val_accuracy"] > 0.5
+
+
 def test_similarity_regression_correlates_and_long_pairs_are_cut(datasets, pretrained, tmp_path):
     train, val = datasets["graded"]
     result = finetune("--task", "similarity", "--labels", "float", "--train", train, "--val", val,
@@ -463,6 +479,9 @@ def bad_input_cases(tmp_path, datasets, byte_model):
         "unseen label": (["--train", train, "--val", lines("v1.jsonl", json.dumps({"text": "abc", "label": "maybe"}))],
                          "v1.jsonl line 1: label 'maybe' never occurs in the training file"),
         "empty file": (["--train", lines("t3.jsonl"), "--val", val], "t3.jsonl has no examples"),
+        "too few to hold out": (["--train", lines("t4.jsonl", good[0])], "t4.jsonl has 1 examples, too few to hold"),
+        "nothing held out": (["--train", train, "--val-fraction", "0"], "--val-fraction 0 holds nothing out"),
+        "val without train": (["--val", val], "give --train too"),
         "another tokenizer": (["--train", train, "--val", lines("v2.jsonl", json.dumps({"text": "\u4e2d",
                                                                                         "label": "real"}))],
                               "v2.jsonl line 1: character '\u4e2d' is not in the char vocabulary"),
@@ -474,6 +493,7 @@ def bad_input_cases(tmp_path, datasets, byte_model):
 
 
 @pytest.mark.parametrize("case", ["unknown task", "missing field", "not JSON", "unseen label", "empty file",
+                                  "too few to hold out", "nothing held out", "val without train",
                                   "another tokenizer", "checkpoint unlike its tokenizer", "output over an input"])
 def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, datasets, random_body):
     byte_model = tmp_path / "byte.pt"  # a 100-token model that claims the 257-token byte tokenizer

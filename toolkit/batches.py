@@ -1,4 +1,5 @@
-"""Batches: random windows of a token stream for pretraining, epochs of examples for fine-tuning.
+"""Batches: random windows of a token stream for pretraining, epochs of examples for fine-tuning
+(and the examples held out of a training file to validate on, when there is no validation file).
 
     offsets = window_offsets(len(corpus.train), block_size, batch_size, seed, step=iter_num)
     x, y = get_batch(corpus.train, offsets, block_size, device)
@@ -7,6 +8,8 @@ Windows are drawn from (seed, step, stream) alone, so every run and every DDP ra
 global draw; each rank takes its own slice of it. An epoch's order of examples likewise comes from
 (seed, epoch) alone.
 """
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -64,3 +67,23 @@ def step_batches(step: int, n: int, cfg,
 def rank_share(n: int) -> np.ndarray:
     """The indices of this process's contiguous share of n items."""
     return np.array_split(np.arange(n), distributed.world_size())[distributed.rank()]
+
+
+def train_and_val(cfg, read: Callable[[str], list]) -> tuple[list, list]:
+    """The training and validation examples of a fine-tuning: read from cfg.train and cfg.val, or
+    without cfg.val a cfg.val_fraction share of cfg.train held out, drawn from cfg.seed alone (the
+    same on every rank and on resume), as HF's validation_split_percentage does."""
+    train = read(cfg.train)
+    if cfg.val:
+        return train, read(cfg.val)
+    held = max(1, round(len(train) * cfg.val_fraction))
+    if held >= len(train):
+        raise CLIError(f"{cfg.train} has {len(train)} examples, too few to hold {cfg.val_fraction:.0%} "
+                       "out for validation; give --val")
+    if distributed.rank() == 0:
+        print(f"validation: {held} of the {len(train)} examples of {cfg.train} held out (--val-fraction "
+              f"{cfg.val_fraction}; or give --val)")
+    chosen = np.random.Generator(np.random.PCG64([cfg.seed, len(train)])).permutation(len(train))[:held]
+    is_val = np.zeros(len(train), bool)
+    is_val[chosen] = True
+    return [x for x, v in zip(train, is_val) if not v], [x for x, v in zip(train, is_val) if v]

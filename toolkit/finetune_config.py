@@ -41,7 +41,9 @@ class FinetuneConfig(RunConfig):
     train: str | None = option(None, "training examples or conversations, JSON lines (schemas: "
                                      "docs/finetune.md)")
     val: str | None = option(None, "validation examples or conversations, JSON lines, scored after "
-                                   "every epoch")
+                                   "every epoch (default: --val-fraction of --train held out)")
+    val_fraction: float = option(0.1, "the share of --train held out for validation when no --val "
+                                      "is given", check="probability")
     labels: str = option("class", "class: labels are classes; float: similarity scores, learnt by "
                                   "regression", choices=["class", "float"])
     init_from: str = option("ckpt/ckpt.pt", "pretrained model: a ckpt.pt, a DeepSpeed folder or "
@@ -100,12 +102,15 @@ def check_config(cfg: FinetuneConfig) -> None:
     if merging and (training or predicting):
         raise CLIError("--merge-lora goes alone (with --out-dir): merge first, then fine-tune or "
                        "predict")
+    if cfg.val is not None and not training:
+        raise CLIError("--val is scored while fine-tuning on --train; give --train too")
     if not (training or predicting or merging):
-        raise CLIError("nothing to do: give --task, --train and --val to fine-tune, --predict and "
-                       "--out, or --merge-lora")
-    for a, b in (("train", "val"), ("predict", "out")):
-        if (getattr(cfg, a) is None) != (getattr(cfg, b) is None):
-            raise CLIError(f"--{a} and --{b} go together")
+        raise CLIError("nothing to do: give --task and --train to fine-tune, --predict and --out, "
+                       "or --merge-lora")
+    if training and cfg.val is None and cfg.val_fraction == 0:
+        raise CLIError("--val-fraction 0 holds nothing out of --train to validate on: give --val")
+    if (cfg.predict is None) != (cfg.out is None):
+        raise CLIError("--predict and --out go together")
     if training and cfg.task is None:
         raise CLIError(f"--task is required to fine-tune; choose from {', '.join(ALL_TASKS)}")
     if cfg.task == "sft" and predicting:

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 from model import GPT
 from toolkit import distributed, lora
-from toolkit.batches import epoch_batches, step_batches
+from toolkit.batches import epoch_batches, step_batches, train_and_val
 from toolkit.chat import add_chat_tokens
 from toolkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, run_state, save_checkpoint
 from toolkit.cli import CLIError
@@ -219,15 +219,15 @@ def task_objective(cfg: FinetuneConfig, body: GPT, facts: dict, tokenizer: Token
                    special: dict[str, int], device: torch.device,
                    dtype: torch.dtype) -> TaskObjective:
     """A GPT-1 task's examples, labels and head."""
-    train = read_records(cfg.train, cfg.task, labelled=True)
-    val = read_records(cfg.val, cfg.task, labelled=True)
+    train, val = train_and_val(cfg, lambda path: read_records(path, cfg.task, labelled=True))
+    val_file = cfg.val or cfg.train  # where the validation examples' lines are
     has_classes = cfg.labels == "class" and cfg.task != "choice"
     names = label_names(train, cfg.train) if has_classes else None
     block_size = body.config.block_size
     train_set = encode_records(train, cfg.train, cfg.task, tokenizer, special, block_size, names)
-    val_set = encode_records(val, cfg.val, cfg.task, tokenizer, special, block_size, names)
+    val_set = encode_records(val, val_file, cfg.task, tokenizer, special, block_size, names)
     model = TaskModel(body, cfg.task, len(names) if names else 1, cfg.head_dropout, special)
-    for path, examples in ((cfg.train, train_set), (cfg.val, val_set)):
+    for path, examples in ((cfg.train, train_set), (val_file, val_set)):
         cut = sum(e.truncated for e in examples)
         if cut and distributed.rank() == 0:
             print(f"{path}: {cut} of {len(examples)} examples cut to the block size of "

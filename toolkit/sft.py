@@ -9,7 +9,7 @@ from toolkit.chat import (Conversation, encode_conversations, pad_conversations,
                           trained_tokens)
 from toolkit.checkpoint import run_state
 from toolkit.cli import CLIError
-from toolkit.batches import epoch_batches, rank_share, step_batches
+from toolkit.batches import epoch_batches, rank_share, step_batches, train_and_val
 from toolkit.device import autocast, full_logits_fit
 from toolkit.config import RunConfig
 from toolkit.tokenizers import Tokenizer
@@ -74,12 +74,12 @@ class ChatObjective(Objective):
 
 def chat_objective(cfg: RunConfig, body: GPT, facts: dict, tokenizer: Tokenizer,
                    device: torch.device, dtype: torch.dtype) -> ChatObjective:
-    """Instruction tuning on cfg.train, evaluated on cfg.val: their conversations encoded and cut to
-    the body's block size (toolkit/chat.py's rule)."""
+    """Instruction tuning on cfg.train, evaluated on cfg.val (or a share held out of cfg.train):
+    their conversations encoded and cut to the body's block size (toolkit/chat.py's rule)."""
     block_size = body.config.block_size
+    train, val = train_and_val(cfg, read_conversations)
     sets = []
-    for path in (cfg.train, cfg.val):
-        conversations = read_conversations(path)
+    for path, conversations in ((cfg.train, train), (cfg.val or cfg.train, val)):
         kept, left_out = encode_conversations(conversations, tokenizer, block_size)
         cut = sum(c.cut for c in kept)
         if (cut or left_out) and distributed.rank() == 0:
