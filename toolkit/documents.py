@@ -190,6 +190,7 @@ def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
                    stats: ReadStats) -> Iterator[tuple[list[str], int]]:
     """([text], input bytes) of each JSON line: the string under key."""
     offset = number = 0
+    first = True
     with open_binary(path) as f:
         while line := f.readline(RECORD_LIMIT + 1):
             number += 1
@@ -204,9 +205,10 @@ def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
             del line  # a single huge record: its bytes go before its text is tokenized
             if text.isspace() or not text:
                 continue
-            if text.lstrip().startswith("["):  # one JSON array, not JSON lines
+            if first and text.lstrip().startswith("["):  # one JSON array, not JSON lines
                 yield from array_documents(path, key, skip_bad_lines, stats)
                 return
+            first = False
             where = f"{path} line {number}"
             try:
                 document = document_text(parse_json(text, where), key, where)
@@ -322,12 +324,12 @@ def json_lines(path: str) -> Iterator[tuple[int, object]]:
     """(line number, value) of every non-blank line of a JSON-lines file, or of every item of a file
     that holds one JSON array (json_array); a line that is not JSON is a one-line error naming the
     file and the line."""
-    for number, line in read_lines(path):
-        if line.lstrip().startswith("["):  # one array (alpaca_data.json), however it is laid out
+    lines = ((number, line) for number, line in read_lines(path) if line.strip())
+    for i, (number, line) in enumerate(lines):
+        if i == 0 and line.lstrip().startswith("["):  # one array (alpaca_data.json), however laid out
             yield from json_array(path)
             return
-        if line.strip():
-            yield number, parse_json(line, f"{path} line {number}")
+        yield number, parse_json(line, f"{path} line {number}")
 
 
 def json_array(path: str) -> Iterator[tuple[int, object]]:
