@@ -75,3 +75,15 @@ def test_a_folder_this_toolkit_cannot_run_is_one_line(tmp_path, tokenizer_json):
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     os.remove(tmp_path / "hf" / "tokenizer.json")
     assert_one_line_error(run_main("test.py", "--ckpt", folder, "--max-new-tokens", "3"), "no tokenizer.json")
+
+
+def test_chat_with_a_folder_of_its_own_template_says_what_to_do(tmp_path, tokenizer_json):
+    folder = hf_folder(tmp_path / "hf", tokenizer_json, "qwen3", tie=True)
+    chatml = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+              "{% endfor %}")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": chatml}))
+    result = run_main("test.py", "--ckpt", folder, "--chat", "--device", "cpu", input="hi\n")
+    assert_one_line_error(result, "comes with a chat template of its own", "finetune.py --task sft")
+    os.remove(tmp_path / "hf" / "tokenizer_config.json")  # a base model's folder
+    assert_one_line_error(run_main("test.py", "--ckpt", folder, "--chat", "--device", "cpu", input="hi\n"),
+                          "was never instruction-tuned")

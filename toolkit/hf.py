@@ -192,6 +192,19 @@ def merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
     return parts[0], b"".join(parts[1:])
 
 
+def has_own_chat_template(folder: str) -> bool:
+    """Whether an HF folder holds a chat template (Qwen3's, SmolLM's), in tokenizer_config.json or
+    in chat_template.jinja, as transformers writes it."""
+    if not os.path.isdir(folder) or os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
+        return False  # (this toolkit's own export: its template is in the tokenizer facts)
+    if os.path.isfile(os.path.join(folder, "chat_template.jinja")):
+        return True
+    try:
+        return "chat_template" in read_json(os.path.join(folder, "tokenizer_config.json"))
+    except CLIError:  # none, or not JSON
+        return False
+
+
 def write_generation_config(out_dir: str, facts: dict, block_size: int) -> None:
     """generation_config.json: generate() stops at the end-of-text token, and an instruction-tuned
     model's also at <|end|>, the end of its turn (as Llama 3's lists <|eot_id|>)."""

@@ -25,6 +25,7 @@ from toolkit.cli import CLIError
 from toolkit.device import autocast, check_attn_kernel, resolve_device, resolve_dtype
 from toolkit.documents import read_text
 from toolkit.files import atomic_open, check_output
+from toolkit.hf import has_own_chat_template
 from toolkit.signals import StopRequest
 from toolkit.tokenizers import Tokenizer
 
@@ -209,6 +210,10 @@ def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: s
     a failure leaves none."""
     if (args.chat or args.system) and not is_chat_tokenizer(tok):
         flag = "--chat" if args.chat else "--system"
+        if has_own_chat_template(source):
+            raise CLIError(f"{source} comes with a chat template of its own, which this toolkit does not "
+                           f"lay out for {flag}; continue text with --prompt, or instruction-tune it "
+                           "(finetune.py --task sft, which adds this toolkit's template)")
         raise CLIError(f"{source} was never instruction-tuned, so it has no chat template for "
                        f"{flag}; continue text with --prompt, or instruction-tune it first "
                        "(finetune.py --task sft)")
