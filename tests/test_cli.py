@@ -34,11 +34,13 @@ def test_megatron_save_is_not_taken_for_save_interval():
 
 
 def test_underscore_spellings_are_the_kebab_case_flags():
-    """nanoGPT's --max_iters=7 (HF's and torchrun's parsers take both spellings too)."""
+    """nanoGPT's --max_iters=7 and --compile=False (HF's and torchrun's parsers take both spellings
+    of a flag too)."""
     from toolkit import cli
     from toolkit.train_config import parse_config
-    cfg, explicit, _ = parse_config(["--max_iters=7", "--data_dir", "x"])
-    assert (cfg.max_iters, cfg.data_dir) == (7, "x") and {"max_iters", "data_dir"} <= explicit
+    cfg, explicit, _ = parse_config(["--max_iters=7", "--data_dir", "x", "--compile=False", "--bias=True"])
+    assert (cfg.max_iters, cfg.data_dir, cfg.compile, cfg.bias) == (7, "x", False, True)
+    assert {"max_iters", "data_dir", "compile", "bias"} <= explicit
     parser = cli.argument_parser(None)
     parser.add_argument("--deepspeed_config")  # a library's own underscore flag stays its own
     parser.add_argument("--top-k", type=int)

@@ -32,7 +32,8 @@ def at_end(action: Callable[[], None]) -> None:
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, whose usage errors are one line too: `error: ... (see --help)`, exit 2;
-    --max_iters (nanoGPT's spelling, which HF's and torchrun's parsers also take) is --max-iters."""
+    nanoGPT's spellings are read too: --max_iters (which HF's and torchrun's parsers also take) is
+    --max-iters, and --compile=False is --no-compile."""
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
@@ -44,13 +45,17 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def dashed(self, arg: str) -> str:
         """arg with its flag's underscores as dashes, where only the dashed flag is an option here
-        (DeepSpeed's --deepspeed_config stays as it is)."""
+        (DeepSpeed's --deepspeed_config stays as it is), and a switch's =True or =False as the
+        switch or its --no- form."""
         flag, equals, value = arg.partition("=")
-        dashed = flag.replace("_", "-")
         known = self._option_string_actions
-        if flag.startswith("--") and flag not in known and dashed in known:
-            return dashed + equals + value
-        return arg
+        if not flag.startswith("--"):
+            return arg
+        if flag not in known and flag.replace("_", "-") in known:
+            flag = flag.replace("_", "-")
+        if isinstance(known.get(flag), argparse.BooleanOptionalAction) and value in ("True", "False"):
+            return flag if value == "True" else "--no-" + flag[2:]
+        return flag + equals + value
 
 
 def argument_parser(description: str | None) -> ArgumentParser:
