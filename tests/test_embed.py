@@ -236,6 +236,17 @@ def test_json_lines_offsets_find_each_line_and_arrays_are_saved_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["offsets.npy", "records.jsonl"]  # no temporary left
 
 
+def test_a_json_array_corpus_numbers_its_items(tmp_path):
+    """A compact array (alpaca_data.json's kind, all on one line) ids its items by position."""
+    from toolkit.documents import read_corpus
+    rows = [{"text": "第一篇"}, {"text": "second"}, {"text": "third", "doc": "c"}]
+    (tmp_path / "one_line.json").write_text(json.dumps(rows, ensure_ascii=False))
+    documents = read_corpus(str(tmp_path / "one_line.json"), "text", "doc", "*.txt")
+    assert [(d.id, d.text) for d in documents] == [("1", "第一篇"), ("2", "second"), ("c", "third")]
+    (tmp_path / "lines.jsonl").write_text("\n" + "".join(json.dumps(r) + "\n" for r in rows))
+    assert [d.id for d in read_corpus(str(tmp_path / "lines.jsonl"), "text", "doc", "*.txt")] == ["2", "3", "c"]
+
+
 def test_every_command_that_encodes_offers_the_dtypes_of_the_other_scripts():
     for command in ("encode", "index", "tune"):
         help_text = embed_py(command, "--help")

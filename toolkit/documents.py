@@ -189,8 +189,10 @@ def invalid_utf8(path: str, offset: int, where: str = "") -> CLIError:
 def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
                    stats: ReadStats) -> Iterator[tuple[list[str], int]]:
     """([text], input bytes) of each JSON line: the string under key."""
+    if holds_json_array(path):
+        yield from array_documents(path, key, skip_bad_lines, stats)
+        return
     offset = number = 0
-    first = True
     with open_binary(path) as f:
         while line := f.readline(RECORD_LIMIT + 1):
             number += 1
@@ -205,10 +207,6 @@ def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
             del line  # a single huge record: its bytes go before its text is tokenized
             if text.isspace() or not text:
                 continue
-            if first and text.lstrip().startswith("["):  # one JSON array, not JSON lines
-                yield from array_documents(path, key, skip_bad_lines, stats)
-                return
-            first = False
             where = f"{path} line {number}"
             try:
                 document = document_text(parse_json(text, where), key, where)
@@ -324,12 +322,24 @@ def json_lines(path: str) -> Iterator[tuple[int, object]]:
     """(line number, value) of every non-blank line of a JSON-lines file, or of every item of a file
     that holds one JSON array (json_array); a line that is not JSON is a one-line error naming the
     file and the line."""
-    lines = ((number, line) for number, line in read_lines(path) if line.strip())
-    for i, (number, line) in enumerate(lines):
-        if i == 0 and line.lstrip().startswith("["):  # one array (alpaca_data.json), however laid out
-            yield from json_array(path)
-            return
-        yield number, parse_json(line, f"{path} line {number}")
+    if holds_json_array(path):
+        yield from json_array(path)
+        return
+    for number, line in read_lines(path):
+        if line.strip():
+            yield number, parse_json(line, f"{path} line {number}")
+
+
+def holds_json_array(path: str) -> bool:
+    """Whether a JSON file's first value is an array: the file is one array (alpaca_data.json),
+    however laid out, not JSON lines."""
+    if not os.path.isfile(path):
+        return False  # (its reader says so)
+    with open_binary(path) as f:
+        while chunk := f.read(4096):
+            if chunk.strip():
+                return chunk.lstrip()[:1] == b"["
+    return False
 
 
 def json_array(path: str) -> Iterator[tuple[int, object]]:
@@ -391,16 +401,17 @@ def record_id(path: str, number: int, value) -> str:
 
 
 def read_corpus(path: str, json_key: str, id_key: str, glob: str) -> list[Document]:
-    """The non-blank texts of a text file (one per line), a JSON-lines file (one per line) or a
-    folder (one per file), each with a unique id: a JSON line's id_key, else its line number; a
-    file's path in the folder."""
+    """The non-blank texts of a text file (one per line), a JSON-lines file (one per line, or one
+    per item of a JSON array) or a folder (one per file), each with a unique id: a record's id_key,
+    else its line number (its position in an array); a file's path in the folder."""
     if os.path.isdir(path):
         documents = [Document(os.path.relpath(file, path), read_text(file), file, None)
                      for file in input_files([path], glob)]
     elif is_json_lines(path):
-        documents = []
-        for number, record in json_records(path, (json_key,)):
-            doc_id = record_id(path, number, record[id_key]) if id_key in record else str(number)
+        documents, array = [], holds_json_array(path)
+        for index, (number, record) in enumerate(json_records(path, (json_key,)), start=1):
+            default = str(index if array else number)  # an array's items may share a line
+            doc_id = record_id(path, number, record[id_key]) if id_key in record else default
             documents.append(Document(doc_id, record[json_key], path, number))
     else:
         documents = [Document(str(number), line, path, number) for number, line in read_lines(path)]
