@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from conftest import VOCAB, perturb, rel_err, tiny_gpt
+from toolkit.chat import chat_prompt
 from toolkit.hf import load_gpt2, save_gpt2
+from toolkit.model_sources import load_model
+from toolkit.tokenizers import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -94,3 +97,15 @@ def test_from_pretrained_hub_names_only_from_local_cache(tmp_path, monkeypatch):
     idx = torch.randint(0, VOCAB, (1, 8))
     for name in ("gpt2", "openai-community/gpt2"):
         assert torch.allclose(load_gpt2(name)(idx)[0], m(idx)[0], atol=1e-6)
+
+
+def test_a_gpt2_folder_that_ships_a_chat_template_chats_in_it(tmp_path, gpt2_vocabulary):
+    save_gpt2(tiny_gpt(vocab_size=50257, n_embd=16), str(tmp_path))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    os.remove(tmp_path / "generation_config.json")  # the eos token's id ends a reply
+    facts = load_model(str(tmp_path))[1]
+    assert facts["chat_template"]["stop_ids"] == [50256]
+    tok = load_tokenizer(facts)
+    assert chat_prompt([{"role": "user", "content": "你好"}], tok) == [*tok.encode("user: 你好"), 50256]

@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, rel_err, run_main
+from toolkit.chat import CHAT_TEMPLATE, add_chat_tokens, chat_prompt, export_template, stop_ids
+from toolkit.cli import CLIError
+from toolkit.gguf_export import save_gguf
 from toolkit.model_sources import load_model, save_hf
-from toolkit.tokenizers import Tokenizer, train_bpe
+from toolkit.tokenizers import Tokenizer, check_facts, load_tokenizer, train_bpe
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -77,13 +80,130 @@ def test_a_folder_this_toolkit_cannot_run_is_one_line(tmp_path, tokenizer_json):
     assert_one_line_error(run_main("test.py", "--ckpt", folder, "--max-new-tokens", "3"), "no tokenizer.json")
 
 
-def test_chat_with_a_folder_of_its_own_template_says_what_to_do(tmp_path, tokenizer_json):
-    folder = hf_folder(tmp_path / "hf", tokenizer_json, "qwen3", tie=True)
-    chatml = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-              "{% endfor %}")
-    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": chatml}))
+# a ChatML template as Qwen's and SmolLM's instruct folders ship one (a default system turn, raise_exception,
+# transformers' {% generation %} block, blocks whose newlines trim_blocks removes)
+CHATML = """{% if messages[0]['role'] != 'system' %}
+{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}
+{% endif %}
+{% for message in messages %}
+{% if message['role'] not in ['system', 'user', 'assistant'] %}
+{{ raise_exception('unknown role ' + message['role']) }}
+{% endif %}
+{% generation %}
+{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}
+{% endgeneration %}
+{% endfor %}
+{% if add_generation_prompt %}
+{{ '<|im_start|>assistant\n' }}
+{% endif %}"""
+HISTORY = [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "我在。"},
+           {"role": "user", "content": "What is a tuple?"}]
+
+
+def instruct_folder(path, tokenizer_json: str, template: str = CHATML) -> tuple[str, dict]:
+    """A tiny random Qwen3 folder laid out as a downloaded instruct model's: ChatML's special tokens in its
+    tokenizer.json, the template and eos token in tokenizer_config.json, two stop ids in generation_config.json;
+    and those ids."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    bpe = HFTokenizer.from_str(tokenizer_json)
+    bpe.add_special_tokens([AddedToken(name, special=True, normalized=False)
+                            for name in ("<|im_start|>", "<|im_end|>")])
+    folder = hf_folder(path, bpe.to_str(), "qwen3", tie=False)  # (tied, a random model repeats its last token)
+    ids = {name: bpe.token_to_id(name) for name in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")}
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "eos_token": "<|im_end|>",
+        "bos_token": None, "pad_token": "<|endoftext|>"}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["<|im_end|>"],
+                                                                              ids["<|endoftext|>"]]}))
+    return folder, ids
+
+
+def test_a_downloaded_instruct_folder_chats_in_its_own_template_as_transformers_does(tmp_path, tokenizer_json):
+    folder, ids = instruct_folder(tmp_path / "hf", tokenizer_json)
+    model, facts = load_model(folder)
+    tok, theirs = load_tokenizer(facts), transformers.AutoTokenizer.from_pretrained(folder)
+    for history in (HISTORY, [{"role": "system", "content": "回答要短。"}, *HISTORY]):
+        expected = theirs.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert chat_prompt(history, tok) == expected
+    assert facts["chat_template"]["stop_ids"] == [ids["<|im_end|>"], ids["<|endoftext|>"]]
+
+    # greedy, the reply ends at the first stop id that generation_config.json lists, as generate() ends it
+    prompt = torch.tensor([chat_prompt(HISTORY[-1:], tok)])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    free = reference.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, prompt.shape[1]:]
+    cut = next(k for k in range(2, 8) if free[k] not in free[:k])
+    stop = int(free[cut])
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["<|im_end|>"], stop]}))
+    stopped = reference.generate(prompt, max_new_tokens=8, do_sample=False,
+                                 generation_config=transformers.GenerationConfig.from_pretrained(folder))
+    assert stopped[0, prompt.shape[1]:].tolist() == free[:cut + 1].tolist()
+    talk = run_main("test.py", "--ckpt", folder, "--chat", "--temperature", "0", "--max-new-tokens", "8",
+                    "--device", "cpu", "--dtype", "float32", input="What is a tuple?\n")
+    assert talk.returncode == 0, talk.stderr
+    assert talk.stdout.split("model> ", 1)[1] == tok.decode(free[:cut].tolist()) + "\nyou> "  # then Ctrl-D
+
+    # the export keeps the template, its eos token and its stop ids; the toolkit reads it back the same
+    save_hf(model, str(tmp_path / "out"), facts)
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert exported.apply_chat_template(HISTORY, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False) == chat_prompt(HISTORY, tok)
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
+    assert generation.eos_token_id == facts["chat_template"]["stop_ids"] == [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    assert load_model(str(tmp_path / "out"))[1]["chat_template"] == facts["chat_template"]
+    # and so does the GGUF export, laid out by llama.cpp's own chat formatter in the same ids
+    from llama_cpp import Llama, llama_vocab_is_eog
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    save_gguf(model, tmp_path / "chat.gguf", facts, "f32")
+    llm = Llama(str(tmp_path / "chat.gguf"), n_ctx=64, verbose=False)
+    formatter = Jinja2ChatFormatter(llm.metadata["tokenizer.chat_template"], eos_token="<|im_end|>", bos_token="")
+    prompt = formatter(messages=HISTORY).prompt
+    assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == chat_prompt(HISTORY, tok)
+    assert llama_vocab_is_eog(llm._model.vocab, ids["<|im_end|>"])  # llama.cpp ends a reply there too
+    llm.close()
+
+
+def test_instruction_tuning_here_lays_the_toolkits_template_over_the_folders(tmp_path, tokenizer_json):
+    model, facts = load_model(instruct_folder(tmp_path / "hf", tokenizer_json)[0])
+    tok = load_tokenizer(facts)
+    special = add_chat_tokens(model, tok)
+    assert chat_prompt(HISTORY[:1], tok) == [special["<|user|>"], *tok.encode("你好"), special["<|end|>"],
+                                             special["<|assistant|>"]]
+    assert stop_ids(tok) == [special["<|end|>"]]
+    assert export_template({**tok.facts(), "special_tokens": special})["jinja"] == CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize("template, fragments", [
+    ("{{ raise_exception('this model takes no system turn') }}", ("chat template fails", "no system turn")),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", ("chat template fails", "unsafe")),
+    ("{% for m in messages %}{{ m['content'] }}", ("not valid Jinja",))])
+def test_a_chat_template_that_fails_or_reaches_outside_its_sandbox_is_one_line(tmp_path, tokenizer_json,
+                                                                              template, fragments):
+    folder, _ = instruct_folder(tmp_path / "hf", tokenizer_json, template)
     result = run_main("test.py", "--ckpt", folder, "--chat", "--device", "cpu", input="hi\n")
-    assert_one_line_error(result, "comes with a chat template of its own", "finetune.py --task sft")
+    assert_one_line_error(result, *fragments)
+
+
+def test_where_a_folder_keeps_its_template_and_stop_ids(tmp_path, tokenizer_json):
+    folder, ids = instruct_folder(tmp_path / "hf", tokenizer_json, template="unused")
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    config.update(chat_template=[{"name": "tool_use", "template": "tools"}, {"name": "default", "template": CHATML}],
+                  eos_token={"content": "<|im_end|>", "special": True})
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(config))
+    os.remove(tmp_path / "hf" / "generation_config.json")  # the eos token's id ends a reply
+    template = load_model(folder)[1]["chat_template"]
+    assert (template["jinja"], template["eos_token"], template["stop_ids"]) == (CHATML, "<|im_end|>",
+                                                                                [ids["<|im_end|>"]])
+    (tmp_path / "hf" / "chat_template.jinja").write_text("{{ 'jinja file' }}")  # transformers 5 writes this file
+    assert load_model(folder)[1]["chat_template"]["jinja"] == "{{ 'jinja file' }}"
+    result = run_main("test.py", "--ckpt", folder, "--system", "Be brief.", "--device", "cpu")
+    assert_one_line_error(result, "frames --system only in a chat", "--chat")
+    with pytest.raises(CLIError, match="chat_template"):
+        check_facts({**load_model(folder)[1], "chat_template": {"jinja": CHATML, "stop_ids": [10**9]}})
+
+    os.remove(tmp_path / "hf" / "chat_template.jinja")
     os.remove(tmp_path / "hf" / "tokenizer_config.json")  # a base model's folder
     assert_one_line_error(run_main("test.py", "--ckpt", folder, "--chat", "--device", "cpu", input="hi\n"),
                           "was never instruction-tuned")

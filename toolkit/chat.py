@@ -13,15 +13,25 @@ and learns only the assistant turns: the loss covers each assistant turn's conte
 A conversation longer than the block size plus one token is cut at its end (its later tokens are
 lost); one left with no assistant token is left out; both are counted. Chat (test.py --chat)
 prompts with the history followed by <|assistant|> and reads the reply up to <|end|>.
-"""
-from dataclasses import dataclass
 
+A model downloaded as an HF folder (Qwen3's, SmolLM's instruct models) chats in its own template,
+the Jinja it ships, laid out as transformers' apply_chat_template does; instruction tuning here lays
+this toolkit's over it.
+"""
+import functools
+import json
+from dataclasses import dataclass
+from datetime import datetime
+
+import jinja2
 import torch
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from model import GPT
 from toolkit.cli import CLIError
 from toolkit.documents import json_lines
-from toolkit.tokenizers import Tokenizer, add_tokens
+from toolkit.tokenizers import EOT_TEXT, Tokenizer, add_tokens
 
 ROLES = ("system", "user", "assistant")
 END = "<|end|>"
@@ -45,7 +55,27 @@ def add_chat_tokens(model: GPT, tokenizer: Tokenizer) -> dict[str, int]:
 
 
 def is_chat_tokenizer(tokenizer: Tokenizer) -> bool:
+    """Whether the model was instruction-tuned here (its tokenizer holds this toolkit's template)."""
     return all(name in tokenizer.special_tokens for name in CHAT_TOKENS)
+
+
+def own_template(tokenizer: Tokenizer) -> dict | None:
+    """A downloaded folder's own template, unless instruction tuning here laid this toolkit's over it."""
+    return None if is_chat_tokenizer(tokenizer) else tokenizer.chat_template
+
+
+def can_chat(tokenizer: Tokenizer) -> bool:
+    return is_chat_tokenizer(tokenizer) or own_template(tokenizer) is not None
+
+
+def stop_ids(tokenizer: Tokenizer) -> list[int]:
+    """The ids that end a reply or a sample: <|end|> of this toolkit's template, a downloaded
+    folder's own (its generation_config.json's), else end-of-text where the vocabulary has one."""
+    if is_chat_tokenizer(tokenizer):
+        return [tokenizer.special_tokens[END]]
+    if own_template(tokenizer):
+        return own_template(tokenizer)["stop_ids"]
+    return [] if tokenizer.eot_id is None else [tokenizer.eot_id]
 
 
 def chat_end_id(facts: dict) -> int | None:
@@ -174,7 +204,10 @@ def trained_tokens(conversations: list[Conversation]) -> int:
 
 
 def chat_prompt(history: list[dict], tokenizer: Tokenizer) -> list[int]:
-    """The prompt for the next assistant turn: every turn of the history, then <|assistant|>."""
+    """The prompt for the next assistant turn: every turn of the history, then <|assistant|> (or
+    the model's own template with its generation prompt)."""
+    if own_template(tokenizer):
+        return tokenizer.encode_with_special_tokens(render(own_template(tokenizer), history))
     ids = [token for message in history for token in turn_ids(message, tokenizer)]
     return ids + [tokenizer.special_tokens["<|assistant|>"]]
 
@@ -188,3 +221,56 @@ def fit_history(history: list[dict], tokenizer: Tokenizer, room: int) -> tuple[l
     while len(turns) > 1 and len(chat_prompt(system + turns, tokenizer)) > room:
         turns, dropped = turns[1:], dropped + 1
     return system + turns, dropped
+
+
+# ----- a downloaded model's own template -----
+
+def render(template: dict, messages: list[dict]) -> str:
+    """The text apply_chat_template(messages, add_generation_prompt=True) gives: the template runs
+    in Jinja's immutable sandbox (it is code from a download), with what transformers adds to it."""
+    tokens = {key: template[key] for key in ("bos_token", "eos_token") if template.get(key)}
+    jinja = compiled(template["jinja"])
+    try:
+        return jinja.render(messages=messages, add_generation_prompt=True, **tokens)
+    except Exception as e:  # the template's own raise_exception, a sandbox refusal, a bad expression
+        raise CLIError(f"the model's chat template fails: {' '.join(str(e).split())[:200]}") from None
+
+
+@functools.lru_cache(maxsize=4)
+def compiled(jinja: str) -> jinja2.Template:
+    """The environment of transformers' chat templates (chat_template_utils.py): blocks trimmed,
+    {% break %}, {% generation %}, raise_exception, strftime_now, and a tojson that keeps non-ASCII
+    text."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, GenerationBlock])
+    env.filters["tojson"] = lambda value, indent=None, separators=None, sort_keys=False: json.dumps(
+        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals.update(raise_exception=raise_template_error,
+                       strftime_now=lambda format: datetime.now().strftime(format))
+    try:
+        return env.from_string(jinja)
+    except jinja2.TemplateError as e:
+        raise CLIError(f"the model's chat template is not valid Jinja: {e}") from None
+
+
+class GenerationBlock(Extension):
+    """{% generation %}...{% endgeneration %}: transformers marks an assistant's text with it (for
+    its loss mask); laid out for a prompt, its body renders as it is."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def raise_template_error(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def export_template(facts: dict) -> dict | None:
+    """The chat template an HF or GGUF export carries, as read_chat_template (toolkit/hf.py) holds
+    one: this toolkit's for a model instruction-tuned here, else a downloaded folder's own."""
+    if chat_end_id(facts) is not None:
+        return {"jinja": CHAT_TEMPLATE, "bos_token": EOT_TEXT, "eos_token": EOT_TEXT,
+                "stop_ids": [i for i in (facts.get("eot_id"), chat_end_id(facts)) if i is not None]}
+    return facts.get("chat_template")

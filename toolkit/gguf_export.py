@@ -14,8 +14,8 @@ becomes llama.cpp's byte-level BPE (tokenizer.ggml.model "gpt2"), token ids unch
 - the byte vocabulary's 256 bytes, with no merges.
 
 The end-of-text token is llama.cpp's end of generation (a char vocabulary needs one: tokenizer.py adds it),
-and an instruction-tuned model's chat template (toolkit/chat.py) goes in as Jinja, so llama.cpp's chat
-formats turns as `test.py --chat` does.
+and the chat template (toolkit/chat.py: an instruction-tuned model's, or a downloaded folder's own) goes in
+as Jinja, so llama.cpp's chat formats turns as `test.py --chat` does.
 """
 import json
 
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from model import GPT
-from toolkit.chat import CHAT_TEMPLATE, chat_end_id
+from toolkit.chat import export_template
 from toolkit.cli import CLIError
 from toolkit.files import atomic_write
 from toolkit.hf import gpt2_vocab_merges
@@ -31,7 +31,7 @@ from toolkit.hf_llama import hf_tensors
 from toolkit.tokenizers import EOT_TEXT, SPELLING
 
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0")
-NORMAL, CONTROL = 1, 3  # llama.cpp's token types (gguf.TokenType)
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp's token types (gguf.TokenType)
 # the Split pattern before a ByteLevel without its own, as Qwen2 and Qwen3's tokenizer.json have it
 SPLIT_PATTERNS = {"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+"
                   "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+": "qwen2"}
@@ -76,23 +76,28 @@ def bpe_pre_tokenizer(spec: dict) -> str:
                    "(GPT-2's or Qwen2's pattern); llama.cpp would split text differently")
 
 
-def bpe_vocabulary(facts: dict) -> tuple[dict[int, str], list[str], str]:
-    """Tokens (id -> text), merges and pre-tokenizer name of a trained BPE's tokenizer.json."""
+def bpe_vocabulary(facts: dict) -> tuple[dict[int, str], dict[int, int], list[str], str]:
+    """Tokens (id -> text), the types of its added tokens (a downloaded folder's <|im_start|> is a
+    control token, <think> a user-defined one, as llama.cpp's converter types them), merges and
+    pre-tokenizer name of a BPE's tokenizer.json."""
     spec = json.loads(facts["json"])
     model = spec["model"]
     if spec.get("normalizer") or (spec.get("decoder") or {}).get("type") != "ByteLevel" or model.get("byte_fallback"):
         raise CLIError("only byte-level BPEs without a normalizer go into GGUF (llama.cpp's gpt2 tokenizer); "
                        "this tokenizer.json is another kind")
     tokens = {i: token for token, i in model["vocab"].items()}
-    tokens.update({added["id"]: added["content"] for added in spec.get("added_tokens", [])})
+    added = spec.get("added_tokens", [])
+    tokens.update({token["id"]: token["content"] for token in added})
+    types = {token["id"]: CONTROL if token.get("special") else USER_DEFINED for token in added}
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    return tokens, merges, bpe_pre_tokenizer(spec)
+    return tokens, types, merges, bpe_pre_tokenizer(spec)
 
 
 def vocabulary(facts: dict) -> tuple[list[str], list[int], list[str], str]:
     """(tokens, token types, merges, pre-tokenizer) of the toolkit's tokenizer facts, ids unchanged:
-    end-of-text, the special tokens a fine-tuning added and ids without text are control tokens."""
-    kind, eot_id = facts["tokenizer"], facts.get("eot_id")
+    end-of-text, the special tokens a fine-tuning added and ids without text are control tokens, a
+    tokenizer.json's added tokens typed as it marks them."""
+    kind, eot_id, types = facts["tokenizer"], facts.get("eot_id"), {}
     if eot_id is None:
         raise CLIError(f"this {kind} vocabulary has no end-of-text token, which llama.cpp needs to end its "
                        "generation; prepare the data again with tokenizer.py (char vocabularies now have one) "
@@ -101,7 +106,7 @@ def vocabulary(facts: dict) -> tuple[list[str], list[int], list[str], str]:
         vocab, merges = gpt2_vocab_merges(facts)
         tokens, pre = {i: token for token, i in vocab.items()}, "gpt-2"
     elif kind == "bpe":
-        tokens, merges, pre = bpe_vocabulary(facts)
+        tokens, types, merges, pre = bpe_vocabulary(facts)
     elif kind == "char":
         texts, merges = char_vocabulary(facts["chars"])
         tokens, pre = dict(enumerate(texts)), "gpt-2"
@@ -112,7 +117,8 @@ def vocabulary(facts: dict) -> tuple[list[str], list[int], list[str], str]:
                                           for name, i in (facts.get("special_tokens") or {}).items()}})
     tokens.update(special)
     ids = range(facts["vocab_size"])
-    return [tokens[i] for i in ids], [CONTROL if i in special else NORMAL for i in ids], merges, pre
+    types.update(dict.fromkeys(special, CONTROL))
+    return [tokens[i] for i in ids], [types.get(i, NORMAL) for i in ids], merges, pre
 
 
 def permuted(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -187,8 +193,8 @@ def add_vocabulary(writer, facts: dict) -> None:
     writer.add_eos_token_id(facts["eot_id"])
     writer.add_add_bos_token(False)  # this toolkit's models start at the text's first token
     writer.add_add_eos_token(False)
-    if chat_end_id(facts) is not None:
-        writer.add_chat_template(CHAT_TEMPLATE)
+    if export_template(facts):
+        writer.add_chat_template(export_template(facts)["jinja"])
 
 
 def add_tensors(writer, tensors: dict[str, torch.Tensor], weight_type: str) -> None:

@@ -16,13 +16,14 @@ from tokenizers import Tokenizer as HFTokenizer
 from torch import nn
 
 from model import GPT, GPTConfig, check_config
-from toolkit.chat import CHAT_TEMPLATE, chat_end_id
+from toolkit.chat import export_template
 from toolkit.checkpoint import check_shape, read_weights
 from toolkit.device import check_memory
 from toolkit.cli import CLIError
+from toolkit.documents import read_text
 from toolkit.files import atomic_write, read_json, write_json, write_text
 from toolkit.gpt2_vocab import GPT2_FACTS
-from toolkit.tokenizers import EOT_TEXT, SPELLING, gpt2_ranks
+from toolkit.tokenizers import EOT_TEXT, SPELLING, gpt2_ranks, load_tokenizer
 
 TOKENIZER_FILE = "tokenizer_facts.json"  # this toolkit's tokenizer facts, for folders of other vocabularies
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -192,33 +193,53 @@ def merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
     return parts[0], b"".join(parts[1:])
 
 
-def has_own_chat_template(folder: str) -> bool:
-    """Whether an HF folder holds a chat template (Qwen3's, SmolLM's), in tokenizer_config.json or
-    in chat_template.jinja, as transformers writes it."""
-    if not os.path.isdir(folder) or os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
-        return False  # (this toolkit's own export: its template is in the tokenizer facts)
-    if os.path.isfile(os.path.join(folder, "chat_template.jinja")):
-        return True
-    try:
-        return "chat_template" in read_json(os.path.join(folder, "tokenizer_config.json"))
-    except CLIError:  # none, or not JSON
-        return False
+def read_chat_template(folder: str, facts: dict) -> dict | None:
+    """A downloaded folder's own chat template (Qwen3's, SmolLM's ChatML), where transformers keeps
+    it: chat_template.jinja, or tokenizer_config.json's chat_template (a string, or named templates:
+    the default one). With it, the bos and eos tokens it renders and the ids that end a reply:
+    generation_config.json's eos_token_id, else the eos token's, else end-of-text. None without one.
+    """
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    config = read_json(config_path) if os.path.isfile(config_path) else {}
+    jinja_path = os.path.join(folder, "chat_template.jinja")
+    jinja = read_text(jinja_path) if os.path.isfile(jinja_path) else config.get("chat_template")
+    if isinstance(jinja, list):
+        jinja = next((t.get("template") for t in jinja if isinstance(t, dict) and t.get("name") == "default"),
+                     None)
+    if not isinstance(jinja, str):
+        return None
+    bos, eos = (token_text(config.get(key)) for key in ("bos_token", "eos_token"))
+    generation_path = os.path.join(folder, "generation_config.json")
+    stops = read_json(generation_path).get("eos_token_id") if os.path.isfile(generation_path) else None
+    stops = [stops] if type(stops) is int else stops if isinstance(stops, list) else []
+    if not stops and eos:
+        ids = load_tokenizer(facts).encode_with_special_tokens(eos)
+        stops = ids if len(ids) == 1 else []
+    if not stops and facts.get("eot_id") is not None:
+        stops = [facts["eot_id"]]
+    return {"jinja": jinja, "bos_token": bos, "eos_token": eos, "stop_ids": stops}
+
+
+def token_text(token) -> str | None:
+    """A token as tokenizer_config.json names it: its text, or an AddedToken's {"content": ...}."""
+    return token.get("content") if isinstance(token, dict) else token if isinstance(token, str) else None
 
 
 def write_generation_config(out_dir: str, facts: dict, block_size: int) -> None:
-    """generation_config.json: generate() stops at the end-of-text token, and an instruction-tuned
-    model's also at <|end|>, the end of its turn (as Llama 3's lists <|eot_id|>)."""
-    eot_id, end_id = facts.get("eot_id"), chat_end_id(facts)
+    """generation_config.json: generate() stops at the end-of-text token, or where the model chats
+    at the ids that end a reply (an instruction-tuned model's <|end|> too, as Llama 3's lists
+    <|eot_id|>; a downloaded folder's own)."""
+    eot_id, template = facts.get("eot_id"), export_template(facts)
     write_json(os.path.join(out_dir, "generation_config.json"), {
-        "bos_token_id": eot_id, "eos_token_id": eot_id if end_id is None else [eot_id, end_id],
+        "bos_token_id": eot_id, "eos_token_id": template["stop_ids"] if template else eot_id,
         "max_length": block_size})
 
 
 def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
     """The tokenizer files of a GPT-2 or a trained BPE vocabulary, so that AutoTokenizer gives this
     toolkit's ids: tokenizer.json (the fast tokenizer) with the special tokens a fine-tuning added,
-    its configuration (with the chat template of an instruction-tuned model, for
-    apply_chat_template), and for GPT-2 also vocab.json and merges.txt rebuilt from tiktoken's
+    its configuration (with the chat template of an instruction-tuned model or a downloaded
+    folder's own, for apply_chat_template), and for GPT-2 also vocab.json and merges.txt rebuilt from tiktoken's
     ranks (the slow GPT2Tokenizer reads those alone)."""
     special = facts.get("special_tokens") or {}  # GPT-1's start, ...: <|start|>; the chat template's are so named
     added = {EOT_TEXT: facts["eot_id"], **{name if name.startswith("<|") else f"<|{name}|>": i
@@ -232,14 +253,16 @@ def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
     if moved:
         raise CLIError(f"the HF tokenizer would give {moved[0]} another id than the model's; the vocabulary "
                        f"and the model's embedding rows do not line up")
-    write_json(os.path.join(out_dir, "special_tokens_map.json"),
-               {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT})
+    template = export_template(facts)  # (its bos and eos tokens are the ones it renders)
+    named = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT,
+             **{key: template[key] for key in ("bos_token", "eos_token") if template and template[key]}}
+    write_json(os.path.join(out_dir, "special_tokens_map.json"), named)
     write_json(os.path.join(out_dir, "tokenizer_config.json"), {
         "tokenizer_class": tokenizer_class, "model_max_length": block_size, "add_prefix_space": False,
-        "bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT,
+        **named,
         "added_tokens_decoder": {str(i): {"content": name, "special": True, "lstrip": False, "rstrip": False,
                                           "normalized": False, "single_word": False} for name, i in added.items()},
-        **({"chat_template": CHAT_TEMPLATE} if chat_end_id(facts) is not None else {})})
+        **({"chat_template": template["jinja"]} if template else {})})
     atomic_write(os.path.join(out_dir, "tokenizer.json"), bpe.save)
 
 
@@ -273,7 +296,11 @@ def gpt2_files(out_dir: str, facts: dict) -> HFTokenizer:
 def read_tokenizer(directory: str, vocab_size: int) -> dict:
     """An HF folder's tokenizer facts: TOKENIZER_FILE when this toolkit wrote one, else GPT-2's."""
     path = os.path.join(directory, TOKENIZER_FILE)
-    facts = read_json(path, "tokenizer facts") if os.path.isfile(path) else dict(GPT2_FACTS)
+    if os.path.isfile(path):
+        facts = read_json(path, "tokenizer facts")
+    else:
+        facts, template = dict(GPT2_FACTS), read_chat_template(directory, GPT2_FACTS)
+        facts.update({"chat_template": template} if template else {})
     if facts.get("vocab_size") != vocab_size:
         raise ValueError(f"{directory} holds a model of {vocab_size} tokens but its tokenizer "
                          f"({facts.get('tokenizer')}) has {facts.get('vocab_size')}; without "

@@ -19,7 +19,8 @@ from toolkit.device import check_memory
 from toolkit.documents import read_text
 from toolkit.files import atomic_write, read_json, write_json, write_text
 from toolkit.gpt2_vocab import GPT2_FACTS
-from toolkit.hf import NO_HF_TOKENIZER, TOKENIZER_FILE, write_generation_config, write_tokenizer_files
+from toolkit.hf import (NO_HF_TOKENIZER, TOKENIZER_FILE, read_chat_template, write_generation_config,
+                        write_tokenizer_files)
 from toolkit.tokenizers import Tokenizer
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # Qwen3: Llama with QK-norm
@@ -104,13 +105,15 @@ def load_llama(path: str, **overrides) -> tuple[GPT, dict]:
 
 def read_tokenizer(directory: str) -> dict:
     """An HF folder's tokenizer facts: TOKENIZER_FILE when this toolkit wrote one, else its
-    tokenizer.json as a BPE."""
+    tokenizer.json as a BPE, with the folder's own chat template if it has one."""
     facts_path, json_path = os.path.join(directory, TOKENIZER_FILE), os.path.join(directory, "tokenizer.json")
     if os.path.isfile(facts_path):
         return read_json(facts_path, "tokenizer facts")
     if not os.path.isfile(json_path):
         raise CLIError(f"{directory} has no tokenizer.json: the model's text cannot be tokenized")
-    return Tokenizer("bpe", tokenizer_json=read_text(json_path, "tokenizer.json"), source=json_path).facts()
+    facts = Tokenizer("bpe", tokenizer_json=read_text(json_path, "tokenizer.json"), source=json_path).facts()
+    template = read_chat_template(directory, facts)
+    return {**facts, "chat_template": template} if template else facts
 
 
 def hf_tensors(model: GPT) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Sampling from a GPT on the command line, as test.py and test_ds.py do: the options, prompts,
 printing samples as they stream, Megatron-style JSONL files (--genfile), written atomically, and the
 chat loop (--chat) of an instruction-tuned model, whose template (toolkit/chat.py) also frames a
---prompt.
+--prompt, or of a downloaded HF folder in the chat template it ships.
 
     add_sampling_arguments(parser); args = parser.parse_args()
     check_sampling_args(args, inputs=[args.ckpt])
@@ -19,13 +19,12 @@ import torch
 from tqdm import tqdm
 
 from model import ATTN_KERNELS, GPT, check_sampling
-from toolkit.chat import END, chat_prompt, fit_history, is_chat_tokenizer
+from toolkit.chat import can_chat, chat_prompt, fit_history, is_chat_tokenizer, stop_ids
 from toolkit import cli
 from toolkit.cli import CLIError
 from toolkit.device import autocast, check_attn_kernel, resolve_device, resolve_dtype
 from toolkit.documents import read_text
 from toolkit.files import atomic_open, check_output
-from toolkit.hf import has_own_chat_template
 from toolkit.signals import StopRequest
 from toolkit.tokenizers import Tokenizer
 
@@ -56,8 +55,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print tokens as they come (default: when stdout is a terminal)")
     parser.add_argument("--interactive", action="store_true", help="read prompts from stdin in a loop")
     parser.add_argument("--chat", action="store_true",
-                        help="talk to an instruction-tuned model (finetune.py --task sft) turn by "
-                             "turn")
+                        help="talk to an instruction-tuned model turn by turn (finetune.py --task "
+                             "sft's, or an HF folder in the chat template it ships)")
     parser.add_argument("--system", help="with an instruction-tuned model: the system turn that opens the talk")
     megatron = parser.add_argument_group("Megatron-LM's names", "its spellings of the options above")
     megatron.add_argument("--out-seq-length", dest="max_new_tokens", type=int, default=argparse.SUPPRESS,
@@ -92,14 +91,15 @@ class Sampler:
         check_attn_kernel(model, self.device, dtype)
         self.ctx = autocast(self.device, dtype)
         self.stream = sys.stdout.isatty() if args.stream is None else args.stream
-        self.template = is_chat_tokenizer(tok)  # an instruction-tuned model: replies end at <|end|>
+        self.template = is_chat_tokenizer(tok)  # instruction-tuned here: a --prompt is the user's turn
         # samples printed whole (not streamed) show the tokens so far, their rate and the time left on stderr,
         # terminal or not, from the first tokens on: a request of a billion tokens is seen to be one
         total = args.num_samples * args.max_new_tokens
         terminal = sys.stderr.isatty()  # (in a log: every 5 s, from cli.PROGRESS_DELAY on)
         self.progress = tqdm(total=total, unit="tok", desc="sampling", disable=self.stream, dynamic_ncols=True,
                              mininterval=0.5 if terminal else 5.0, delay=0 if terminal else cli.PROGRESS_DELAY)
-        self.eos = tok.special_tokens[END] if self.template else tok.eot_id
+        self.stops = stop_ids(tok)  # (a downloaded chat model may list several, as Qwen3's does)
+        self.eos = self.stops[0] if self.stops else None  # what ends a batch's sequence early
 
     def generation_kwargs(self, max_new_tokens: int | None = None) -> dict:
         a = self.args
@@ -147,7 +147,7 @@ class Sampler:
         print(text, end="", flush=True)
         for step in self.steps(idx, max_new_tokens):
             tokens.append(step[0].item())
-            if tokens[-1] == self.eos:
+            if tokens[-1] in self.stops:
                 break
             decoded = self.tok.decode(tokens)  # whole characters: one cut waits for its next token
             print(decoded[len(printed):], end="", flush=True)
@@ -167,14 +167,13 @@ class Sampler:
         return out
 
     def strip_eot(self, tokens: list[int]) -> tuple[list[int], bool]:
-        """Tokens up to the first end-of-text (or a reply's <|end|>), and whether there was one."""
-        if self.eos is not None and self.eos in tokens:
-            return tokens[: tokens.index(self.eos)], True
-        return tokens, False
+        """Tokens up to the first end-of-text (or a reply's end), and whether there was one."""
+        end = next((i for i, token in enumerate(tokens) if token in self.stops), None)
+        return (tokens, False) if end is None else (tokens[:end], True)
 
     def reply(self, history: list[dict]) -> str:
-        """The model's next turn after the history, streamed as it comes; generation stops at
-        <|end|>, at --max-new-tokens, or where the context is full."""
+        """The model's next turn after the history, streamed as it comes; generation stops at the
+        turn's end, at --max-new-tokens, or where the context is full."""
         ids = chat_prompt(history, self.tok)[-(self.model.config.block_size - 1):]
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)
         room = self.model.config.block_size - len(ids)
@@ -208,15 +207,13 @@ def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: s
     """Sample once from --prompt, over prompts typed on stdin with --interactive, or talk with
     --chat. The genfile appears when sampling ends, or at Ctrl-C with the samples finished by then;
     a failure leaves none."""
-    if (args.chat or args.system) and not is_chat_tokenizer(tok):
-        flag = "--chat" if args.chat else "--system"
-        if has_own_chat_template(source):
-            raise CLIError(f"{source} comes with a chat template of its own, which this toolkit does not "
-                           f"lay out for {flag}; continue text with --prompt, or instruction-tune it "
-                           "(finetune.py --task sft, which adds this toolkit's template)")
+    if (args.chat or args.system) and not can_chat(tok):
         raise CLIError(f"{source} was never instruction-tuned, so it has no chat template for "
-                       f"{flag}; continue text with --prompt, or instruction-tune it first "
-                       "(finetune.py --task sft)")
+                       f"{'--chat' if args.chat else '--system'}; continue text with --prompt, or "
+                       "instruction-tune it first (finetune.py --task sft)")
+    if args.system and not args.chat and not is_chat_tokenizer(tok):
+        raise CLIError(f"{source} chats in its own template, which frames --system only in a chat: "
+                       "add --chat (a --prompt continues text as it is)")
     torch.manual_seed(args.seed)
     if args.chat:
         chat(Sampler(model, tok, args, None))
@@ -245,6 +242,7 @@ def chat(sampler: Sampler) -> None:
     history = [{"role": "system", "content": args.system}] if args.system else []
     room = block_size - min(args.max_new_tokens, block_size // 2)  # the prompt leaves the reply this much
     told = False
+    chat_prompt(history + [{"role": "user", "content": "?"}], sampler.tok)  # a bad template fails before the talk
     print("Chat: type a message and press Enter (Ctrl-D or Ctrl-C to leave).", file=sys.stderr)
     try:
         while True:

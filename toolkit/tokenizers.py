@@ -136,6 +136,7 @@ class Tokenizer:
         self.vocab_file = os.path.abspath(vocab_file) if vocab_file else None
         self.merge_file = os.path.abspath(merge_file) if merge_file else None
         self.special_tokens: dict[str, int] = {}
+        self.chat_template: dict | None = None  # a downloaded HF folder's own (toolkit/chat.py)
         if name == "gpt2":
             self.encoding = gpt2_encoding(self.vocab_file, self.merge_file)
             self.vocab_size, self.eot_id = self.encoding.n_vocab, self.encoding.eot_token
@@ -184,6 +185,19 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
+
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        """Token ids of text where the vocabulary's special-token text (<|im_start|>, <|endoftext|>)
+        is that token, as HF tokenizes a rendered chat template; the other text as encode does."""
+        if self.name == "gpt2":
+            return self.encoding.encode(text, allowed_special="all")
+        if self.name != "bpe":
+            return self.encode(text)
+        self.bpe.encode_special_tokens = False
+        try:
+            return self.bpe.encode(text, add_special_tokens=False).ids
+        finally:
+            self.bpe.encode_special_tokens = True
 
     def add_special_tokens(self, special_tokens: dict[str, int]) -> None:
         """Name ids past the vocabulary as special tokens (fine-tuning's start, delimiter, extract):
@@ -251,6 +265,8 @@ class Tokenizer:
             facts["json"] = self.tokenizer_json
         if self.special_tokens:
             facts["special_tokens"] = dict(self.special_tokens)
+        if self.chat_template:
+            facts["chat_template"] = dict(self.chat_template)
         return facts
 
 
@@ -301,6 +317,20 @@ def check_facts(facts) -> None:
             raise refuse(key, "a file name")
     if facts.get("tokenizer") == "bpe" and not isinstance(facts.get("json"), str):
         raise refuse("json", "the text of a tokenizer.json")
+    template = facts.get("chat_template")
+    if template is not None and not is_chat_template(template, vocab_size or 2**32):
+        raise refuse("chat_template", "an object of the Jinja text, its bos_token and eos_token "
+                     "(text or null) and stop_ids (token ids)")
+
+
+def is_chat_template(template, vocab_size: int) -> bool:
+    """The shape of a downloaded folder's chat template in the facts (toolkit/hf.py reads it)."""
+    if not (isinstance(template, dict) and isinstance(template.get("jinja"), str)):
+        return False
+    tokens = all(isinstance(template.get(key) or "", str) for key in ("bos_token", "eos_token"))
+    stop_ids = template.get("stop_ids")
+    return tokens and isinstance(stop_ids, list) and all(type(i) is int and 0 <= i < vocab_size
+                                                         for i in stop_ids)
 
 
 def load_tokenizer(facts: dict) -> Tokenizer:
@@ -312,6 +342,7 @@ def load_tokenizer(facts: dict) -> Tokenizer:
                           vocab_file=facts.get("vocab_file"), merge_file=facts.get("merge_file"),
                           tokenizer_json=facts.get("json"))
     tokenizer.add_special_tokens(facts.get("special_tokens") or {})
+    tokenizer.chat_template = facts.get("chat_template")
     if "vocab_size" in facts and facts["vocab_size"] != tokenizer.vocab_size:
         raise CLIError(f"rebuilt {name} tokenizer has vocab_size {tokenizer.vocab_size}, the facts "
                        f"say {facts['vocab_size']}")
