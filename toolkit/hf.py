@@ -239,8 +239,8 @@ def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
     """The tokenizer files of a GPT-2 or a trained BPE vocabulary, so that AutoTokenizer gives this
     toolkit's ids: tokenizer.json (the fast tokenizer) with the special tokens a fine-tuning added,
     its configuration (with the chat template of an instruction-tuned model or a downloaded
-    folder's own, for apply_chat_template), and for GPT-2 also vocab.json and merges.txt rebuilt from tiktoken's
-    ranks (the slow GPT2Tokenizer reads those alone)."""
+    folder's own, for apply_chat_template), and for GPT-2 also vocab.json and merges.txt rebuilt
+    from tiktoken's ranks (the slow GPT2Tokenizer reads those alone)."""
     special = facts.get("special_tokens") or {}  # GPT-1's start, ...: <|start|>; the chat template's are so named
     added = {EOT_TEXT: facts["eot_id"], **{name if name.startswith("<|") else f"<|{name}|>": i
                                            for name, i in special.items()}}
