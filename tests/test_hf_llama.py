@@ -202,6 +202,10 @@ def test_where_a_folder_keeps_its_template_and_stop_ids(tmp_path, tokenizer_json
     assert_one_line_error(result, "frames --system only in a chat", "--chat")
     with pytest.raises(CLIError, match="chat_template"):
         check_facts({**load_model(folder)[1], "chat_template": {"jinja": CHATML, "stop_ids": [10**9]}})
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": ["<|im_end|>"]}))
+    assert_one_line_error(run_main("test.py", "--ckpt", folder, "--chat", "--device", "cpu", input="hi\n"),
+                          "generation_config.json: eos_token_id must be token ids")
+    os.remove(tmp_path / "hf" / "generation_config.json")
 
     os.remove(tmp_path / "hf" / "chat_template.jinja")
     os.remove(tmp_path / "hf" / "tokenizer_config.json")  # a base model's folder

@@ -212,6 +212,9 @@ def read_chat_template(folder: str, facts: dict) -> dict | None:
     generation_path = os.path.join(folder, "generation_config.json")
     stops = read_json(generation_path).get("eos_token_id") if os.path.isfile(generation_path) else None
     stops = [stops] if type(stops) is int else stops if isinstance(stops, list) else []
+    if not all(type(i) is int and 0 <= i < facts["vocab_size"] for i in stops):
+        raise CLIError(f"{generation_path}: eos_token_id must be token ids below the vocabulary's "
+                       f"{facts['vocab_size']}, got {stops!r:.80}")
     if not stops and eos:
         ids = load_tokenizer(facts).encode_with_special_tokens(eos)
         stops = ids if len(ids) == 1 else []
