@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, rel_err, run_main
-from toolkit.chat import CHAT_TEMPLATE, add_chat_tokens, chat_prompt, export_template, stop_ids
+from toolkit.chat import add_chat_tokens, chat_prompt, encode_conversation
+from toolkit.checkpoint import load_checkpoint
 from toolkit.cli import CLIError
 from toolkit.gguf_export import save_gguf
 from toolkit.model_sources import load_model, save_hf
@@ -31,6 +32,7 @@ def hf_folder(path, tokenizer_json: str, family: str, tie: bool, shards: bool = 
     vocab = Tokenizer("bpe", tokenizer_json=tokenizer_json).vocab_size
     shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie, rope_theta=5000.0)
+    torch.manual_seed(0)  # the same weights whatever ran before
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
     else:
@@ -81,7 +83,8 @@ def test_a_folder_this_toolkit_cannot_run_is_one_line(tmp_path, tokenizer_json):
 
 
 # a ChatML template as Qwen's and SmolLM's instruct folders ship one (a default system turn, raise_exception,
-# transformers' {% generation %} block, blocks whose newlines trim_blocks removes)
+# transformers' {% generation %} block around what an assistant turn learns, blocks whose newlines trim_blocks
+# removes)
 CHATML = """{% if messages[0]['role'] != 'system' %}
 {{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}
 {% endif %}
@@ -89,13 +92,31 @@ CHATML = """{% if messages[0]['role'] != 'system' %}
 {% if message['role'] not in ['system', 'user', 'assistant'] %}
 {{ raise_exception('unknown role ' + message['role']) }}
 {% endif %}
+{{ '<|im_start|>' + message['role'] + '\n' }}
+{% if message['role'] == 'assistant' %}
 {% generation %}
-{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}
+{{ message['content'] + '<|im_end|>' + '\n' }}
 {% endgeneration %}
+{% else %}
+{{ message['content'] + '<|im_end|>' + '\n' }}
+{% endif %}
 {% endfor %}
 {% if add_generation_prompt %}
 {{ '<|im_start|>assistant\n' }}
 {% endif %}"""
+# Qwen3's way: the answer after the last question opens with an empty <think> block, earlier ones do not
+QWEN3_LIKE = """{%- set ns = namespace(last_query=0) %}
+{%- for message in messages %}
+    {%- if message['role'] == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {{- '<|im_start|>' + message['role'] + '\n' }}
+    {%- if message['role'] == 'assistant' and loop.index0 > ns.last_query %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+    {{- message['content'] + '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"""
 HISTORY = [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "我在。"},
            {"role": "user", "content": "What is a tuple?"}]
 
@@ -133,7 +154,7 @@ def test_a_downloaded_instruct_folder_chats_in_its_own_template_as_transformers_
     prompt = torch.tensor([chat_prompt(HISTORY[-1:], tok)])
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     free = reference.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, prompt.shape[1]:]
-    cut = next(k for k in range(2, 8) if free[k] not in free[:k])
+    cut = next(k for k in range(1, 8) if free[k] not in free[:k])
     stop = int(free[cut])
     (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["<|im_end|>"], stop]}))
     stopped = reference.generate(prompt, max_new_tokens=8, do_sample=False,
@@ -165,14 +186,53 @@ def test_a_downloaded_instruct_folder_chats_in_its_own_template_as_transformers_
     llm.close()
 
 
-def test_instruction_tuning_here_lays_the_toolkits_template_over_the_folders(tmp_path, tokenizer_json):
-    model, facts = load_model(instruct_folder(tmp_path / "hf", tokenizer_json)[0])
-    tok = load_tokenizer(facts)
-    special = add_chat_tokens(model, tok)
-    assert chat_prompt(HISTORY[:1], tok) == [special["<|user|>"], *tok.encode("你好"), special["<|end|>"],
-                                             special["<|assistant|>"]]
-    assert stop_ids(tok) == [special["<|end|>"]]
-    assert export_template({**tok.facts(), "special_tokens": special})["jinja"] == CHAT_TEMPLATE
+def test_instruction_tuning_learns_what_the_folders_template_marks_as_the_assistants(tmp_path, tokenizer_json):
+    folder, _ = instruct_folder(tmp_path / "hf", tokenizer_json)
+    model, facts = load_model(folder)
+    tok, theirs = load_tokenizer(facts), transformers.AutoTokenizer.from_pretrained(folder)
+    vocab = model.config.vocab_size
+    assert add_chat_tokens(model, tok) == {} and model.config.vocab_size == vocab  # it keeps its own template
+    conversation = [{"role": "system", "content": "回答要短。"}, *HISTORY, {"role": "assistant", "content": "A list."}]
+    [c] = encode_conversation(conversation, tok, block_size=512)
+    # transformers' mask of the template's {% generation %} blocks: the answers and their ends
+    reference = theirs.apply_chat_template(conversation, tokenize=True, return_dict=True,
+                                           return_assistant_tokens_mask=True)
+    assert c.ids == reference["input_ids"] and c.trained == [bool(m) for m in reference["assistant_masks"]]
+    assert sum(c.trained) > 0 and not c.cut
+
+
+def test_a_template_that_lays_out_a_turn_otherwise_once_another_follows_gives_a_sequence_per_answer(
+        tmp_path, tokenizer_json):
+    folder, _ = instruct_folder(tmp_path / "hf", tokenizer_json, QWEN3_LIKE)
+    tok, theirs = load_tokenizer(load_model(folder)[1]), transformers.AutoTokenizer.from_pretrained(folder)
+    conversation = [*HISTORY, {"role": "assistant", "content": "A list."}]
+    first, second = encode_conversation(conversation, tok, block_size=512)
+    for sequence, upto in ((first, 2), (second, 4)):  # each ends with its answer, laid out as it was last
+        assert sequence.ids == theirs.apply_chat_template(conversation[:upto], tokenize=True, return_dict=False)
+        before = len(theirs.apply_chat_template(conversation[:upto - 1], add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))
+        assert sequence.trained == [False] * before + [True] * (len(sequence.ids) - before)
+        assert tok.decode(sequence.ids[before:]).startswith("<think>\n\n</think>\n\n")
+
+
+def test_finetune_on_the_defaults_instruction_tunes_a_downloaded_folder_in_its_template(tmp_path, tokenizer_json):
+    folder, ids = instruct_folder(tmp_path / "hf", tokenizer_json)
+    colours = ["红色", "蓝色", "绿色", "黄色"]
+    train = tmp_path / "chats.jsonl"
+    train.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"第{i}个颜色？"},
+                                                      {"role": "assistant", "content": colours[i % 4]}]},
+                                        ensure_ascii=False) + "\n" for i in range(40)))
+    result = run_main("finetune.py", "--task", "sft", "--train", train, "--init-from", folder, "--out-dir",
+                      tmp_path / "sft", "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-2000:]
+    checkpoint = load_checkpoint(str(tmp_path / "sft" / "ckpt.pt"))
+    metrics = checkpoint["history"]["metrics"]
+    assert min(m["val_loss"] for m in metrics[1:]) < metrics[0]["val_loss"] - 0.5, metrics  # it learns the answers
+    facts = load_model(str(tmp_path / "sft" / "ckpt.pt"))[1]
+    assert facts["chat_template"] == load_model(folder)[1]["chat_template"] and not facts.get("special_tokens")
+    talk = run_main("test.py", "--ckpt", tmp_path / "sft" / "ckpt.pt", "--chat", "--temperature", "0",
+                    "--max-new-tokens", "8", "--device", "cpu", input="第5个颜色？\n")
+    assert talk.returncode == 0 and talk.stdout.count("model> ") == 1, talk.stderr
 
 
 @pytest.mark.parametrize("template, fragments", [

@@ -73,20 +73,20 @@ def test_the_loss_covers_exactly_the_assistant_tokens_and_their_end(pretrained):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "And?"},
                 {"role": "assistant", "content": "Done"}]
-    c = encode_conversation(messages, tok, block_size=128)
+    [c] = encode_conversation(messages, tok, block_size=128)
     e = tok.encode
     assert c.ids == [system, *e("Be brief."), end, user, *e("Hi?"), end, assistant, *e("Hello."), end,
                      user, *e("And?"), end, assistant, *e("Done"), end] and not c.cut
-    idx, targets = pad_conversations([c, encode_conversation(messages[:3], tok, 128)], torch.device("cpu"))
+    idx, targets = pad_conversations([c, *encode_conversation(messages[:3], tok, 128)], torch.device("cpu"))
     assert idx[0].tolist() == c.ids[:-1]
     learnt = [(i, t) for i, t in enumerate(targets[0].tolist()) if t != -1]
     assert [t for _, t in learnt] == [*e("Hello."), end, *e("Done"), end]
     assert all(c.ids[i + 1] == t for i, t in learnt)  # each target is the next token
-    assert (targets[1, len(encode_conversation(messages[:3], tok, 128).ids) - 1:] == -1).all()  # padding
+    assert (targets[1, len(encode_conversation(messages[:3], tok, 128)[0].ids) - 1:] == -1).all()  # padding
     # the generation prompt: the history and the assistant's role token
     assert chat_prompt(messages[:2], tok) == c.ids[: c.ids.index(assistant) + 1]
     # too long: cut at block_size + 1 tokens; left out when no assistant token remains
-    cut = encode_conversation(messages, tok, block_size=30)
+    [cut] = encode_conversation(messages, tok, block_size=30)
     assert cut.cut and len(cut.ids) == 31 and cut.ids == c.ids[:31]
     kept, left_out = encode_conversations([(1, messages), (2, messages)], tok, block_size=12)
     assert kept == [] and left_out == 2

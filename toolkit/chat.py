@@ -14,9 +14,10 @@ A conversation longer than the block size plus one token is cut at its end (its 
 lost); one left with no assistant token is left out; both are counted. Chat (test.py --chat)
 prompts with the history followed by <|assistant|> and reads the reply up to <|end|>.
 
-A model downloaded as an HF folder (Qwen3's, SmolLM's instruct models) chats in its own template,
-the Jinja it ships, laid out as transformers' apply_chat_template does; instruction tuning here lays
-this toolkit's over it.
+A model downloaded as an HF folder (Qwen3's, SmolLM's instruct models) keeps its own template, the
+Jinja it ships, laid out as transformers' apply_chat_template does: to chat, and to be
+instruction-tuned, where the loss covers what the template adds for each assistant turn after its
+generation prompt (own_template_pieces).
 """
 import functools
 import json
@@ -50,8 +51,9 @@ class Conversation:
 
 
 def add_chat_tokens(model: GPT, tokenizer: Tokenizer) -> dict[str, int]:
-    """The template's four tokens as new rows of the (tied) embedding and ids of the tokenizer."""
-    return add_tokens(model, tokenizer, CHAT_TOKENS)
+    """The template's four tokens as new rows of the (tied) embedding and ids of the tokenizer; none
+    for a model that came with its own template (it keeps that one)."""
+    return {} if tokenizer.chat_template else add_tokens(model, tokenizer, CHAT_TOKENS)
 
 
 def is_chat_tokenizer(tokenizer: Tokenizer) -> bool:
@@ -59,13 +61,8 @@ def is_chat_tokenizer(tokenizer: Tokenizer) -> bool:
     return all(name in tokenizer.special_tokens for name in CHAT_TOKENS)
 
 
-def own_template(tokenizer: Tokenizer) -> dict | None:
-    """A downloaded folder's own template, unless instruction tuning here laid this toolkit's over it."""
-    return None if is_chat_tokenizer(tokenizer) else tokenizer.chat_template
-
-
 def can_chat(tokenizer: Tokenizer) -> bool:
-    return is_chat_tokenizer(tokenizer) or own_template(tokenizer) is not None
+    return is_chat_tokenizer(tokenizer) or tokenizer.chat_template is not None
 
 
 def stop_ids(tokenizer: Tokenizer) -> list[int]:
@@ -73,8 +70,8 @@ def stop_ids(tokenizer: Tokenizer) -> list[int]:
     folder's own (its generation_config.json's), else end-of-text where the vocabulary has one."""
     if is_chat_tokenizer(tokenizer):
         return [tokenizer.special_tokens[END]]
-    if own_template(tokenizer):
-        return own_template(tokenizer)["stop_ids"]
+    if tokenizer.chat_template:
+        return tokenizer.chat_template["stop_ids"]
     return [] if tokenizer.eot_id is None else [tokenizer.eot_id]
 
 
@@ -165,22 +162,70 @@ def turn_ids(message: dict, tokenizer: Tokenizer) -> list[int]:
 
 
 def encode_conversation(messages: list[dict], tokenizer: Tokenizer,
-                        block_size: int) -> Conversation:
-    ids, trained = [], []
+                        block_size: int) -> list[Conversation]:
+    """The training sequences of one conversation, each cut to block_size + 1 tokens: one, unless a
+    downloaded model's own template lays out a turn otherwise once a later turn follows it (Qwen3's
+    drops an earlier answer's reasoning): then one per assistant turn, ending with it."""
+    keep = block_size + 1  # block_size inputs, each with the next token as its target
+    sequences = []
+    for pieces in own_template_pieces(messages, tokenizer) if tokenizer.chat_template else \
+            [toolkit_pieces(messages, tokenizer)]:
+        ids = [token for tokens, _ in pieces for token in tokens]
+        trained = [learnt for tokens, learnt in pieces for _ in tokens]
+        sequences.append(Conversation(ids[:keep], trained[:keep], len(ids) > keep))
+    return sequences
+
+
+def toolkit_pieces(messages: list[dict], tokenizer: Tokenizer) -> list[tuple[list[int], bool]]:
+    """(tokens, learnt) pieces in this toolkit's template: each turn's role token is given, an
+    assistant turn's content and <|end|> learnt."""
+    pieces = []
     for message in messages:
         turn = turn_ids(message, tokenizer)
-        ids += turn
-        learnt = message["role"] == "assistant"
-        trained += [False] + [learnt] * (len(turn) - 1)  # the role token is given, the rest learnt
-    keep = block_size + 1  # block_size inputs, each with the next token as its target
-    return Conversation(ids[:keep], trained[:keep], len(ids) > keep)
+        pieces += [(turn[:1], False), (turn[1:], message["role"] == "assistant")]
+    return pieces
+
+
+def own_template_pieces(messages: list[dict], tokenizer: Tokenizer) -> list[list[tuple[list[int], bool]]]:
+    """The training sequences of a conversation in a downloaded model's own template, as (tokens,
+    learnt) pieces: an assistant turn learns the text its template adds after the generation prompt
+    (its content, its end token, Qwen3's empty <think> block), found by rendering the history up to
+    the turn with the generation prompt, and up to and with the turn."""
+    template = tokenizer.chat_template
+    whole = render(template, messages, prompt=False)
+    turns = []  # (text before the turn, the turn's text) of each assistant turn, in its own rendering
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            before, upto = render(template, messages[:i]), render(template, messages[: i + 1], prompt=False)
+            if not upto.startswith(before):
+                raise ValueError(f"the model's chat template does not lay out message {i} after its "
+                                 "generation prompt, so its tokens cannot be told from the prompt's")
+            turns.append((before, upto))
+    stable = all(whole.startswith(upto) for _, upto in turns) and all(
+        len(upto) <= len(later) for (_, upto), (later, _) in zip(turns, turns[1:]))
+    if not stable:  # one sequence per assistant turn, the turn last
+        return [text_pieces([(before, False), (upto[len(before):], True)], tokenizer) for before, upto in turns]
+    pieces, start = [], 0
+    for before, upto in turns:
+        pieces += [(whole[start:len(before)], False), (whole[len(before):len(upto)], True)]
+        start = len(upto)
+    return [text_pieces(pieces + [(whole[start:], False)], tokenizer)]
+
+
+def text_pieces(pieces: list[tuple[str, bool]], tokenizer: Tokenizer) -> list[tuple[list[int], bool]]:
+    return [(tokenizer.encode_with_special_tokens(text), learnt) for text, learnt in pieces if text]
 
 
 def encode_conversations(conversations: list[tuple[int, list[dict]]], tokenizer: Tokenizer,
                          block_size: int) -> tuple[list[Conversation], int]:
-    """Encoded conversations that keep an assistant token after the cut, and the number left out."""
-    encoded = [encode_conversation(messages, tokenizer, block_size)
-               for _, messages in conversations]
+    """The training sequences that keep an assistant token after the cut, and the number left out;
+    a conversation the template cannot lay out is a ValueError naming its line."""
+    encoded = []
+    for number, messages in conversations:
+        try:
+            encoded += encode_conversation(messages, tokenizer, block_size)
+        except (ValueError, CLIError) as e:  # (a template's own error is a CLIError)
+            raise ValueError(f"line {number}: {e}") from None
     kept = [c for c in encoded if any(c.trained[1:])]
     return kept, len(encoded) - len(kept)
 
@@ -206,8 +251,8 @@ def trained_tokens(conversations: list[Conversation]) -> int:
 def chat_prompt(history: list[dict], tokenizer: Tokenizer) -> list[int]:
     """The prompt for the next assistant turn: every turn of the history, then <|assistant|> (or
     the model's own template with its generation prompt)."""
-    if own_template(tokenizer):
-        return tokenizer.encode_with_special_tokens(render(own_template(tokenizer), history))
+    if tokenizer.chat_template:
+        return tokenizer.encode_with_special_tokens(render(tokenizer.chat_template, history))
     ids = [token for message in history for token in turn_ids(message, tokenizer)]
     return ids + [tokenizer.special_tokens["<|assistant|>"]]
 
@@ -225,13 +270,13 @@ def fit_history(history: list[dict], tokenizer: Tokenizer, room: int) -> tuple[l
 
 # ----- a downloaded model's own template -----
 
-def render(template: dict, messages: list[dict]) -> str:
-    """The text apply_chat_template(messages, add_generation_prompt=True) gives: the template runs
+def render(template: dict, messages: list[dict], prompt: bool = True) -> str:
+    """The text apply_chat_template(messages, add_generation_prompt=prompt) gives: the template runs
     in Jinja's immutable sandbox (it is code from a download), with what transformers adds to it."""
     tokens = {key: template[key] for key in ("bos_token", "eos_token") if template.get(key)}
     jinja = compiled(template["jinja"])
     try:
-        return jinja.render(messages=messages, add_generation_prompt=True, **tokens)
+        return jinja.render(messages=messages, add_generation_prompt=prompt, **tokens)
     except Exception as e:  # the template's own raise_exception, a sandbox refusal, a bad expression
         raise CLIError(f"the model's chat template fails: {' '.join(str(e).split())[:200]}") from None
 

@@ -80,10 +80,13 @@ def chat_objective(cfg: RunConfig, body: GPT, facts: dict, tokenizer: Tokenizer,
     train, val = train_and_val(cfg, read_conversations)
     sets = []
     for path, conversations in ((cfg.train, train), (cfg.val or cfg.train, val)):
-        kept, left_out = encode_conversations(conversations, tokenizer, block_size)
+        try:
+            kept, left_out = encode_conversations(conversations, tokenizer, block_size)
+        except ValueError as e:
+            raise CLIError(f"{path} {e}") from None
         cut = sum(c.cut for c in kept)
-        if (cut or left_out) and distributed.rank() == 0:
-            print(f"{path}: {cut} of {len(conversations)} conversations cut at the block size of "
+        if (cut or left_out) and distributed.rank() == 0:  # (Qwen3's template gives one per answer)
+            print(f"{path}: {cut} of {len(kept) + left_out} conversations cut at the block size of "
                   f"{block_size} tokens (their later tokens dropped), {left_out} left out (no "
                   f"assistant token within it)")
         if not kept:
