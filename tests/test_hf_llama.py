@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, rel_err, run_main
-from toolkit.chat import add_chat_tokens, chat_prompt, encode_conversation
+from toolkit.chat import add_chat_tokens, chat_prompt, encode_conversation, encode_conversations
 from toolkit.checkpoint import load_checkpoint
 from toolkit.cli import CLIError
 from toolkit.gguf_export import save_gguf
@@ -213,6 +213,12 @@ def test_a_template_that_lays_out_a_turn_otherwise_once_another_follows_gives_a_
                                                 return_dict=False))
         assert sequence.trained == [False] * before + [True] * (len(sequence.ids) - before)
         assert tok.decode(sequence.ids[before:]).startswith("<think>\n\n</think>\n\n")
+    # a generation prompt that is not how the template lays out an answer: the answer cannot be told apart
+    other = QWEN3_LIKE.replace("{{ '<|im_start|>assistant\n' }}", "{{ '<|im_start|>bot\n' }}")
+    assert other != QWEN3_LIKE
+    tok = load_tokenizer(load_model(instruct_folder(tmp_path / "other", tokenizer_json, other)[0])[1])
+    with pytest.raises(ValueError, match="line 7: .* does not lay out message 1 after its generation prompt"):
+        encode_conversations([(7, conversation)], tok, block_size=512)
 
 
 def test_finetune_on_the_defaults_instruction_tunes_a_downloaded_folder_in_its_template(tmp_path, tokenizer_json):
