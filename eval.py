@@ -47,6 +47,11 @@ def parse_args(argv: list[str] | None):
                              "natively, else float32 (default: auto)")
     parser.add_argument("--output", help="write the full results as JSON (with each item's scores)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    harness = parser.add_argument_group("lm-evaluation-harness's options", "for its tasks (names and task YAMLs)")
+    harness.add_argument("--apply-chat-template", action="store_true",
+                         help="lay out each prompt in the model's chat template (an instruction-tuned "
+                              "model's, or an HF folder's own), few-shot examples as turns")
+    harness.add_argument("--system-instruction", help="a system turn before each prompt (its text)")
     args = parser.parse_args(argv)
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not args.tasks and not args.data_dir:
@@ -58,6 +63,11 @@ def parse_args(argv: list[str] | None):
     for task in args.tasks:
         if task.endswith((".jsonl", ".yaml", ".yml")) and not os.path.isfile(task):
             raise CLIError(f"task file not found: {task}")
+    harness_tasks = [task for task in args.tasks if not task.endswith(".jsonl")]
+    for name in ("apply_chat_template", "system_instruction"):
+        if getattr(args, name) and not harness_tasks:
+            raise CLIError(f"--{name.replace('_', '-')} lays out lm-evaluation-harness's prompts: give one of "
+                           "its tasks (a name or a task YAML) in --tasks")
     if args.output:
         check_output(args.output, [args.ckpt, args.data_dir, *args.tasks], "--output")
         refuse_existing([args.output], args.overwrite)

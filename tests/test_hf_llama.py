@@ -83,27 +83,26 @@ def test_a_folder_this_toolkit_cannot_run_is_one_line(tmp_path, tokenizer_json):
 
 
 # a ChatML template as Qwen's and SmolLM's instruct folders ship one (a default system turn, raise_exception,
-# transformers' {% generation %} block around what an assistant turn learns, blocks whose newlines trim_blocks
-# removes)
-CHATML = """{% if messages[0]['role'] != 'system' %}
-{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}
-{% endif %}
-{% for message in messages %}
-{% if message['role'] not in ['system', 'user', 'assistant'] %}
-{{ raise_exception('unknown role ' + message['role']) }}
-{% endif %}
-{{ '<|im_start|>' + message['role'] + '\n' }}
-{% if message['role'] == 'assistant' %}
-{% generation %}
-{{ message['content'] + '<|im_end|>' + '\n' }}
-{% endgeneration %}
-{% else %}
-{{ message['content'] + '<|im_end|>' + '\n' }}
-{% endif %}
-{% endfor %}
-{% if add_generation_prompt %}
-{{ '<|im_start|>assistant\n' }}
-{% endif %}"""
+# transformers' {% generation %} block around what an assistant turn learns, Jinja's whitespace control)
+CHATML = """{%- if messages[0]['role'] != 'system' %}
+    {{- '<|im_start|>system\nBe brief.<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{- raise_exception('unknown role ' + message['role']) }}
+    {%- endif %}
+    {{- '<|im_start|>' + message['role'] + '\n' }}
+    {%- if message['role'] == 'assistant' %}
+        {%- generation %}
+        {{- message['content'] + '<|im_end|>\n' }}
+        {%- endgeneration %}
+    {%- else %}
+        {{- message['content'] + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}"""
 # Qwen3's way: the answer after the last question opens with an empty <think> block, earlier ones do not
 QWEN3_LIKE = """{%- set ns = namespace(last_query=0) %}
 {%- for message in messages %}
@@ -277,3 +276,65 @@ def test_where_a_folder_keeps_its_template_and_stop_ids(tmp_path, tokenizer_json
     os.remove(tmp_path / "hf" / "tokenizer_config.json")  # a base model's folder
     assert_one_line_error(run_main("test.py", "--ckpt", folder, "--chat", "--device", "cpu", input="hi\n"),
                           "was never instruction-tuned")
+
+
+def test_eval_lays_out_a_harness_task_in_the_folders_template_as_lm_evals_hf_model(tmp_path, tokenizer_json):
+    """eval.py --apply-chat-template --system-instruction on a harness task, against lm-eval's own `hf` model with
+    the same options on the same folder: the same prompts, every log-likelihood within 1e-4."""
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    from toolkit.harness import task_manager
+    folder, _ = instruct_folder(tmp_path / "hf", tokenizer_json)
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+{b}?", "choices": [str(a + b), str(a * b + 1), "不知道"],
+                                        "label": "0"}) + "\n" for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]))
+    task = tmp_path / "sums.yaml"
+    task.write_text(f"task: sums\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    validation: {data}\n"
+                    "validation_split: validation\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+                    "doc_to_target: '{{label}}'\ndoc_to_choice: choices\nmetric_list:\n  - metric: acc\n")
+    options = ("--apply-chat-template", "--system-instruction", "Answer.", "--dtype", "float32", "--device", "cpu")
+    result = run_main("eval.py", "--ckpt", folder, "--tasks", task, *options, "--output", tmp_path / "out.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours = json.loads((tmp_path / "out.json").read_text())["tasks"]["harness"]["samples"]["sums"]
+    theirs = simple_evaluate(model=HFLM(pretrained=folder, device="cpu", dtype="float32", batch_size=4),
+                             tasks=["sums"], task_manager=task_manager((str(tmp_path),), False),
+                             apply_chat_template=True, system_instruction="Answer.", log_samples=True,
+                             bootstrap_iters=0)["samples"]["sums"]
+    theirs = json.loads(json.dumps(theirs, default=str))
+    assert [s["arguments"] for s in ours] == [s["arguments"] for s in theirs]
+    assert ours[0]["arguments"][0] == ["<|im_start|>system\nAnswer.<|im_end|>\n<|im_start|>user\n1+2?<|im_end|>\n"
+                                       "<|im_start|>assistant\n", "3"]
+    lls = [(a[0][0], b[0][0]) for s, t in zip(ours, theirs) for a, b in zip(s["resps"], t["resps"])]
+    assert len(lls) == 12 and max(abs(float(a) - float(b)) for a, b in lls) < 1e-4
+
+    # a generation task: greedy replies end where generate() ends them, here at the first item's third new token
+    prompt = torch.tensor([chat_prompt([{"role": "system", "content": "Answer."}, {"role": "user", "content": "1+2?"}],
+                                       load_tokenizer(load_model(folder)[1]))])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    free = reference.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, prompt.shape[1]:]
+    cut = next(k for k in range(2, 12) if free[k] not in free[:k])
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": [int(free[cut])]}))
+    (tmp_path / "say").mkdir()  # (a folder of its own: the harness's index of the first one is cached)
+    (tmp_path / "say" / "say.yaml").write_text(
+        f"task: say\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    validation: {data}\n"
+        "validation_split: validation\noutput_type: generate_until\ndoc_to_text: '{{question}}'\n"
+        "doc_to_target: '{{choices[0]}}'\ngeneration_kwargs:\n  until: ['。']\n  do_sample: false\n"
+        "  max_gen_toks: 12\nmetric_list:\n  - metric: exact_match\n")
+    result = run_main("eval.py", "--ckpt", folder, "--tasks", tmp_path / "say" / "say.yaml", *options, "--output",
+                      tmp_path / "say.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours = json.loads((tmp_path / "say.json").read_text())["tasks"]["harness"]["samples"]["say"]
+    theirs = simple_evaluate(model=HFLM(pretrained=folder, device="cpu", dtype="float32", batch_size=4),
+                             tasks=["say"], task_manager=task_manager((str(tmp_path / "say"),), False),
+                             apply_chat_template=True, system_instruction="Answer.", log_samples=True,
+                             bootstrap_iters=0)["samples"]["say"]
+    mine, hf = ([sample["resps"][0][0] for sample in samples] for samples in (ours, theirs))
+    # the same greedy replies: transformers shows a character cut at the end as U+FFFD where the toolkit leaves
+    # it out, and keeps the text of a stop token that is not a special token (the first item's here)
+    assert mine[0] == load_tokenizer(load_model(folder)[1]).decode(free[:cut].tolist()) and hf[0].startswith(mine[0])
+    assert mine[1:] == [text.rstrip("\ufffd") for text in hf[1:]] and len(set(mine)) == 4
+
+    plain = hf_folder(tmp_path / "base", tokenizer_json, "qwen3", tie=True)  # a base model's folder: no template
+    assert_one_line_error(run_main("eval.py", "--ckpt", plain, "--tasks", task, *options), "never instruction-tuned")

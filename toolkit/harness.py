@@ -6,7 +6,10 @@ GPTHarness answers the harness's three request kinds with the model's own tokeni
 (through TemplateLM, so contexts and continuations are split as the harness's `hf` model splits
 them, then scored by toolkit/evaluation.py in length-sorted batches), loglikelihood_rolling (the
 harness's rolling windows of the block size) and generate_until (greedy or sampled, with the KV
-cache, stopping at any `until` string).
+cache, stopping at any `until` string or where a reply ends). With --apply-chat-template, the
+harness lays out its prompts in the model's chat template (this toolkit's after instruction tuning,
+or a downloaded folder's own), rendered as test.py --chat renders it, and special-token text in them
+is that token, as transformers' tokenizers read it.
 """
 import functools
 import os
@@ -18,6 +21,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
 
 from model import GPT
+from toolkit.chat import can_chat, export_template, render, stop_ids
 from toolkit.cli import CLIError, first_line
 from toolkit.device import autocast
 from toolkit.documents import read_text
@@ -26,10 +30,16 @@ from toolkit.tokenizers import Tokenizer
 
 
 class GPTHarness(TemplateLM):
-    def __init__(self, model: GPT, tok: Tokenizer, batch_size: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model: GPT, tok: Tokenizer, batch_size: int, device: torch.device, dtype: torch.dtype,
+                 chat: bool = False):
         super().__init__()
         self.model, self.tok, self.batch_size, self.where, self.dtype = model.eval(), tok, batch_size, device, dtype
         self.logits_at = gpt_logits_at(model, device, dtype)
+        if chat and not can_chat(tok):
+            raise CLIError("--apply-chat-template: the model was never instruction-tuned, so it has no chat "
+                           "template (finetune.py --task sft gives it one)")
+        self.template = export_template(tok.facts()) if chat else None
+        self.stops = stop_ids(tok)  # (an instruction-tuned model's reply ends at its turn's end)
 
     @property
     def device(self) -> torch.device:
@@ -44,7 +54,17 @@ class GPTHarness(TemplateLM):
         return self.model.config.block_size
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tok.encode(string)
+        return self.tok.encode_with_special_tokens(string) if self.template else self.tok.encode(string)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return f"{self.tok.name}-{self.tok.vocab_size}"
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.template["jinja"] if self.template else None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return render(self.template, chat_history, prompt=add_generation_prompt)
 
     def tok_decode(self, tokens: list[int], **kwargs) -> str:
         return self.tok.decode(tokens)
@@ -80,11 +100,14 @@ class GPTHarness(TemplateLM):
             tokens, text = [], ""
             with autocast(self.where, self.dtype):
                 stream = self.model.generate_stream(torch.tensor([ids], device=self.where), new_tokens,
-                                                    temperature=temperature, eos_token=self.tok.eot_id)
+                                                    temperature=temperature)
                 for step in stream:
                     tokens.append(step[0].item())
+                    if tokens[-1] in self.stops:
+                        tokens.pop()
+                        break
                     text = self.tok_decode(tokens)
-                    if tokens[-1] == self.tok.eot_id or any(stop in text for stop in until):
+                    if any(stop in text for stop in until):
                         break
             for stop in until:
                 text = text.split(stop)[0]
@@ -117,9 +140,10 @@ def task_manager(folders: tuple[str, ...], defaults: bool) -> TaskManager:
     return TaskManager(include_path=list(folders) or None, include_defaults=defaults)
 
 
-def run(specs: list[str], lm: GPTHarness, limit: int | None) -> dict:
-    """lm_eval.simple_evaluate on the tasks; a name the harness does not know, or data it cannot
-    reach (offline), is one line."""
+def run(specs: list[str], lm: GPTHarness, limit: int | None, system_instruction: str | None = None) -> dict:
+    """lm_eval.simple_evaluate on the tasks (in the model's chat template where lm has one, after
+    system_instruction's system turn); a name the harness does not know, or data it cannot reach
+    (offline), is one line."""
     names, folders = zip(*map(task_name, specs))
     local = tuple(f for f in folders if f)
     manager = task_manager(local, len(local) < len(names))
@@ -131,7 +155,8 @@ def run(specs: list[str], lm: GPTHarness, limit: int | None) -> dict:
                        "; a local file is a .jsonl in HellaSwag's format or a task .yaml")
     try:
         return simple_evaluate(model=lm, tasks=list(names), task_manager=manager, limit=limit, log_samples=True,
-                               bootstrap_iters=0)
+                               bootstrap_iters=0, apply_chat_template=lm.template is not None,
+                               system_instruction=system_instruction)
     except (OSError, ValueError) as e:  # ConnectionError and FileNotFoundError among them
         raise CLIError(f"lm-evaluation-harness cannot load the data of {', '.join(names)} "
                        f"({first_line(e)[:200]}); without internet, score a local file instead: --tasks "

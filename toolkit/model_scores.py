@@ -44,7 +44,7 @@ def score_model(args: argparse.Namespace) -> tuple[dict, dict]:
         full[task.name] = {"path": os.path.abspath(path), "items": len(task.items), **results[task.name]}
     others = [task for task in args.tasks if task not in local]
     if others:
-        metrics, out = harness_results(others, model, tok, args.batch_size, args.limit, device, dtype)
+        metrics, out = harness_results(others, model, tok, args, device, dtype)
         results.update(metrics)
         full["harness"] = out
     return results, full
@@ -87,10 +87,10 @@ def hub_out_of_reach() -> bool:
     return False
 
 
-def harness_results(specs: list[str], model: GPT, tok: Tokenizer, batch_size: int, limit: int | None,
+def harness_results(specs: list[str], model: GPT, tok: Tokenizer, args: argparse.Namespace,
                     device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
-    """The harness's results for its tasks: {task: {metric: value}} (its filters' ",none" and the
-    stderrs left out), and its full output."""
+    """The harness's results for its tasks, with eval.py's --batch-size, --limit and chat options:
+    {task: {metric: value}} (its filters' ",none" and the stderrs left out), and its full output."""
     if hub_out_of_reach():  # the libraries read their caches at once: cached task data still loads
         os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     try:
@@ -98,7 +98,8 @@ def harness_results(specs: list[str], model: GPT, tok: Tokenizer, batch_size: in
     except ImportError:
         raise CLIError(f"--tasks {','.join(specs)} needs lm-evaluation-harness: pip install lm_eval (a local .jsonl "
                        f"in HellaSwag's format needs nothing)") from None
-    out = harness.run(specs, harness.GPTHarness(model, tok, batch_size, device, dtype), limit)
+    lm = harness.GPTHarness(model, tok, args.batch_size, device, dtype, chat=args.apply_chat_template)
+    out = harness.run(specs, lm, args.limit, args.system_instruction)
     metrics = {task: {key.split(",")[0]: value for key, value in values.items()
                       if "," in key and "_stderr" not in key and isinstance(value, (int, float))}
                for task, values in out["results"].items()}

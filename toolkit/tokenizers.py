@@ -187,8 +187,17 @@ class Tokenizer:
         return self.encode_array(text).tolist()
 
     def encode_with_special_tokens(self, text: str) -> list[int]:
-        """Token ids of text where the vocabulary's special-token text (<|im_start|>, <|endoftext|>)
-        is that token, as HF tokenizes a rendered chat template; the other text as encode does."""
+        """Token ids of text where special-token text is that token, as HF tokenizes a rendered chat
+        template: the vocabulary's own (<|im_start|>, <|endoftext|>) and those a fine-tuning added
+        (<|user|>); the other text as encode does."""
+        if self.special_tokens:  # the added ones are not in the vocabulary's tokenizer: split at them
+            names = "|".join(map(re.escape, sorted(self.special_tokens, key=len, reverse=True)))
+            return [i for part in re.split(f"({names})", text) if part
+                    for i in ([self.special_tokens[part]] if part in self.special_tokens else
+                              self.encode_with_vocabulary_special_tokens(part))]
+        return self.encode_with_vocabulary_special_tokens(text)
+
+    def encode_with_vocabulary_special_tokens(self, text: str) -> list[int]:
         if self.name == "gpt2":
             return self.encoding.encode(text, allowed_special="all")
         if self.name != "bpe":
