@@ -14,8 +14,8 @@ import transformers
 from conftest import ROOT, assert_one_line_error, gguf_logits, rel_err, run_main, run_script
 from model import GPT, GPTConfig
 from toolkit import lora
-from toolkit.chat import (CHAT_TOKENS, add_chat_tokens, chat_prompt, encode_conversation, messages_of,
-                          encode_conversations, fit_history, pad_conversations)
+from toolkit.chat import (CHAT_TOKENS, add_chat_tokens, chat_prompt, encode_conversation, encode_conversations,
+                          export_template, fit_history, messages_of, pad_conversations, render)
 from toolkit.checkpoint import load_checkpoint
 from toolkit.distributed import free_port
 from toolkit.files import fingerprint
@@ -314,6 +314,8 @@ def test_the_hf_export_of_an_instruction_tuned_model_carries_the_template(family
                {"role": "assistant", "content": " Lists"}, {"role": "user", "content": "And dict?"}]
     ids = hf_tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
     assert hf_tok.encode(ids) == chat_prompt(history, tok)  # the prompt test.py --chat gives the model
+    # and eval.py --apply-chat-template's: the template rendered as text, its tokens read back as tokens
+    assert tok.encode_with_special_tokens(render(export_template(tok.facts()), history)) == chat_prompt(history, tok)
     # generate() ends a reply at the turn's end, as test.py --chat does
     generation = transformers.GenerationConfig.from_pretrained(tmp_path)
     assert generation.eos_token_id == [tok.eot_id, special["<|end|>"]]
