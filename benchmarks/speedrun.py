@@ -146,6 +146,9 @@ def main() -> None:
     parser.add_argument("--plot", help="write the validation curves against wall seconds to this PNG")
     parser.add_argument("--json", help="write every run's figures to this file")
     args = parser.parse_args()
+    args.nanogpt_dir = os.path.abspath(args.nanogpt_dir)  # (each run starts in a scratch folder of its own)
+    if not os.path.isfile(os.path.join(args.nanogpt_dir, "train.py")):
+        raise cli.CLIError(f"--nanogpt-dir {args.nanogpt_dir} holds no train.py: give a checkout of karpathy/nanoGPT")
     device = "cuda" if args.recipe == "gpu" else "cpu"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     print(f"CPU: {cpu_kind()} (ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}), "

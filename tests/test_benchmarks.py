@@ -50,3 +50,11 @@ def test_bench_bpe_ratios_table(tmp_path):
                                               for lang in ("Chinese", "English"))}, rows
     # trained on Chinese, more entries spend fewer tokens on Chinese, and fewer than GPT-2's
     assert rows["bpe 600 trained on Chinese"][0] < rows["bpe 300 trained on Chinese"][0] < rows["gpt2 (50,257)"][0]
+
+
+def test_speedrun_without_a_nanogpt_checkout_is_one_line(tmp_path):
+    """(A run needs karpathy/nanoGPT, which is not shipped: only the check of its folder runs here.)"""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speedrun.py"), "--nanogpt-dir",
+                             str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"error: --nanogpt-dir {tmp_path} holds no train.py")
