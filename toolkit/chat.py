@@ -196,7 +196,8 @@ def own_template_pieces(messages: list[dict], tokenizer: Tokenizer) -> list[list
     turns = []  # (text before the turn, the turn's text) of each assistant turn, in its own rendering
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
-            before, upto = render(template, messages[:i]), render(template, messages[: i + 1], prompt=False)
+            before = render(template, messages[:i])
+            upto = whole if i == len(messages) - 1 else render(template, messages[: i + 1], prompt=False)
             if not upto.startswith(before):
                 raise ValueError(f"the model's chat template does not lay out message {i} after its "
                                  "generation prompt, so its tokens cannot be told from the prompt's")
