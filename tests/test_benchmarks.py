@@ -53,8 +53,9 @@ def test_bench_bpe_ratios_table(tmp_path):
 
 
 def test_speedrun_without_a_nanogpt_checkout_is_one_line(tmp_path):
-    """(A run needs karpathy/nanoGPT, which is not shipped: only the check of its folder runs here.)"""
+    """(A run needs karpathy/nanoGPT, which is not shipped: only the check of its folder runs here, given as a
+    relative path, as gpu_check.sh passes NANOGPT_DIR, and named as the absolute path each run starts from.)"""
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speedrun.py"), "--nanogpt-dir",
-                             str(tmp_path)], capture_output=True, text=True, timeout=120)
+                             tmp_path.name], capture_output=True, text=True, timeout=120, cwd=tmp_path.parent)
     assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith(f"error: --nanogpt-dir {tmp_path} holds no train.py")

@@ -103,9 +103,11 @@ def test_a_gpt2_folder_that_ships_a_chat_template_chats_in_it(tmp_path, gpt2_voc
     save_gpt2(tiny_gpt(vocab_size=50257, n_embd=16), str(tmp_path))
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     config["chat_template"] = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
+    config["eos_token"] = "hello"  # (not end-of-text: the stop id is the eos token's, one token in GPT-2's vocabulary)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     os.remove(tmp_path / "generation_config.json")  # the eos token's id ends a reply
     facts = load_model(str(tmp_path))[1]
-    assert facts["chat_template"]["stop_ids"] == [50256]
+    assert facts["chat_template"]["stop_ids"] == [31373]
     tok = load_tokenizer(facts)
-    assert chat_prompt([{"role": "user", "content": "你好"}], tok) == [*tok.encode("user: 你好"), 50256]
+    assert chat_prompt([{"role": "user", "content": "你好<|endoftext|>"}], tok) == [*tok.encode("user: 你好"), 50256,
+                                                                                  *tok.encode("hello")]

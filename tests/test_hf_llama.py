@@ -181,7 +181,7 @@ def test_a_downloaded_instruct_folder_chats_in_its_own_template_as_transformers_
     formatter = Jinja2ChatFormatter(llm.metadata["tokenizer.chat_template"], eos_token="<|im_end|>", bos_token="")
     prompt = formatter(messages=HISTORY).prompt
     assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == chat_prompt(HISTORY, tok)
-    assert llama_vocab_is_eog(llm._model.vocab, ids["<|im_end|>"])  # llama.cpp ends a reply there too
+    assert llm.token_eos() == ids["<|im_end|>"] and llama_vocab_is_eog(llm._model.vocab, ids["<|im_end|>"])
     llm.close()
 
 
@@ -293,7 +293,8 @@ def test_eval_lays_out_a_harness_task_in_the_folders_template_as_lm_evals_hf_mod
     task = tmp_path / "sums.yaml"
     task.write_text(f"task: sums\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    validation: {data}\n"
                     "validation_split: validation\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
-                    "doc_to_target: '{{label}}'\ndoc_to_choice: choices\nmetric_list:\n  - metric: acc\n")
+                    "doc_to_target: '{{label}}'\ndoc_to_choice: choices\ngen_prefix: 'Sum:'\n"
+                    "metric_list:\n  - metric: acc\n")  # (gen_prefix: the answer's start, left open)
     options = ("--apply-chat-template", "--system-instruction", "Answer.", "--dtype", "float32", "--device", "cpu")
     result = run_main("eval.py", "--ckpt", folder, "--tasks", task, *options, "--output", tmp_path / "out.json")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -305,11 +306,11 @@ def test_eval_lays_out_a_harness_task_in_the_folders_template_as_lm_evals_hf_mod
     theirs = json.loads(json.dumps(theirs, default=str))
     assert [s["arguments"] for s in ours] == [s["arguments"] for s in theirs]
     assert ours[0]["arguments"][0] == ["<|im_start|>system\nAnswer.<|im_end|>\n<|im_start|>user\n1+2?<|im_end|>\n"
-                                       "<|im_start|>assistant\n", "3"]
+                                       "<|im_start|>assistant\nSum:", " 3"]
     lls = [(a[0][0], b[0][0]) for s, t in zip(ours, theirs) for a, b in zip(s["resps"], t["resps"])]
     assert len(lls) == 12 and max(abs(float(a) - float(b)) for a, b in lls) < 1e-4
 
-    # a generation task: greedy replies end where generate() ends them, here at the first item's third new token
+    # a generation task: greedy replies end where generate() ends them, here at a token of the first item's reply
     prompt = torch.tensor([chat_prompt([{"role": "system", "content": "Answer."}, {"role": "user", "content": "1+2?"}],
                                        load_tokenizer(load_model(folder)[1]))])
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()

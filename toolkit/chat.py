@@ -46,7 +46,7 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' 
 @dataclass
 class Conversation:
     ids: list[int]  # the template's tokens, at most block_size + 1
-    trained: list[bool]  # per token: an assistant turn's content or its end (a target of the loss)
+    trained: list[bool]  # per token: what an assistant turn adds (its content, its end): a target of the loss
     cut: bool  # tokens past block_size + 1 were dropped
 
 
@@ -66,13 +66,15 @@ def can_chat(tokenizer: Tokenizer) -> bool:
 
 
 def stop_ids(tokenizer: Tokenizer) -> list[int]:
-    """The ids that end a reply or a sample: <|end|> of this toolkit's template, a downloaded
-    folder's own (its generation_config.json's), else end-of-text where the vocabulary has one."""
+    """The ids that end a reply or a sample: <|end|> of this toolkit's template (and end-of-text, as
+    its HF export's generation_config.json lists both), a downloaded folder's own (its
+    generation_config.json's), else end-of-text where the vocabulary has one."""
+    eot = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
     if is_chat_tokenizer(tokenizer):
-        return [tokenizer.special_tokens[END]]
+        return [tokenizer.special_tokens[END], *eot]
     if tokenizer.chat_template:
         return tokenizer.chat_template["stop_ids"]
-    return [] if tokenizer.eot_id is None else [tokenizer.eot_id]
+    return eot
 
 
 def chat_end_id(facts: dict) -> int | None:
@@ -214,6 +216,9 @@ def own_template_pieces(messages: list[dict], tokenizer: Tokenizer) -> list[list
 
 
 def text_pieces(pieces: list[tuple[str, bool]], tokenizer: Tokenizer) -> list[tuple[list[int], bool]]:
+    """Each piece tokenized by itself: an answer's first tokens as the model gives them in a chat,
+    after a prompt tokenized up to its generation prompt (a newline that opens an answer is not
+    merged into the prompt's last one, as it would be in the whole text)."""
     return [(tokenizer.encode_with_special_tokens(text), learnt) for text, learnt in pieces if text]
 
 
@@ -277,7 +282,7 @@ def render(template: dict, messages: list[dict], prompt: bool = True) -> str:
     tokens = {key: template[key] for key in ("bos_token", "eos_token") if template.get(key)}
     jinja = compiled(template["jinja"])
     try:
-        return jinja.render(messages=messages, add_generation_prompt=prompt, **tokens)
+        return jinja.render(messages=messages, tools=None, documents=None, add_generation_prompt=prompt, **tokens)
     except Exception as e:  # the template's own raise_exception, a sandbox refusal, a bad expression
         raise CLIError(f"the model's chat template fails: {' '.join(str(e).split())[:200]}") from None
 
@@ -289,8 +294,8 @@ def compiled(jinja: str) -> jinja2.Template:
     text."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[loopcontrols, GenerationBlock])
-    env.filters["tojson"] = lambda value, indent=None, separators=None, sort_keys=False: json.dumps(
-        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.filters["tojson"] = lambda value, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+        json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals.update(raise_exception=raise_template_error,
                        strftime_now=lambda format: datetime.now().strftime(format))
     try:

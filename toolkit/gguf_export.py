@@ -189,12 +189,13 @@ def add_vocabulary(writer, facts: dict) -> None:
     # llama.cpp's BPE needs a merge list, and GGUF has no empty array: a vocabulary without merges (bytes,
     # ASCII characters) gets one that never applies, since no merge makes its left part
     writer.add_token_merges(merges or [f"{spelled(bytes(2))} {spelled(bytes(1))}"])
+    template = export_template(facts)  # (a downloaded instruct model's first stop id: <|im_end|>)
     writer.add_bos_token_id(facts["eot_id"])
-    writer.add_eos_token_id(facts["eot_id"])
+    writer.add_eos_token_id(template["stop_ids"][0] if template and template["stop_ids"] else facts["eot_id"])
     writer.add_add_bos_token(False)  # this toolkit's models start at the text's first token
     writer.add_add_eos_token(False)
-    if export_template(facts):
-        writer.add_chat_template(export_template(facts)["jinja"])
+    if template:
+        writer.add_chat_template(template["jinja"])
 
 
 def add_tensors(writer, tensors: dict[str, torch.Tensor], weight_type: str) -> None:

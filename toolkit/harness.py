@@ -21,12 +21,14 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
 
 from model import GPT
-from toolkit.chat import can_chat, export_template, render, stop_ids
+from toolkit.chat import export_template, render, stop_ids
 from toolkit.cli import CLIError, first_line
 from toolkit.device import autocast
 from toolkit.documents import read_text
 from toolkit.evaluation import gpt_logits_at, loglikelihoods
 from toolkit.tokenizers import Tokenizer
+
+OPEN_END = "<|toolkit-open-end|>"  # marks where the last message of a history stops, to leave it open
 
 
 class GPTHarness(TemplateLM):
@@ -35,10 +37,7 @@ class GPTHarness(TemplateLM):
         super().__init__()
         self.model, self.tok, self.batch_size, self.where, self.dtype = model.eval(), tok, batch_size, device, dtype
         self.logits_at = gpt_logits_at(model, device, dtype)
-        if chat and not can_chat(tok):
-            raise CLIError("--apply-chat-template: the model was never instruction-tuned, so it has no chat "
-                           "template (finetune.py --task sft gives it one)")
-        self.template = export_template(tok.facts()) if chat else None
+        self.template = export_template(tok.facts()) if chat else None  # (model_scores checked it has one)
         self.stops = stop_ids(tok)  # (an instruction-tuned model's reply ends at its turn's end)
 
     @property
@@ -64,7 +63,17 @@ class GPTHarness(TemplateLM):
         return self.template["jinja"] if self.template else None
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return render(self.template, chat_history, prompt=add_generation_prompt)
+        """The history in the model's template. Without a generation prompt, the last message is left
+        open for the continuation, as lm-eval's hf model asks transformers (continue_final_message):
+        rendered with a mark after its content, and cut at the mark."""
+        if add_generation_prompt:
+            return render(self.template, chat_history)
+        last = {**chat_history[-1], "content": chat_history[-1]["content"] + OPEN_END}
+        text = render(self.template, [*chat_history[:-1], last], prompt=False)
+        if OPEN_END not in text:
+            raise CLIError("the model's chat template drops the end of the last message, so it cannot be "
+                           "continued (a task's gen_prefix)")
+        return text[: text.rindex(OPEN_END)]
 
     def tok_decode(self, tokens: list[int], **kwargs) -> str:
         return self.tok.decode(tokens)

@@ -258,7 +258,7 @@ def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
                        f"and the model's embedding rows do not line up")
     template = export_template(facts)  # (its bos and eos tokens are the ones it renders)
     named = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT,
-             **{key: template[key] for key in ("bos_token", "eos_token") if template and template[key]}}
+             **({key: template.get(key) for key in ("bos_token", "eos_token")} if template else {})}
     write_json(os.path.join(out_dir, "special_tokens_map.json"), named)
     write_json(os.path.join(out_dir, "tokenizer_config.json"), {
         "tokenizer_class": tokenizer_class, "model_max_length": block_size, "add_prefix_space": False,
@@ -297,7 +297,8 @@ def gpt2_files(out_dir: str, facts: dict) -> HFTokenizer:
 
 
 def read_tokenizer(directory: str, vocab_size: int) -> dict:
-    """An HF folder's tokenizer facts: TOKENIZER_FILE when this toolkit wrote one, else GPT-2's."""
+    """An HF folder's tokenizer facts: TOKENIZER_FILE when this toolkit wrote one, else GPT-2's, with
+    the folder's own chat template if it has one."""
     path = os.path.join(directory, TOKENIZER_FILE)
     if os.path.isfile(path):
         facts = read_json(path, "tokenizer facts")

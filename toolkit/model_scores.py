@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from model import GPT
+from toolkit.chat import can_chat
 from toolkit.cli import CLIError
 from toolkit.data import load_corpus
 from toolkit.device import autocast, full_logits_fit, resolve_device, resolve_dtype
@@ -29,6 +30,9 @@ def score_model(args: argparse.Namespace) -> tuple[dict, dict]:
     model, facts = load_model(args.ckpt)
     model.to(device).eval()
     tok = load_tokenizer(facts)
+    if args.apply_chat_template and not can_chat(tok):
+        raise CLIError(f"--apply-chat-template: {args.ckpt} was never instruction-tuned, so it has no chat "
+                       "template (finetune.py --task sft gives it one)")
     results, full = {}, {}
     if args.data_dir:
         results["val"] = val_scores(model, tok, facts, args.data_dir, args.ckpt, args.batch_size, args.limit,

@@ -191,10 +191,11 @@ class Tokenizer:
         template: the vocabulary's own (<|im_start|>, <|endoftext|>) and those a fine-tuning added
         (<|user|>); the other text as encode does."""
         if self.special_tokens:  # the added ones are not in the vocabulary's tokenizer: split at them
-            names = "|".join(map(re.escape, sorted(self.special_tokens, key=len, reverse=True)))
+            added = {name if name.startswith("<|") else f"<|{name}|>": i  # (as the HF export names them)
+                     for name, i in self.special_tokens.items()}
+            names = "|".join(map(re.escape, sorted(added, key=len, reverse=True)))
             return [i for part in re.split(f"({names})", text) if part
-                    for i in ([self.special_tokens[part]] if part in self.special_tokens else
-                              self.encode_with_vocabulary_special_tokens(part))]
+                    for i in ([added[part]] if part in added else self.encode_with_vocabulary_special_tokens(part))]
         return self.encode_with_vocabulary_special_tokens(text)
 
     def encode_with_vocabulary_special_tokens(self, text: str) -> list[int]:
