@@ -39,6 +39,9 @@ class GPTConfig:
     mlp_hidden: int | None = None  # the gated MLP's width (default: 8/3 n_embd rounded up to 32)
     qk_norm: bool = False  # RMSNorm of each head's queries and keys (Qwen3, nanochat)
     rope_theta: float = 10000.0  # the base of the rotary frequencies
+    # Llama 3.1's long-context frequencies (HF's rope_type "llama3"): factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings; None: theta's alone
+    rope_scaling: dict[str, float] | None = None
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2; small Qwen3 and SmolLM)
 
@@ -91,6 +94,7 @@ SDPA_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFF
 ATTN_KERNELS = ("auto", "manual", *SDPA_KERNELS)
 MANUAL_MAX_KEYS = 512
 MAX_LAYERS = 1024  # GPT-3's largest has 96: a config with more blocks than this lies
+ROPE_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def check_config(config: GPTConfig) -> None:
@@ -128,6 +132,18 @@ def check_config(config: GPTConfig) -> None:
                          "use arch llama")
     if config.arch == "llama" and config.bias:
         raise ValueError("model config: the llama family has no biases (bias false)")
+    scaling = config.rope_scaling
+    if scaling is not None and not is_rope_scaling(scaling):
+        raise ValueError(f"model config: rope_scaling must be null or an object of {', '.join(ROPE_SCALING)}, "
+                         f"factors of at least 1 with high_freq_factor above low_freq_factor, got {scaling!r:.200}")
+
+
+def is_rope_scaling(scaling) -> bool:
+    if not isinstance(scaling, dict) or set(scaling) != set(ROPE_SCALING):
+        return False
+    if not all(type(v) in (int, float) and math.isfinite(v) and v > 0 for v in scaling.values()):
+        return False
+    return scaling["factor"] >= 1 and scaling["high_freq_factor"] > scaling["low_freq_factor"]
 
 
 def norm(config: GPTConfig, width: int) -> nn.Module:
@@ -200,13 +216,28 @@ def manual_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     return att @ v
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(positions: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) (T, head_dim) of RoPE's angles at positions: pair (i, i + head_dim/2) of a head turns
-    by position * theta^(-2i / head_dim), as HF's Llama lays the pairs out (rotate_half)."""
-    inverse = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    angles = positions.float()[:, None] * inverse[None, :]
+    by position * its frequency, as HF's Llama lays the pairs out (rotate_half)."""
+    frequencies = rope_frequencies(config.head_size, config.rope_theta, config.rope_scaling, positions.device)
+    angles = positions.float()[:, None] * frequencies[None, :]
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: dict[str, float] | None = None,
+                     device: torch.device | None = None) -> torch.Tensor:
+    """The head_dim/2 angles per position, theta^(-2i / head_dim). Llama 3.1's scaling (Meta's
+    apply_scaling, HF's _compute_llama3_parameters) slows the ones whose wavelength is past
+    original_max_position_embeddings / low_freq_factor by factor, keeps those under
+    original_max_position_embeddings / high_freq_factor, and blends linearly in between."""
+    inverse = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if scaling is None:
+        return inverse
+    factor, low, high, context = (scaling[key] for key in ROPE_SCALING)
+    wavelength = 2 * math.pi / inverse
+    blend = ((context / wavelength - low) / (high - low)).clamp(0, 1)  # 0: slowed, 1: kept
+    return (1 - blend) * inverse / factor + blend * inverse
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -317,7 +348,7 @@ class GPT(nn.Module):
         if self.config.arch == "gpt2":
             x = x + self.transformer.wpe(pos)
         else:
-            rope = rotary(pos, self.config.head_size, self.config.rope_theta)
+            rope = rotary(pos, self.config)
         x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
             x = block(x, kv_caches[i] if kv_caches else None, rope)

@@ -66,6 +66,63 @@ def gguf_logits(path: Path, ids: list[int]) -> torch.Tensor:
     return logits
 
 
+LLAMA3_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+# Llama 3's chat template in its plainest form (3.0's; 3.1's adds tools and the date to the system turn)
+LLAMA3_TEMPLATE = ("{{- bos_token }}{%- for message in messages %}"
+                   "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + "
+                   "message['content'] | trim + '<|eot_id|>' }}{%- endfor %}{%- if add_generation_prompt %}"
+                   "{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}")
+
+
+def llama3_folder(path: Path, instruct: bool = False) -> str:
+    """A tiny random Llama 3.2 folder written by transformers: Llama 3.1's rope scaling (an original context of
+    40 of 128 positions, so that each kind of frequency occurs), a tied head, and a tokenizer.json as Meta's:
+    a byte-level BPE with Llama 3's pattern (digits in threes), its special tokens after the merges and a
+    post-processor that puts <|begin_of_text|> before every text. instruct adds the chat template and the stop
+    ids of an instruct folder."""
+    import json
+
+    import transformers
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+    bpe = HFTokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    texts = ["hello world, a tiny corpus of 12345 words " * 20, "中文的句子也在这里，模型读它。" * 20,
+             "def f(x):\n    return x + 1\n" * 20]
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=320, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in LLAMA3_SPECIAL])
+    ids = {name: bpe.token_to_id(name) for name in LLAMA3_SPECIAL}
+    bpe.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
+                                      special_tokens=[("<|begin_of_text|>", ids["<|begin_of_text|>"])])])
+    config = transformers.LlamaConfig(
+        vocab_size=bpe.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 40},
+        bos_token_id=ids["<|begin_of_text|>"], eos_token_id=ids["<|end_of_text|>"])
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    perturb(model)
+    model.save_pretrained(path)
+    bpe.save(str(path / "tokenizer.json"))
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+                        "eos_token": "<|eot_id|>" if instruct else "<|end_of_text|>"}
+    if instruct:
+        tokenizer_config["chat_template"] = LLAMA3_TEMPLATE
+        (path / "generation_config.json").write_text(json.dumps({
+            "bos_token_id": ids["<|begin_of_text|>"], "eos_token_id": [ids["<|end_of_text|>"], ids["<|eot_id|>"]]}))
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return str(path)
+
+
 def run_script(script: str, *args: str, cwd: Path | None = None, timeout: float = 300,
                env: dict | None = None, input: str = "") -> subprocess.CompletedProcess:
     """Run one of the project's scripts in a subprocess, the way a user would."""

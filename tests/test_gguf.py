@@ -11,12 +11,13 @@ import torch
 from llama_cpp import Llama, llama_vocab_is_eog
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from conftest import ROOT, TINY_MODEL, assert_one_line_error, rel_err, run_main, tiny_gpt
+from conftest import ROOT, TINY_MODEL, assert_one_line_error, llama3_folder, rel_err, run_main, tiny_gpt
 from toolkit.chat import add_chat_tokens, chat_prompt
 from toolkit.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.gguf_export import SPLIT_PATTERNS, save_gguf
 from toolkit.model_sources import load_model
 from toolkit.prepare import default_corpus_documents
+from toolkit.sampling import prompt_ids
 from toolkit.tokenizers import Tokenizer, load_tokenizer, train_bpe
 
 # written for these tests; the trained BPE never sees them
@@ -109,6 +110,25 @@ def test_llama_cpp_tokenizes_held_out_text_into_our_ids(kind, tmp_path):
         assert llm.detokenize(ids) == text.encode(), (kind, name)
     assert llm.token_eos() == tok.eot_id and llama_vocab_is_eog(llm._model.vocab, tok.eot_id)
     assert not llm._model.add_bos_token()
+    llm.close()
+
+
+def test_a_llama_3_folder_runs_in_llama_cpp_with_its_rope_scaling_and_bos(tmp_path):
+    """Llama 3.1's rope scaling as llama.cpp's rope_freqs, its pattern as llama.cpp's llama-bpe pre-tokenizer,
+    and its BOS put before every text, as transformers' tokenizer puts it (tests/test_hf_llama.py)."""
+    model, facts = load_model(llama3_folder(tmp_path / "hf"))
+    tok = load_tokenizer(facts)
+    save_gguf(model, tmp_path / "m.gguf", facts, "f32")
+    llm = Llama(model_path=str(tmp_path / "m.gguf"), n_ctx=128, logits_all=True, verbose=False, n_threads=1)
+    assert llm.metadata["tokenizer.ggml.pre"] == "llama-bpe" and llm._model.add_bos_token()
+    assert (llm.token_bos(), llm.token_eos()) == (tok.bos_id, tok.eot_id)
+    for name, text in HELD_OUT.items():
+        assert llm.tokenize(text.encode()) == prompt_ids(text, tok), name  # (llama.cpp adds the BOS)
+    ids = prompt_ids(HELD_OUT["code"] * 2, tok)[:100]  # positions past the original context of 40
+    theirs, mine = logits_of(llm, ids), ours(model, ids)
+    assert rel_err(theirs, mine) < 1e-3 and (theirs.argmax(-1) == mine.argmax(-1)).all()
+    model.config.rope_scaling = None  # (llama.cpp's are the scaled rope's logits, not the plain one's)
+    assert rel_err(theirs, ours(model, ids)) > 1e-2
     llm.close()
 
 

@@ -3,15 +3,18 @@ built by transformers itself (random weights, tiny shapes, a BPE trained here), 
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
-from conftest import assert_one_line_error, rel_err, run_main
+from conftest import assert_one_line_error, llama3_folder, rel_err, run_main
 from toolkit.chat import add_chat_tokens, chat_prompt, encode_conversation, encode_conversations
 from toolkit.checkpoint import load_checkpoint
 from toolkit.cli import CLIError
+from toolkit.data import read_megatron_index
 from toolkit.gguf_export import save_gguf
 from toolkit.model_sources import load_model, save_hf
+from toolkit.sampling import prompt_ids
 from toolkit.tokenizers import Tokenizer, check_facts, load_tokenizer, train_bpe
 
 transformers = pytest.importorskip("transformers")
@@ -72,10 +75,13 @@ def test_an_hf_folder_reads_and_writes_back_as_the_same_model(tmp_path, tokenize
 def test_a_folder_this_toolkit_cannot_run_is_one_line(tmp_path, tokenizer_json):
     folder = hf_folder(tmp_path / "hf", tokenizer_json, "llama", tie=False)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 8.0}
     config.pop("rope_parameters", None)
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    assert_one_line_error(run_main("test.py", "--ckpt", folder, "--max-new-tokens", "3"), "rope scaling")
+    assert_one_line_error(run_main("test.py", "--ckpt", folder, "--max-new-tokens", "3"), "rope_type yarn")
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}  # Llama 3's, without its other three
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(run_main("test.py", "--ckpt", folder, "--max-new-tokens", "3"), "rope_scaling must be")
     config.pop("rope_scaling")
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     os.remove(tmp_path / "hf" / "tokenizer.json")
@@ -339,3 +345,105 @@ def test_eval_lays_out_a_harness_task_in_the_folders_template_as_lm_evals_hf_mod
 
     plain = hf_folder(tmp_path / "base", tokenizer_json, "qwen3", tie=True)  # a base model's folder: no template
     assert_one_line_error(run_main("eval.py", "--ckpt", plain, "--tasks", task, *options), "never instruction-tuned")
+
+
+def test_a_llama_3_folder_runs_samples_prepares_data_and_exports_as_transformers_does(tmp_path):
+    """Llama 3.1's rope scaling, its <|end_of_text|>, and the <|begin_of_text|> its tokenizer puts before every
+    text, against transformers on a tiny Llama 3.2 folder: the logits, a prompt's ids, greedy sampling, data
+    prepared with its tokenizer.json, and the export."""
+    folder = llama3_folder(tmp_path / "hf")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    model, facts = load_model(folder)
+    tok = load_tokenizer(facts)
+    assert model.config.rope_scaling == {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 40}
+    assert (tok.bos_id, tok.eot_id) == (theirs.bos_token_id, theirs.eos_token_id) == (320, 321)
+    idx = torch.randint(0, model.config.vocab_size, (2, 120))
+    with torch.no_grad():
+        ours = model(idx)[0]
+        assert rel_err(ours, reference(idx).logits) <= 1e-5
+        scaling, model.config.rope_scaling = model.config.rope_scaling, None  # (without it, other logits)
+        assert rel_err(model(idx)[0], ours) > 1e-2
+        model.config.rope_scaling = scaling
+    for text in HELD_OUT:
+        assert prompt_ids(text, tok) == theirs(text)["input_ids"], text
+
+    prompt = theirs("hello world")["input_ids"]  # greedy from the BOS, as generate() continues
+    free = reference.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+    sample = run_main("test.py", "--ckpt", folder, "--prompt", "hello world", "--temperature", "0",
+                      "--max-new-tokens", "6", "--num-samples", "1", "--device", "cpu", "--dtype", "float32")
+    assert sample.returncode == 0, sample.stderr
+    assert sample.stdout.startswith("hello world" + tok.decode(free[0, len(prompt):].tolist()) + "\n")
+
+    documents = ["第一篇文档。", "The second document, 123456."]  # each prepared as BOS, its text, end-of-text
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n"
+                                                 for t in documents * 50))
+    prepared = run_main("tokenizer.py", "--input", tmp_path / "docs.jsonl", "--tokenizer-file",
+                        tmp_path / "hf" / "tokenizer.json", "--append-eod", "--format", "megatron",
+                        "--output-prefix", tmp_path / "data" / "docs", "--quiet")
+    assert prepared.returncode == 0, prepared.stderr
+    dtype, sizes, _, _ = read_megatron_index(str(tmp_path / "data" / "docs_text_document.idx"))
+    tokens = np.fromfile(tmp_path / "data" / "docs_text_document.bin", dtype=dtype)
+    expected = [theirs(t)["input_ids"] + [tok.eot_id] for t in documents]
+    assert tokens[:sizes[0] + sizes[1]].tolist() == expected[0] + expected[1]
+
+    save_hf(model, str(tmp_path / "out"), facts)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert again.config.rope_parameters["rope_type"] == "llama3"
+    with torch.no_grad():
+        assert rel_err(again(idx).logits, ours) <= 1e-5
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert (exported.bos_token, exported.eos_token, len(exported)) == ("<|begin_of_text|>", "<|end_of_text|>", 325)
+    assert all(exported(text)["input_ids"] == theirs(text)["input_ids"] for text in HELD_OUT)
+
+
+def test_a_llama_3_folder_scores_and_chats_as_lm_eval_and_transformers_do(tmp_path):
+    """eval.py on a Llama 3 base folder, against lm-eval's own `hf` model (which puts the BOS before each context):
+    the same log-likelihoods; an instruct folder's prompts equal apply_chat_template's; instruction tuning a base
+    folder in this toolkit's template starts each conversation with the BOS, and so does its export."""
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    from toolkit.evaluation import encode_pair
+    from toolkit.harness import task_manager
+    folder = llama3_folder(tmp_path / "base")
+    data = tmp_path / "pick.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": c, "label": "0"}, ensure_ascii=False) + "\n"
+                            for q, c in [("hello", [" world", " 12345"]), ("中文的", ["句子", "模型"]),
+                                         ("def f(x):", ["\n    return x", " pass"])]))
+    (tmp_path / "pick.yaml").write_text(
+        f"task: pick\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    validation: {data}\n"
+        "validation_split: validation\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+        "doc_to_target: '{{label}}'\ndoc_to_choice: choices\ntarget_delimiter: ''\nmetric_list:\n  - metric: acc\n")
+    result = run_main("eval.py", "--ckpt", folder, "--tasks", tmp_path / "pick.yaml", "--dtype", "float32",
+                      "--device", "cpu", "--output", tmp_path / "out.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours = json.loads((tmp_path / "out.json").read_text())["tasks"]["harness"]["samples"]["pick"]
+    hf = HFLM(pretrained=folder, device="cpu", dtype="float32", batch_size=4)
+    theirs = simple_evaluate(model=hf, tasks=["pick"], task_manager=task_manager((str(tmp_path),), False),
+                             log_samples=True, bootstrap_iters=0)["samples"]["pick"]
+    lls = [(float(a[0][0]), float(b[0][0])) for s, t in zip(ours, theirs) for a, b in zip(s["resps"], t["resps"])]
+    assert len(lls) == 6 and max(abs(a - b) for a, b in lls) < 1e-4
+    tok = load_tokenizer(load_model(folder)[1])  # the toolkit's own scoring of .jsonl files splits the same way
+    for context, continuation in [("hello", " world"), ("中文的", "句子"), ("", "hello")]:
+        expected = hf._encode_pair(context, continuation) if context else ([320], tok.encode(continuation))
+        assert encode_pair(tok, context, continuation) == expected
+
+    instruct = llama3_folder(tmp_path / "instruct", instruct=True)
+    model, facts = load_model(instruct)
+    tok, theirs = load_tokenizer(facts), transformers.AutoTokenizer.from_pretrained(instruct)
+    expected = theirs.apply_chat_template(HISTORY, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert chat_prompt(HISTORY, tok) == expected and expected[0] == 320 and expected.count(320) == 1
+    assert facts["chat_template"]["stop_ids"] == [321, theirs.convert_tokens_to_ids("<|eot_id|>")]
+
+    model, facts = load_model(folder)  # the base, tuned in this toolkit's template
+    tok = load_tokenizer(facts)
+    add_chat_tokens(model, tok)
+    (sequence,) = encode_conversation(HISTORY[:2], tok, 64)
+    assert sequence.ids[0] == 320 and chat_prompt(HISTORY, tok)[0] == 320
+    save_hf(model, str(tmp_path / "tuned"), tok.facts())
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "tuned")
+    assert exported.apply_chat_template(HISTORY, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False) == chat_prompt(HISTORY, tok)

@@ -32,7 +32,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from model import GPT
 from toolkit.cli import CLIError
 from toolkit.documents import json_lines
-from toolkit.tokenizers import EOT_TEXT, Tokenizer, add_tokens
+from toolkit.tokenizers import Tokenizer, add_tokens, load_tokenizer
 
 ROLES = ("system", "user", "assistant")
 END = "<|end|>"
@@ -181,7 +181,7 @@ def encode_conversation(messages: list[dict], tokenizer: Tokenizer,
 def toolkit_pieces(messages: list[dict], tokenizer: Tokenizer) -> list[tuple[list[int], bool]]:
     """(tokens, learnt) pieces in this toolkit's template: each turn's role token is given, an
     assistant turn's content and <|end|> learnt."""
-    pieces = []
+    pieces = [(tokenizer.with_bos([]), False)]
     for message in messages:
         turn = turn_ids(message, tokenizer)
         pieces += [(turn[:1], False), (turn[1:], message["role"] == "assistant")]
@@ -260,7 +260,7 @@ def chat_prompt(history: list[dict], tokenizer: Tokenizer) -> list[int]:
     if tokenizer.chat_template:
         return tokenizer.encode_with_special_tokens(render(tokenizer.chat_template, history))
     ids = [token for message in history for token in turn_ids(message, tokenizer)]
-    return ids + [tokenizer.special_tokens["<|assistant|>"]]
+    return tokenizer.with_bos(ids + [tokenizer.special_tokens["<|assistant|>"]])
 
 
 def fit_history(history: list[dict], tokenizer: Tokenizer, room: int) -> tuple[list[dict], int]:
@@ -322,6 +322,8 @@ def export_template(facts: dict) -> dict | None:
     """The chat template an HF or GGUF export carries, as read_chat_template (toolkit/hf.py) holds
     one: this toolkit's for a model instruction-tuned here, else a downloaded folder's own."""
     if chat_end_id(facts) is not None:
-        return {"jinja": CHAT_TEMPLATE, "bos_token": EOT_TEXT, "eos_token": EOT_TEXT,
+        tokenizer = load_tokenizer(facts)  # a BOS (Llama 3's) opens each conversation, as in its training
+        jinja = CHAT_TEMPLATE if tokenizer.bos_id is None else "{{ bos_token }}" + CHAT_TEMPLATE
+        return {"jinja": jinja, "bos_token": tokenizer.bos_text or tokenizer.eot_text, "eos_token": tokenizer.eot_text,
                 "stop_ids": [i for i in (facts.get("eot_id"), chat_end_id(facts)) if i is not None]}
     return facts.get("chat_template")

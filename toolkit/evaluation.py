@@ -10,8 +10,9 @@ tokens stand for none).
 
 The rules are the harness's (lm_eval/api/model.py, TemplateLM, and its `hf` model), so both give the
 same numbers: a context's trailing spaces move to the front of the continuation; context and
-continuation are tokenized together and split where the context's own tokens end; an empty context
-is conditioned on the end-of-text token; a pair longer than the block size loses tokens from the
+continuation are tokenized together and split where the context's own tokens end, after the
+tokenizer's BOS if it has one (Llama 3's); an empty context is conditioned on the BOS, else the
+end-of-text token; a pair longer than the block size loses tokens from the
 left of the context. A choice's query is preprocess(activity_label + ": " + ctx_a + " " +
 ctx_b.capitalize()), each ending is preprocess(ending), and the continuation scored is " " + ending;
 acc takes the ending of the highest summed log-likelihood, acc_norm the highest log-likelihood per
@@ -126,13 +127,14 @@ def read_choices(path: str, limit: int | None = None, progress: bool = False) ->
 def encode_pair(tok: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context, continuation) tokens as the harness makes them (see the module's docstring)."""
     if not context:
-        ids = tok.encode(continuation)
-        eot = tok.eot_id if tok.eot_id is not None else tok.encode("\n")[0]
-        return ([eot], ids) if ids[:1] != [eot] else (ids[:1], ids[1:])
+        ids = tok.with_bos(tok.encode(continuation))
+        start = tok.bos_id if tok.bos_id is not None else tok.eot_id if tok.eot_id is not None else \
+            tok.encode("\n")[0]
+        return ([start], ids) if ids[:1] != [start] else (ids[:1], ids[1:])
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
-    whole, head = tok.encode(context + continuation), tok.encode(context)
+    whole, head = (tok.with_bos(tok.encode(text)) for text in (context + continuation, context))
     return head, whole[len(head):]
 
 

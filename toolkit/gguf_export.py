@@ -22,19 +22,21 @@ import json
 import numpy as np
 import torch
 
-from model import GPT
+from model import GPT, rope_frequencies
 from toolkit.chat import export_template
 from toolkit.cli import CLIError
 from toolkit.files import atomic_write
 from toolkit.hf import gpt2_vocab_merges
 from toolkit.hf_llama import hf_tensors
-from toolkit.tokenizers import EOT_TEXT, SPELLING
+from toolkit.tokenizers import EOT_TEXT, SPELLING, bos_token_id
 
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0")
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp's token types (gguf.TokenType)
 # the Split pattern before a ByteLevel without its own, as Qwen2 and Qwen3's tokenizer.json have it
 SPLIT_PATTERNS = {"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+"
-                  "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+": "qwen2"}
+                  "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+": "qwen2",
+                  "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+"
+                  "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+": "llama-bpe"}  # Llama 3's: digits in threes
 # llama.cpp's names of one block's tensors, from HF's (toolkit/hf_llama.py splits our fused matrices)
 LLAMA_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
@@ -73,7 +75,7 @@ def bpe_pre_tokenizer(spec: dict) -> str:
         if name:
             return name
     raise CLIError(f"this BPE's pre-tokenizer ({json.dumps(pre)[:120]}) is not one llama.cpp knows by name "
-                   "(GPT-2's or Qwen2's pattern); llama.cpp would split text differently")
+                   "(GPT-2's, Qwen2's or Llama 3's pattern); llama.cpp would split text differently")
 
 
 def bpe_vocabulary(facts: dict) -> tuple[dict[int, str], dict[int, int], list[str], str]:
@@ -113,7 +115,7 @@ def vocabulary(facts: dict) -> tuple[list[str], list[int], list[str], str]:
     else:  # byte
         tokens, merges, pre = {b: spelled(bytes([b])) for b in range(256)}, [], "gpt-2"
     special = {i: f"<|unused{i}|>" for i in range(facts["vocab_size"]) if i not in tokens}
-    special.update({eot_id: EOT_TEXT, **{i: name if name.startswith("<|") else f"<|{name}|>"
+    special.update({eot_id: tokens.get(eot_id, EOT_TEXT), **{i: name if name.startswith("<|") else f"<|{name}|>"
                                           for name, i in (facts.get("special_tokens") or {}).items()}})
     tokens.update(special)
     ids = range(facts["vocab_size"])
@@ -159,6 +161,11 @@ def gguf_tensors(model: GPT) -> tuple[str, dict[str, torch.Tensor]]:
         if arch == "llama":  # qwen3 rotates halves as rotate_half does; llama interleaved pairs
             tensors[f"blk.{i}.attn_q.weight"] = permuted(tensors[f"blk.{i}.attn_q.weight"], c.n_head)
             tensors[f"blk.{i}.attn_k.weight"] = permuted(tensors[f"blk.{i}.attn_k.weight"], c.kv_heads)
+    if c.rope_scaling:  # Llama 3's: what each frequency is divided by, as llama.cpp's converter writes it
+        if arch != "llama":
+            raise CLIError("llama.cpp's qwen3 has no Llama 3 rope scaling; this model has no GGUF layout here")
+        tensors["rope_freqs.weight"] = (rope_frequencies(c.head_size, c.rope_theta) /
+                                        rope_frequencies(c.head_size, c.rope_theta, c.rope_scaling))
     return arch, tensors
 
 
@@ -190,9 +197,10 @@ def add_vocabulary(writer, facts: dict) -> None:
     # ASCII characters) gets one that never applies, since no merge makes its left part
     writer.add_token_merges(merges or [f"{spelled(bytes(2))} {spelled(bytes(1))}"])
     template = export_template(facts)  # (a downloaded instruct model's first stop id: <|im_end|>)
-    writer.add_bos_token_id(facts["eot_id"])
+    bos = bos_token_id(facts)
+    writer.add_bos_token_id(bos)
     writer.add_eos_token_id(template["stop_ids"][0] if template and template["stop_ids"] else facts["eot_id"])
-    writer.add_add_bos_token(False)  # this toolkit's models start at the text's first token
+    writer.add_add_bos_token(bos != facts["eot_id"])  # Llama 3's BOS starts each text; the others' the text
     writer.add_add_eos_token(False)
     if template:
         writer.add_chat_template(template["jinja"])

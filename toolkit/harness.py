@@ -52,8 +52,14 @@ class GPTHarness(TemplateLM):
     def max_length(self) -> int:
         return self.model.config.block_size
 
+    @property
+    def prefix_token_id(self) -> int:  # what an empty context is (lm-eval's hf model: BOS, else EOS)
+        return self.tok.bos_id if self.tok.bos_id is not None else self.eot_token_id
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tok.encode_with_special_tokens(string) if self.template else self.tok.encode(string)
+        # a text starts after the BOS (Llama 3's), unless it begins with it, as the hf model encodes
+        return self.tok.with_bos(self.tok.encode_with_special_tokens(string) if self.template else
+                                 self.tok.encode(string))
 
     @property
     def tokenizer_name(self) -> str:

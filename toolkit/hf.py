@@ -23,7 +23,7 @@ from toolkit.cli import CLIError
 from toolkit.documents import read_text
 from toolkit.files import atomic_write, read_json, write_json, write_text
 from toolkit.gpt2_vocab import GPT2_FACTS
-from toolkit.tokenizers import EOT_TEXT, SPELLING, gpt2_ranks, load_tokenizer
+from toolkit.tokenizers import EOT_TEXT, SPELLING, bos_token_id, gpt2_ranks, load_tokenizer
 
 TOKENIZER_FILE = "tokenizer_facts.json"  # this toolkit's tokenizer facts, for folders of other vocabularies
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -147,7 +147,7 @@ def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> str:
           "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
           "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout,
           "initializer_range": 0.02, "scale_attn_weights": True, "tie_word_embeddings": True,
-          "bos_token_id": eot_id, "eos_token_id": eot_id}
+          "bos_token_id": bos_token_id(tokenizer), "eos_token_id": eot_id}
     tensors = {}
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Linear, nn.LayerNorm, nn.Embedding)) or name == "lm_head":
@@ -234,7 +234,7 @@ def write_generation_config(out_dir: str, facts: dict, block_size: int) -> None:
     <|eot_id|>; a downloaded folder's own)."""
     eot_id, template = facts.get("eot_id"), export_template(facts)
     write_json(os.path.join(out_dir, "generation_config.json"), {
-        "bos_token_id": eot_id, "eos_token_id": template["stop_ids"] if template else eot_id,
+        "bos_token_id": bos_token_id(facts), "eos_token_id": template["stop_ids"] if template else eot_id,
         "max_length": block_size})
 
 
@@ -245,8 +245,9 @@ def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
     folder's own, for apply_chat_template), and for GPT-2 also vocab.json and merges.txt rebuilt
     from tiktoken's ranks (the slow GPT2Tokenizer reads those alone)."""
     special = facts.get("special_tokens") or {}  # GPT-1's start, ...: <|start|>; the chat template's are so named
-    added = {EOT_TEXT: facts["eot_id"], **{name if name.startswith("<|") else f"<|{name}|>": i
-                                           for name, i in special.items()}}
+    tokenizer = load_tokenizer(facts)
+    added = {tokenizer.eot_text: facts["eot_id"], **{name if name.startswith("<|") else f"<|{name}|>": i
+                                                     for name, i in special.items()}}
     if facts["tokenizer"] == "bpe":
         bpe, tokenizer_class = HFTokenizer.from_str(facts["json"]), "PreTrainedTokenizerFast"
     else:
@@ -257,7 +258,8 @@ def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
         raise CLIError(f"the HF tokenizer would give {moved[0]} another id than the model's; the vocabulary "
                        f"and the model's embedding rows do not line up")
     template = export_template(facts)  # (its bos and eos tokens are the ones it renders)
-    named = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT,
+    eot = tokenizer.eot_text
+    named = {"bos_token": tokenizer.bos_text or eot, "eos_token": eot, "unk_token": eot,
              **({key: template.get(key) for key in ("bos_token", "eos_token")} if template else {})}
     write_json(os.path.join(out_dir, "special_tokens_map.json"), named)
     write_json(os.path.join(out_dir, "tokenizer_config.json"), {

@@ -4,6 +4,9 @@ model.safetensors or indexed shards, tokenizer.json), the layout SmolLM, Qwen3 a
     model, facts = load_llama("path/to/SmolLM2-135M")   # a GPT of arch llama, and its tokenizer facts
     save_llama(model, "out-dir", facts)                # transformers loads it alone: the same logits
 
+Llama 3.1's rope scaling (rope_type "llama3") is read into GPTConfig.rope_scaling and written back; other
+rope scalings are refused.
+
 HF keeps q, k and v (and the MLP's gate and up) as separate matrices, which this toolkit holds as one
 (attn.c_attn, mlp.c_fc): they are concatenated on the way in and split on the way out. Both lay rotary
 pairs out the same way (rotate_half), so no weight is permuted. A tied head has no lm_head.weight.
@@ -12,7 +15,7 @@ import os
 
 import torch
 
-from model import GPT, GPTConfig, check_config
+from model import GPT, ROPE_SCALING, GPTConfig, check_config
 from toolkit.checkpoint import read_weights
 from toolkit.cli import CLIError
 from toolkit.device import check_memory
@@ -21,7 +24,7 @@ from toolkit.files import atomic_write, read_json, write_json, write_text
 from toolkit.gpt2_vocab import GPT2_FACTS
 from toolkit.hf import (NO_HF_TOKENIZER, TOKENIZER_FILE, read_chat_template, write_generation_config,
                         write_tokenizer_files)
-from toolkit.tokenizers import Tokenizer
+from toolkit.tokenizers import Tokenizer, bos_token_id
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # Qwen3: Llama with QK-norm
 # HF's names of one block's tensors -> ours; q/k/v and gate/up are concatenated into one of ours
@@ -42,10 +45,12 @@ def read_config(directory: str) -> GPTConfig:
     """The GPTConfig of a Llama or Qwen3 config.json, refusing settings that change the function."""
     path = os.path.join(directory, "config.json")
     hf = read_json(path, "HF config")
-    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0),
-                                         "rope_type": (hf.get("rope_scaling") or {}).get("rope_type", "default")}
+    # transformers 5 keeps the rotary settings in rope_parameters, 4 in rope_theta and rope_scaling
+    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = {"original_max_position_embeddings": hf.get("max_position_embeddings"), **rope}  # (HF's fallback)
     unsupported = {"hidden_act": hf.get("hidden_act", "silu") != "silu", "attention_bias": hf.get("attention_bias"),
-                   "mlp_bias": hf.get("mlp_bias"), "rope scaling": rope.get("rope_type", "default") != "default",
+                   "mlp_bias": hf.get("mlp_bias"), f"rope_type {rope_type}": rope_type not in ("default", "llama3"),
                    "use_sliding_window": hf.get("use_sliding_window")}
     if any(unsupported.values()):
         raise CLIError(f"{path}: {', '.join(k for k, v in unsupported.items() if v)} is not supported here")
@@ -55,6 +60,7 @@ def read_config(directory: str) -> GPTConfig:
                        mlp_hidden=hf.get("intermediate_size"), block_size=hf.get("max_position_embeddings"),
                        qk_norm=hf["model_type"] == "qwen3", rope_theta=float(rope.get("rope_theta", 10000.0)),
                        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                       rope_scaling={key: scaling.get(key) for key in ROPE_SCALING} if rope_type == "llama3" else None,
                        tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
     try:
         check_config(config)  # before anything is allocated
@@ -145,15 +151,16 @@ def save_llama(model: GPT, out_dir: str, tokenizer: dict) -> str:
     c = model.config
     model_type = "qwen3" if c.qk_norm else "llama"
     eot_id = tokenizer.get("eot_id")
+    scaling = {"rope_type": "llama3", **c.rope_scaling} if c.rope_scaling else None
     hf = {"model_type": model_type, "architectures": [ARCHITECTURES[model_type]], "vocab_size": c.vocab_size,
           "hidden_size": c.n_embd, "intermediate_size": c.mlp_width, "num_hidden_layers": c.n_layer,
           "num_attention_heads": c.n_head, "num_key_value_heads": c.kv_heads, "head_dim": c.head_size,
           "max_position_embeddings": c.block_size, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
-          "rope_theta": c.rope_theta, "rope_scaling": None,  # transformers 4's keys, then 5's
-          "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
+          "rope_theta": c.rope_theta, "rope_scaling": scaling,  # transformers 4's keys, then 5's
+          "rope_parameters": {"rope_theta": c.rope_theta, **(scaling or {"rope_type": "default"})},
           "tie_word_embeddings": c.tie_embeddings, "attention_bias": False, "mlp_bias": False,
           "attention_dropout": c.dropout, "initializer_range": 0.02, "torch_dtype": "float32",
-          "bos_token_id": eot_id, "eos_token_id": eot_id}
+          "bos_token_id": bos_token_id(tokenizer), "eos_token_id": eot_id}
     if model_type == "qwen3":
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layer)
     tensors = hf_tensors(model)

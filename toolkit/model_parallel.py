@@ -147,7 +147,7 @@ class BlockPipe(nn.Module):
         if self.config.arch == "gpt2":
             return self.block(x)
         positions = torch.arange(x.size(1), device=x.device)
-        return self.block(x, None, rotary(positions, self.config.head_size, self.config.rope_theta))
+        return self.block(x, None, rotary(positions, self.config))
 
 
 class FinalNorm(nn.Module):

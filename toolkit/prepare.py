@@ -48,15 +48,16 @@ def encode_document(tokenizer: Tokenizer, pieces: list[str], dtype: np.dtype) ->
 def encode_chunk(tokenizer: Tokenizer, documents: list[list[str]], eod: str | None,
                  dtype: np.dtype) -> tuple[list[np.ndarray], np.ndarray]:
     """The documents' tokens back to back, end-of-text after each non-empty one (eod "append",
-    Megatron's --append-eod) or before it ("prepend", llm.c's shards), as arrays to write one after
-    the other, and each document's length."""
+    Megatron's --append-eod) or before it ("prepend", llm.c's shards), each after the tokenizer's
+    BOS if it has one (Llama 3's), as arrays to write one after the other, and each document's length."""
     # one thread per process: processes outrun tiktoken's own threads (docs/performance.md)
     encoded = [encode_document(tokenizer, pieces, dtype) for pieces in documents]
     lengths = np.array([sum(map(len, arrays)) for arrays in encoded], dtype=np.int64)
     eot = [np.array([tokenizer.eot_id], dtype=dtype)] if eod else []
-    before, after = (eot, []) if eod == "prepend" else ([], eot)
+    bos = [] if tokenizer.bos_id is None else [np.array([tokenizer.bos_id], dtype=dtype)]
+    before, after = (eot + bos, []) if eod == "prepend" else (bos, eot)
     arrays = [a for arrays, n in zip(encoded, lengths) if n for a in (*before, *arrays, *after)]
-    lengths[lengths > 0] += len(eot)  # empty documents get no end-of-text (they are dropped)
+    lengths[lengths > 0] += len(eot) + len(bos)  # empty documents get neither (they are dropped)
     return arrays, lengths
 
 

@@ -66,12 +66,11 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def prompt_ids(text: str, tok: Tokenizer) -> list[int]:
-    """Unconditional generation starts from the end-of-text token (GPT-2's convention), else a
-    newline, else token 0."""
-    if text:
-        ids = tok.encode(text)
-        if ids:
-            return ids
+    """The prompt's ids after the tokenizer's BOS if it has one (Llama 3's); unconditional generation
+    starts from the BOS, else the end-of-text token (GPT-2's convention), else a newline, else token 0."""
+    ids = tok.with_bos(tok.encode(text) if text else [])
+    if ids:
+        return ids
     if tok.eot_id is not None:
         return [tok.eot_id]
     try:

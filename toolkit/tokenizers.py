@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # data preparation imports this module and never needs torch
     from model import GPT
 
 EOT_TEXT = "<|endoftext|>"
+EOT_TEXTS = (EOT_TEXT, "<|end_of_text|>")  # GPT-2's, Qwen's and SmolLM's; Llama 3's
 # Places where every tokenizer here splits a text anyway (GPT-2's pre-tokenizing pattern, and the byte-level
 # BPEs that use it; char and byte split everywhere): before a single space between two other characters, after
 # a newline between two, after Chinese punctuation followed by a letter or a digit. A long text cut there has
@@ -73,11 +74,25 @@ def read_bpe(tokenizer_json: str, source: str) -> HFTokenizer:
         bpe = HFTokenizer.from_str(tokenizer_json)
     except Exception as e:  # tokenizers raises its own plain Exception
         raise CLIError(f"{source}: HF tokenizers cannot read it ({' '.join(str(e).split())[:200]})") from None
-    if bpe.token_to_id(EOT_TEXT) is None:
-        raise CLIError(f"{source} has no end-of-text token {EOT_TEXT}, which separates documents; add it as a "
-                       f"special token, or train one here (tokenizer.py --tokenizer bpe)")
+    if all(bpe.token_to_id(name) is None for name in EOT_TEXTS):
+        raise CLIError(f"{source} has no end-of-text token ({' or '.join(EOT_TEXTS)}), which separates documents; "
+                       f"add {EOT_TEXT} as a special token, or train one here (tokenizer.py --tokenizer bpe)")
     bpe.encode_special_tokens = True  # special-token text in the data is text, as with the other tokenizers
     return bpe
+
+
+def bos_of(bpe: HFTokenizer) -> int | None:
+    """The token a tokenizer.json's post-processor puts before every text (Llama 3's <|begin_of_text|>),
+    or None."""
+    plain, processed = (bpe.encode("a", add_special_tokens=flag).ids for flag in (False, True))
+    return processed[0] if processed[1:1 + len(plain)] == plain and len(processed) > len(plain) else None
+
+
+def bos_token_id(facts: dict) -> int | None:
+    """HF's bos_token_id of the tokenizer facts describe, without building it: a tokenizer.json's BOS
+    (Llama 3's), else end-of-text, as GPT-2's config.json names it."""
+    bos = bos_of(HFTokenizer.from_str(facts["json"])) if facts.get("tokenizer") == "bpe" else None
+    return facts.get("eot_id") if bos is None else bos
 
 
 def load_local_ranks(vocab_file: str, merge_file: str | None) -> dict[bytes, int]:
@@ -137,6 +152,8 @@ class Tokenizer:
         self.merge_file = os.path.abspath(merge_file) if merge_file else None
         self.special_tokens: dict[str, int] = {}
         self.chat_template: dict | None = None  # a downloaded HF folder's own (toolkit/chat.py)
+        self.bos_id: int | None = None  # what starts every sequence: a tokenizer.json's BOS (Llama 3's)
+        self.eot_text, self.bos_text = EOT_TEXT, None  # the two tokens' text (an HF or GGUF export names them)
         if name == "gpt2":
             self.encoding = gpt2_encoding(self.vocab_file, self.merge_file)
             self.vocab_size, self.eot_id = self.encoding.n_vocab, self.encoding.eot_token
@@ -144,7 +161,9 @@ class Tokenizer:
             self.bpe, self.tokenizer_json = read_bpe(tokenizer_json, source), tokenizer_json
             # the largest id + 1, not the number of entries: a tokenizer.json may leave ids out
             self.vocab_size = max(self.bpe.get_vocab(with_added_tokens=True).values()) + 1
-            self.eot_id = self.bpe.token_to_id(EOT_TEXT)
+            self.eot_text = next(name for name in EOT_TEXTS if self.bpe.token_to_id(name) is not None)
+            self.eot_id, self.bos_id = self.bpe.token_to_id(self.eot_text), bos_of(self.bpe)
+            self.bos_text = None if self.bos_id is None else self.bpe.id_to_token(self.bos_id)
             self.byte_level = isinstance(self.bpe.decoder, decoders.ByteLevel)
         elif name == "char":
             if not chars or len(set(chars)) != len(chars):
@@ -185,6 +204,11 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
+
+    def with_bos(self, ids: list[int]) -> list[int]:
+        """ids as a sequence's start: after the BOS token where the tokenizer has one and they do not
+        begin with it, as HF's tokenizer(text) adds Llama 3's <|begin_of_text|>."""
+        return [self.bos_id, *ids] if self.bos_id is not None and ids[:1] != [self.bos_id] else ids
 
     def encode_with_special_tokens(self, text: str) -> list[int]:
         """Token ids of text where special-token text is that token, as HF tokenizes a rendered chat
