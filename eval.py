@@ -22,6 +22,7 @@ import os
 import sys
 
 from toolkit import cli
+from toolkit.chat import template_variables
 from toolkit.cli import CLIError
 from toolkit.files import check_output, refuse_existing, write_json
 from toolkit.model_scores import score_model
@@ -52,6 +53,9 @@ def parse_args(argv: list[str] | None):
                          help="lay out each prompt in the model's chat template (an instruction-tuned "
                               "model's, or an HF folder's own), few-shot examples as turns")
     harness.add_argument("--system-instruction", help="a system turn before each prompt (its text)")
+    harness.add_argument("--chat-template-kwargs", metavar="JSON",
+                         help="further variables for an HF folder's own chat template (lm-eval's hf model: "
+                              "chat_template_args), e.g. '{\"enable_thinking\": false}'")
     args = parser.parse_args(argv)
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not args.tasks and not args.data_dir:
@@ -64,6 +68,9 @@ def parse_args(argv: list[str] | None):
         if task.endswith((".jsonl", ".yaml", ".yml")) and not os.path.isfile(task):
             raise CLIError(f"task file not found: {task}")
     harness_tasks = [task for task in args.tasks if not task.endswith(".jsonl")]
+    if args.chat_template_kwargs is not None and not args.apply_chat_template:
+        raise CLIError("--chat-template-kwargs sets variables of the chat template: add --apply-chat-template")
+    template_variables(args.chat_template_kwargs)
     for name in ("apply_chat_template", "system_instruction"):
         if getattr(args, name) and not harness_tasks:
             raise CLIError(f"--{name.replace('_', '-')} lays out lm-evaluation-harness's prompts: give one of "

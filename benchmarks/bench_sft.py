@@ -40,9 +40,17 @@ from toolkit.finetune_config import FinetuneConfig
 from toolkit.gpt2_vocab import GPT2_FACTS
 from toolkit.hf import save_gpt2
 from toolkit.model_sources import load_model
-from toolkit.sampling import Sampler
+from toolkit.sampling import Sampler, add_sampling_arguments
 from toolkit.tokenizers import load_tokenizer
 from toolkit.training import TorchEngine
+
+
+def chat_args(max_new_tokens: int) -> argparse.Namespace:
+    """test.py --chat's options: greedy, float32 on the CPU, streamed, every other one its default."""
+    parser = argparse.ArgumentParser()
+    add_sampling_arguments(parser)
+    return parser.parse_args(["--device", "cpu", "--dtype", "float32", "--stream", "--temperature", "0",
+                              "--max-new-tokens", str(max_new_tokens)])
 
 
 def header() -> str:
@@ -62,9 +70,7 @@ def decode(args) -> None:
     hf = transformers.GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32).eval()
     history = [{"role": "user", "content": "word " * 60}]
     ids = chat_prompt(history, tok)
-    sampler = Sampler(model, tok, argparse.Namespace(device="cpu", dtype="float32", stream=True, temperature=0.0,
-                                                     top_k=None, top_p=None, max_new_tokens=args.tokens,
-                                                     system=None), None)
+    sampler = Sampler(model, tok, chat_args(args.tokens), None)
     print(f"{header()}; gpt2 (124M) + chat tokens, float32, batch 1, greedy, {len(ids)}-token history, "
           f"{args.tokens} new tokens")
     times = {"test.py --chat (Sampler.reply)": [], "transformers generate": []}
@@ -142,9 +148,7 @@ def exact_matches(checkpoint: str, path: str) -> tuple[int, int]:
     """Greedy answers to each conversation's question, compared with its assistant turn."""
     model, facts = load_model(checkpoint)
     tok = load_tokenizer(facts)
-    sampler = Sampler(model.eval(), tok, argparse.Namespace(device="cpu", dtype="float32", stream=True,
-                                                            temperature=0.0, top_k=None, top_p=None,
-                                                            max_new_tokens=80, system=None), None)
+    sampler = Sampler(model.eval(), tok, chat_args(80), None)
     hits = total = 0
     for line in open(path):
         messages = json.loads(line)["messages"]

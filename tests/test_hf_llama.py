@@ -226,6 +226,53 @@ def test_a_template_that_lays_out_a_turn_otherwise_once_another_follows_gives_a_
         encode_conversations([(7, conversation)], tok, block_size=512)
 
 
+def test_chat_template_kwargs_set_the_templates_variables_as_transformers_and_lm_eval_set_them(
+        tmp_path, tokenizer_json):
+    """--chat-template-kwargs '{"enable_thinking": false}' on a template that opens an empty <think> block for it
+    (Qwen3's way): test.py's prompt is apply_chat_template(..., enable_thinking=False)'s, eval.py's prompts are
+    lm-eval's hf model's with enable_thinking=False; what is not a JSON object of new variables is one line."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+
+    from toolkit.harness import GPTHarness
+    thinking = QWEN3_LIKE.replace("{{ '<|im_start|>assistant\n' }}", "{{ '<|im_start|>assistant\n' }}{%- if "
+                                  "enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n"
+                                  "</think>\n\n' }}{%- endif %}")
+    assert thinking != QWEN3_LIKE
+    folder, ids = instruct_folder(tmp_path / "hf", tokenizer_json, thinking)
+    model, facts = load_model(folder)
+    tok, theirs = load_tokenizer(facts), transformers.AutoTokenizer.from_pretrained(folder)
+    off = {"enable_thinking": False}
+    expected = theirs.apply_chat_template(HISTORY[-1:], add_generation_prompt=True, tokenize=True, return_dict=False,
+                                          **off)
+    assert chat_prompt(HISTORY[-1:], tok, off) == expected != chat_prompt(HISTORY[-1:], tok)
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    free = reference.generate(torch.tensor([expected]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+    reply = free[0, len(expected):].tolist()
+    reply = reply[:next((k for k, i in enumerate(reply) if i in facts["chat_template"]["stop_ids"]), len(reply))]
+    options = ("--temperature", "0", "--max-new-tokens", "6", "--device", "cpu", "--dtype", "float32")
+    talk = run_main("test.py", "--ckpt", folder, "--chat", "--chat-template-kwargs", json.dumps(off), *options,
+                    input=HISTORY[-1]["content"] + "\n")
+    assert talk.returncode == 0, talk.stderr
+    assert talk.stdout.split("model> ", 1)[1] == tok.decode(reply) + "\nyou> "
+
+    ours = GPTHarness(model, tok, 2, torch.device("cpu"), torch.float32, chat=True, variables=off)
+    hf = HFLM(pretrained=folder, device="cpu", dtype="float32", batch_size=2, enable_thinking=False)
+    for history in (HISTORY, [{"role": "system", "content": "Answer."}, *HISTORY[-1:]]):
+        assert ours.apply_chat_template(history) == hf.apply_chat_template(history)
+        assert ours.apply_chat_template(history).endswith("<think>\n\n</think>\n\n")
+
+    for value, message in (("[1]", "must be a JSON object"), ('{"messages": []}', "cannot set messages"),
+                           ("{oops", "invalid JSON")):
+        assert_one_line_error(run_main("test.py", "--ckpt", folder, "--chat", "--chat-template-kwargs", value,
+                                       *options), message)
+    assert_one_line_error(run_main("test.py", "--ckpt", folder, "--chat-template-kwargs", "{}", *options),
+                          "in a --chat")
+    assert_one_line_error(run_main("eval.py", "--ckpt", folder, "--tasks", "hellaswag", "--chat-template-kwargs",
+                                   "{}"), "add --apply-chat-template")
+
+
 def test_finetune_on_the_defaults_instruction_tunes_a_downloaded_folder_in_its_template(tmp_path, tokenizer_json):
     folder, ids = instruct_folder(tmp_path / "hf", tokenizer_json)
     colours = ["红色", "蓝色", "绿色", "黄色"]

@@ -32,6 +32,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from model import GPT
 from toolkit.cli import CLIError
 from toolkit.documents import json_lines
+from toolkit.files import parse_json
 from toolkit.tokenizers import Tokenizer, add_tokens, load_tokenizer
 
 ROLES = ("system", "user", "assistant")
@@ -39,6 +40,7 @@ END = "<|end|>"
 CHAT_TOKENS = (*(f"<|{role}|>" for role in ROLES), END)
 # the template in Jinja, for the exports: HF's apply_chat_template and llama.cpp's chat then lay a
 # conversation out in the same ids as turn_ids and chat_prompt below
+TEMPLATE_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")  # what render passes
 CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
@@ -254,35 +256,51 @@ def trained_tokens(conversations: list[Conversation]) -> int:
     return sum(sum(c.trained[1:]) for c in conversations)
 
 
-def chat_prompt(history: list[dict], tokenizer: Tokenizer) -> list[int]:
+def chat_prompt(history: list[dict], tokenizer: Tokenizer, variables: dict | None = None) -> list[int]:
     """The prompt for the next assistant turn: every turn of the history, then <|assistant|> (or
-    the model's own template with its generation prompt)."""
+    the model's own template with its generation prompt, and the further variables given)."""
     if tokenizer.chat_template:
-        return tokenizer.encode_with_special_tokens(render(tokenizer.chat_template, history))
+        return tokenizer.encode_with_special_tokens(render(tokenizer.chat_template, history, variables=variables))
     ids = [token for message in history for token in turn_ids(message, tokenizer)]
     return tokenizer.with_bos(ids + [tokenizer.special_tokens["<|assistant|>"]])
 
 
-def fit_history(history: list[dict], tokenizer: Tokenizer, room: int) -> tuple[list[dict], int]:
+def fit_history(history: list[dict], tokenizer: Tokenizer, room: int,
+                variables: dict | None = None) -> tuple[list[dict], int]:
     """The history without its oldest turns (a system turn at the start stays) until its prompt
     takes at most room tokens; and how many turns were dropped."""
     system = history[:1] if history and history[0]["role"] == "system" else []
     turns = history[len(system):]
     dropped = 0
-    while len(turns) > 1 and len(chat_prompt(system + turns, tokenizer)) > room:
+    while len(turns) > 1 and len(chat_prompt(system + turns, tokenizer, variables)) > room:
         turns, dropped = turns[1:], dropped + 1
     return system + turns, dropped
 
 
 # ----- a downloaded model's own template -----
 
-def render(template: dict, messages: list[dict], prompt: bool = True) -> str:
-    """The text apply_chat_template(messages, add_generation_prompt=prompt) gives: the template runs
-    in Jinja's immutable sandbox (it is code from a download), with what transformers adds to it."""
+def template_variables(text: str | None) -> dict:
+    """--chat-template-kwargs: a JSON object of further variables for the model's chat template, as
+    transformers' apply_chat_template(**kwargs) and llama.cpp's llama-server take them (Qwen3's
+    {"enable_thinking": false}); {} without it."""
+    variables = {} if text is None else parse_json(text, "--chat-template-kwargs")
+    if not isinstance(variables, dict):
+        raise CLIError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    taken = [name for name in TEMPLATE_ARGUMENTS if name in variables]
+    if taken:
+        raise CLIError(f"--chat-template-kwargs cannot set {taken[0]}: the toolkit gives the template its own")
+    return variables
+
+
+def render(template: dict, messages: list[dict], prompt: bool = True, variables: dict | None = None) -> str:
+    """The text apply_chat_template(messages, add_generation_prompt=prompt, **variables) gives: the
+    template runs in Jinja's immutable sandbox (it is code from a download), with what transformers
+    adds to it."""
     tokens = {key: template[key] for key in ("bos_token", "eos_token") if template.get(key)}
     jinja = compiled(template["jinja"])
     try:
-        return jinja.render(messages=messages, tools=None, documents=None, add_generation_prompt=prompt, **tokens)
+        return jinja.render(messages=messages, tools=None, documents=None, add_generation_prompt=prompt,
+                            **{**tokens, **(variables or {})})
     except Exception as e:  # the template's own raise_exception, a sandbox refusal, a bad expression
         raise CLIError(f"the model's chat template fails: {' '.join(str(e).split())[:200]}") from None
 

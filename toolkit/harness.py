@@ -33,11 +33,12 @@ OPEN_END = "<|toolkit-open-end|>"  # marks where the last message of a history s
 
 class GPTHarness(TemplateLM):
     def __init__(self, model: GPT, tok: Tokenizer, batch_size: int, device: torch.device, dtype: torch.dtype,
-                 chat: bool = False):
+                 chat: bool = False, variables: dict | None = None):
         super().__init__()
         self.model, self.tok, self.batch_size, self.where, self.dtype = model.eval(), tok, batch_size, device, dtype
         self.logits_at = gpt_logits_at(model, device, dtype)
         self.template = export_template(tok.facts()) if chat else None  # (model_scores checked it has one)
+        self.variables = variables  # the template's further ones (lm-eval's hf model: chat_template_args)
         self.stops = stop_ids(tok)  # (an instruction-tuned model's reply ends at its turn's end)
 
     @property
@@ -73,9 +74,9 @@ class GPTHarness(TemplateLM):
         open for the continuation, as lm-eval's hf model asks transformers (continue_final_message):
         rendered with a mark after its content, and cut at the mark."""
         if add_generation_prompt:
-            return render(self.template, chat_history)
+            return render(self.template, chat_history, variables=self.variables)
         last = {**chat_history[-1], "content": chat_history[-1]["content"] + OPEN_END}
-        text = render(self.template, [*chat_history[:-1], last], prompt=False)
+        text = render(self.template, [*chat_history[:-1], last], prompt=False, variables=self.variables)
         if OPEN_END not in text:
             raise CLIError("the model's chat template drops the end of the last message, so it cannot be "
                            "continued (a task's gen_prefix)")

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from model import GPT
-from toolkit.chat import can_chat
+from toolkit.chat import can_chat, template_variables
 from toolkit.cli import CLIError
 from toolkit.data import load_corpus
 from toolkit.device import autocast, full_logits_fit, resolve_device, resolve_dtype
@@ -33,6 +33,8 @@ def score_model(args: argparse.Namespace) -> tuple[dict, dict]:
     if args.apply_chat_template and not can_chat(tok):
         raise CLIError(f"--apply-chat-template: {args.ckpt} was never instruction-tuned, so it has no chat "
                        "template (finetune.py --task sft gives it one)")
+    if args.chat_template_kwargs is not None and not tok.chat_template:
+        raise CLIError(f"--chat-template-kwargs: {args.ckpt} has no chat template of its own that takes variables")
     results, full = {}, {}
     if args.data_dir:
         results["val"] = val_scores(model, tok, facts, args.data_dir, args.ckpt, args.batch_size, args.limit,
@@ -102,7 +104,8 @@ def harness_results(specs: list[str], model: GPT, tok: Tokenizer, args: argparse
     except ImportError:
         raise CLIError(f"--tasks {','.join(specs)} needs lm-evaluation-harness: pip install lm_eval (a local .jsonl "
                        f"in HellaSwag's format needs nothing)") from None
-    lm = harness.GPTHarness(model, tok, args.batch_size, device, dtype, chat=args.apply_chat_template)
+    lm = harness.GPTHarness(model, tok, args.batch_size, device, dtype, chat=args.apply_chat_template,
+                            variables=template_variables(args.chat_template_kwargs))
     out = harness.run(specs, lm, args.limit, args.system_instruction)
     metrics = {task: {key.split(",")[0]: value for key, value in values.items()
                       if "," in key and "_stderr" not in key and isinstance(value, (int, float))}

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from model import ATTN_KERNELS, GPT, check_sampling
-from toolkit.chat import can_chat, chat_prompt, fit_history, is_chat_tokenizer, stop_ids
+from toolkit.chat import can_chat, chat_prompt, fit_history, is_chat_tokenizer, stop_ids, template_variables
 from toolkit import cli
 from toolkit.cli import CLIError
 from toolkit.device import autocast, check_attn_kernel, resolve_device, resolve_dtype
@@ -58,6 +58,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                         help="talk to an instruction-tuned model turn by turn (finetune.py --task "
                              "sft's, or an HF folder in the chat template it ships)")
     parser.add_argument("--system", help="with an instruction-tuned model: the system turn that opens the talk")
+    parser.add_argument("--chat-template-kwargs", metavar="JSON",
+                        help="further variables for an HF folder's own chat template, as llama-server takes "
+                             "them: '{\"enable_thinking\": false}' answers at once with Qwen3")
     megatron = parser.add_argument_group("Megatron-LM's names", "its spellings of the options above")
     megatron.add_argument("--out-seq-length", dest="max_new_tokens", type=int, default=argparse.SUPPRESS,
                           help="= --max-new-tokens")
@@ -91,6 +94,7 @@ class Sampler:
         self.ctx = autocast(self.device, dtype)
         self.stream = sys.stdout.isatty() if args.stream is None else args.stream
         self.template = is_chat_tokenizer(tok)  # instruction-tuned here: a --prompt is the user's turn
+        self.variables = template_variables(args.chat_template_kwargs)
         # samples printed whole (not streamed) show the tokens so far, their rate and the time left on stderr,
         # terminal or not, from the first tokens on: a request of a billion tokens is seen to be one
         total = args.num_samples * args.max_new_tokens
@@ -111,7 +115,7 @@ class Sampler:
         """
         if self.template and text:
             history = [{"role": "system", "content": self.args.system}] if self.args.system else []
-            return chat_prompt(history + [{"role": "user", "content": text}], self.tok), ""
+            return chat_prompt(history + [{"role": "user", "content": text}], self.tok, self.variables), ""
         return prompt_ids(text, self.tok), text
 
     def sample(self, text: str) -> None:
@@ -173,7 +177,7 @@ class Sampler:
     def reply(self, history: list[dict]) -> str:
         """The model's next turn after the history, streamed as it comes; generation stops at the
         turn's end, at --max-new-tokens, or where the context is full."""
-        ids = chat_prompt(history, self.tok)[-(self.model.config.block_size - 1):]
+        ids = chat_prompt(history, self.tok, self.variables)[-(self.model.config.block_size - 1):]
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)
         room = self.model.config.block_size - len(ids)
         with torch.no_grad(), self.ctx, StopRequest() as self.stop:
@@ -194,6 +198,7 @@ def check_sampling_args(args: argparse.Namespace, inputs: list[str]) -> None:
         if getattr(args, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be at least 1")
     check_sampling(args.temperature, args.top_k, args.top_p)
+    template_variables(args.chat_template_kwargs)
     if args.genfile:
         prompt_file = [args.prompt[len(PROMPT_FILE):]] if args.prompt.startswith(PROMPT_FILE) else []
         check_output(args.genfile, inputs + prompt_file, "--genfile")
@@ -213,6 +218,10 @@ def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: s
     if args.system and not args.chat and not is_chat_tokenizer(tok):
         raise CLIError(f"{source} chats in its own template, which frames --system only in a chat: "
                        "add --chat (a --prompt continues text as it is)")
+    if args.chat_template_kwargs and not (args.chat and tok.chat_template):
+        raise CLIError("--chat-template-kwargs sets variables of an HF folder's own chat template, in a --chat"
+                       if tok.chat_template else f"{source} has no chat template of its own that takes variables"
+                       " (--chat-template-kwargs)")
     torch.manual_seed(args.seed)
     if args.chat:
         chat(Sampler(model, tok, args, None))
@@ -241,7 +250,7 @@ def chat(sampler: Sampler) -> None:
     history = [{"role": "system", "content": args.system}] if args.system else []
     room = block_size - min(args.max_new_tokens, block_size // 2)  # the prompt leaves the reply this much
     told = False
-    chat_prompt(history + [{"role": "user", "content": "?"}], sampler.tok)  # a bad template fails before the talk
+    chat_prompt(history + [{"role": "user", "content": "?"}], sampler.tok, sampler.variables)  # (fails now, or never)
     print("Chat: type a message and press Enter (Ctrl-D or Ctrl-C to leave).", file=sys.stderr)
     try:
         while True:
@@ -251,7 +260,8 @@ def chat(sampler: Sampler) -> None:
                 break
             if not line.strip():
                 continue
-            history, dropped = fit_history(history + [{"role": "user", "content": line}], sampler.tok, room)
+            history, dropped = fit_history(history + [{"role": "user", "content": line}], sampler.tok, room,
+                                           sampler.variables)
             if dropped and not told:
                 print(f"(the oldest turns no longer fit the model's {block_size}-token context and "
                       "are dropped)", file=sys.stderr)
