@@ -3,7 +3,8 @@
     python embed.py encode --ckpt ckpt/ckpt.pt --input texts.txt --out vectors  # .npy + .jsonl
     python embed.py index --ckpt ckpt/ckpt.pt --input docs.jsonl --out my_index  # for search
     python embed.py search --index my_index --query "how do I read a file" --top-k 5
-    python embed.py tune --ckpt ckpt/ckpt.pt --input docs.jsonl --out-dir ckpt/tuned  # contrastive, no labels
+    python embed.py tune --ckpt ckpt/ckpt.pt --input docs.jsonl --out-dir ckpt/tuned
+        # contrastive, no labels
     python embed.py eval --index my_index --pairs queries.jsonl  # recall@1/5/10, MRR@10
 
 Texts: a text file holds one text per line, a .jsonl/.json file one per JSON line (--json-key; ids
@@ -208,8 +209,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pairs", required=True,
                    help='JSON lines {"query": ..., "id": the relevant document\'s id}')
 
-    p = command("tune", tune_command, "contrastive fine-tuning from documents or pairs (InfoNCE, in-batch "
-                                      "negatives) -> OUT_DIR/ckpt.pt, still a GPT")
+    p = command("tune", tune_command, "contrastive fine-tuning from documents or pairs (InfoNCE, "
+                                      "in-batch negatives) -> OUT_DIR/ckpt.pt, still a GPT")
     flags.add_flags(p, TuneConfig)
 
     args = parser.parse_args(argv)

@@ -1,10 +1,10 @@
 """Score a model on the field's standard evaluations: multiple-choice files in HellaSwag's format,
 lm-evaluation-harness tasks by name or from a task YAML, and the loss of prepared data's val split.
 
-    python eval.py --ckpt ckpt/ckpt.pt --tasks my_hellaswag.jsonl            # a local file: no extra package
-    python eval.py --ckpt gpt2 --tasks hellaswag,lambada_openai --limit 500   # the harness (pip install lm_eval)
+    python eval.py --ckpt ckpt/ckpt.pt --tasks my_hellaswag.jsonl   # a local file: no extra package
+    python eval.py --ckpt gpt2 --tasks hellaswag,lambada_openai --limit 500  # pip install lm_eval
     python eval.py --ckpt ckpt/ckpt.pt --tasks my_task.yaml --output results.json
-    python eval.py --ckpt ckpt/ckpt.pt --data-dir data/pydoc_char             # val loss, ppl, bits per byte
+    python eval.py --ckpt ckpt/ckpt.pt --data-dir data/pydoc_char  # val loss, ppl, bits per byte
 
 --ckpt is anything the toolkit reads: a ckpt.pt, a DeepSpeed checkpoint folder or its zero_to_fp32
 output, an HF GPT-2, Llama or Qwen3 folder, or a cached hub name (GPT-2 itself: --ckpt gpt2). The
@@ -35,27 +35,32 @@ def parse_args(argv: list[str] | None):
                         help="comma-separated: local .jsonl files (HellaSwag's format), task .yaml "
                              "files, or lm-evaluation-harness task names (hellaswag, "
                              "lambada_openai, arc_easy, piqa, ...)")
-    parser.add_argument("--data-dir", help="prepared data (tokenizer.py's output): score its val split's "
-                                           "loss, perplexity and bits per byte")
-    parser.add_argument("--limit", type=int, help="score only the first N items of each task (the first N "
-                                                  "windows of --data-dir's val split)")
+    parser.add_argument("--data-dir",
+                        help="prepared data (tokenizer.py's output): score its val split's loss, "
+                             "perplexity and bits per byte")
+    parser.add_argument("--limit", type=int,
+                        help="score only the first N items of each task (the first N windows of "
+                             "--data-dir's val split)")
     parser.add_argument("--batch-size", type=int, default=16,
                         help="sequences per forward pass, in each process (default: 16)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: "
                                                          "auto)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16"],
                         help="autocast dtype; auto = bfloat16 where the hardware computes it "
                              "natively, else float32 (default: auto)")
     parser.add_argument("--output", help="write the full results as JSON (with each item's scores)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    harness = parser.add_argument_group("lm-evaluation-harness's options", "for its tasks (names and task YAMLs)")
+    harness = parser.add_argument_group("lm-evaluation-harness's options",
+                                        "for its tasks (names and task YAMLs)")
     harness.add_argument("--apply-chat-template", action="store_true",
-                         help="lay out each prompt in the model's chat template (an instruction-tuned "
-                              "model's, or an HF folder's own), few-shot examples as turns")
+                         help="lay out each prompt in the model's chat template (an "
+                              "instruction-tuned model's, or an HF folder's own), few-shot "
+                              "examples as turns")
     harness.add_argument("--system-instruction", help="a system turn before each prompt (its text)")
     harness.add_argument("--chat-template-kwargs", metavar="JSON",
-                         help="further variables for an HF folder's own chat template (lm-eval's hf model: "
-                              "chat_template_args), e.g. '{\"enable_thinking\": false}'")
+                         help="further variables for an HF folder's own chat template (lm-eval's "
+                              "hf model: chat_template_args), e.g. '{\"enable_thinking\": false}'")
     args = parser.parse_args(argv)
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not args.tasks and not args.data_dir:
@@ -69,12 +74,13 @@ def parse_args(argv: list[str] | None):
             raise CLIError(f"task file not found: {task}")
     harness_tasks = [task for task in args.tasks if not task.endswith(".jsonl")]
     if args.chat_template_kwargs is not None and not args.apply_chat_template:
-        raise CLIError("--chat-template-kwargs sets variables of the chat template: add --apply-chat-template")
+        raise CLIError("--chat-template-kwargs sets variables of the chat template: add "
+                       "--apply-chat-template")
     template_variables(args.chat_template_kwargs)
     for name in ("apply_chat_template", "system_instruction"):
         if getattr(args, name) and not harness_tasks:
-            raise CLIError(f"--{name.replace('_', '-')} lays out lm-evaluation-harness's prompts: give one of "
-                           "its tasks (a name or a task YAML) in --tasks")
+            raise CLIError(f"--{name.replace('_', '-')} lays out lm-evaluation-harness's prompts: "
+                           "give one of its tasks (a name or a task YAML) in --tasks")
     if args.output:
         check_output(args.output, [args.ckpt, args.data_dir, *args.tasks], "--output")
         refuse_existing([args.output], args.overwrite)
@@ -85,11 +91,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     results, full = score_model(args)
     for task, metrics in results.items():
-        print(f"{task}: " + ", ".join(f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value:,}"
+        print(f"{task}: " + ", ".join(f"{name} {value:.4f}" if isinstance(value, float)
+                                      else f"{name} {value:,}"
                                       for name, value in metrics.items()), file=sys.stderr)
     if args.output:
-        write_json(args.output, json.loads(json.dumps({"ckpt": args.ckpt, "results": results, "tasks": full},
-                                                      default=str)))
+        write_json(args.output, json.loads(json.dumps({"ckpt": args.ckpt, "results": results,
+                                                       "tasks": full}, default=str)))
     print(json.dumps(results))
 
 

@@ -5,7 +5,8 @@ only torch.
     logits, loss = model(idx, targets)
 
 arch "gpt2" follows OpenAI's GPT-2 exactly (pre-LN blocks, LayerNorm eps 1e-5, tanh GELU, learned
-positions, biases, tied embedding / LM head), so HF GPT-2 checkpoints load unchanged (toolkit/hf.py).
+positions, biases, tied embedding / LM head), so HF GPT-2 checkpoints load unchanged
+(toolkit/hf.py).
 arch "llama" is today's layout (Llama, Qwen3, SmolLM, nanochat): the same pre-norm blocks with
 RMSNorm, rotary positions, grouped-query attention and optional QK-norm, a gated SiLU MLP, no biases
 and an untied head (toolkit/hf_llama.py maps HF's Llama and Qwen3 folders). Where they differ:
@@ -43,7 +44,8 @@ class GPTConfig:
     # high_freq_factor, original_max_position_embeddings; None: theta's alone
     rope_scaling: dict[str, float] | None = None
     norm_eps: float = 1e-5  # RMSNorm's epsilon
-    tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2; small Qwen3 and SmolLM)
+    # the LM head is the token embedding (GPT-2; small Qwen3 and SmolLM)
+    tie_embeddings: bool = True
 
     @property
     def kv_heads(self) -> int:
@@ -120,22 +122,25 @@ def check_config(config: GPTConfig) -> None:
     for name in ("n_kv_head", "head_dim", "mlp_hidden"):
         value = getattr(config, name)
         if value is not None and (type(value) is not int or value < 1):
-            raise ValueError(f"model config: {name} must be a positive integer or unset, got {value!r}")
+            raise ValueError(f"model config: {name} must be a positive integer or unset, got "
+                             f"{value!r}")
     if config.n_head % config.kv_heads or config.head_size % 2:
         raise ValueError(f"model config: n_head ({config.n_head}) must be a multiple of n_kv_head "
                          f"({config.kv_heads}), and the head size ({config.head_size}) even")
-    gpt2_like = dict(n_kv_head=config.kv_heads == config.n_head, head_dim=config.head_size * config.n_head
-                     == config.n_embd, mlp_hidden=config.mlp_hidden is None, qk_norm=not config.qk_norm,
+    gpt2_like = dict(n_kv_head=config.kv_heads == config.n_head,
+                     head_dim=config.head_size * config.n_head == config.n_embd,
+                     mlp_hidden=config.mlp_hidden is None, qk_norm=not config.qk_norm,
                      tie_embeddings=config.tie_embeddings)
     if config.arch == "gpt2" and not all(gpt2_like.values()):
-        raise ValueError(f"model config: GPT-2 has no {', '.join(k for k, ok in gpt2_like.items() if not ok)}; "
-                         "use arch llama")
+        raise ValueError("model config: GPT-2 has no "
+                         f"{', '.join(k for k, ok in gpt2_like.items() if not ok)}; use arch llama")
     if config.arch == "llama" and config.bias:
         raise ValueError("model config: the llama family has no biases (bias false)")
     scaling = config.rope_scaling
     if scaling is not None and not is_rope_scaling(scaling):
-        raise ValueError(f"model config: rope_scaling must be null or an object of {', '.join(ROPE_SCALING)}, "
-                         f"factors of at least 1 with high_freq_factor above low_freq_factor, got {scaling!r:.200}")
+        raise ValueError("model config: rope_scaling must be null or an object of "
+                         f"{', '.join(ROPE_SCALING)}, factors of at least 1 with high_freq_factor "
+                         f"above low_freq_factor, got {scaling!r:.200}")
 
 
 def is_rope_scaling(scaling) -> bool:
@@ -156,26 +161,30 @@ def norm(config: GPTConfig, width: int) -> nn.Module:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_size
+        self.n_head, self.n_kv_head, self.head_dim = (config.n_head, config.kv_heads,
+                                                      config.head_size)
         self.dropout = config.dropout
         self.kernel = config.attn_kernel
-        qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_size  # queries, keys, values
+        # queries, keys, values
+        qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_size
         self.c_attn = nn.Linear(config.n_embd, qkv_width, bias=config.bias)
         self.c_proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         if config.qk_norm:
-            self.q_norm, self.k_norm = norm(config, config.head_size), norm(config, config.head_size)
+            self.q_norm, self.k_norm = (norm(config, config.head_size),
+                                        norm(config, config.head_size))
 
     def forward(self, x: torch.Tensor, kv_cache: "KVCache | None" = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.c_attn(x)
-        # n_head, or this rank's tensor-parallel share; as many key/value heads for GPT-2, fewer with GQA
+        # n_head, or this rank's tensor-parallel share; as many kv heads for GPT-2, fewer with GQA
         heads = qkv.size(-1) * self.n_head // ((self.n_head + 2 * self.n_kv_head) * self.head_dim)
         kv_heads = heads * self.n_kv_head // self.n_head
         # (B, T, (heads + 2 kv_heads) * head_dim) -> (B, heads or kv_heads, T, head_dim) views
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in
-                   qkv.split([heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], -1))
+                   qkv.split([heads * self.head_dim, kv_heads * self.head_dim,
+                              kv_heads * self.head_dim], -1))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -184,7 +193,8 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
         if kv_heads != heads:  # each key/value head serves heads // kv_heads query heads
-            k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+            k, v = (k.repeat_interleave(heads // kv_heads, 1),
+                    v.repeat_interleave(heads // kv_heads, 1))
         dropout_p = self.dropout if self.training else 0.0
         cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
         auto_manual = self.kernel == "auto" and cpu_bf16 and k.size(-2) <= MANUAL_MAX_KEYS
@@ -217,9 +227,10 @@ def manual_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
 
 
 def rotary(positions: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) (T, head_dim) of RoPE's angles at positions: pair (i, i + head_dim/2) of a head turns
-    by position * its frequency, as HF's Llama lays the pairs out (rotate_half)."""
-    frequencies = rope_frequencies(config.head_size, config.rope_theta, config.rope_scaling, positions.device)
+    """(cos, sin) (T, head_dim) of RoPE's angles at positions: pair (i, i + head_dim/2) of a head
+    turns by position * its frequency, as HF's Llama lays the pairs out (rotate_half)."""
+    frequencies = rope_frequencies(config.head_size, config.rope_theta, config.rope_scaling,
+                                   positions.device)
     angles = positions.float()[:, None] * frequencies[None, :]
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
@@ -302,7 +313,8 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             # learned positions for GPT-2; the llama family rotates queries and keys instead
-            **({"wpe": nn.Embedding(config.block_size, config.n_embd)} if config.arch == "gpt2" else {}),
+            **({"wpe": nn.Embedding(config.block_size, config.n_embd)}
+               if config.arch == "gpt2" else {}),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
             ln_f=norm(config, config.n_embd),
@@ -378,7 +390,8 @@ class GPT(nn.Module):
         (Hewitt 2021, as HF) plus noise of std 0.02, so new tokens differ (docs/performance.md)."""
         if vocab_size < self.config.vocab_size:
             raise ValueError(f"vocab_size can only grow: {self.config.vocab_size} -> {vocab_size}")
-        for module in (self.lm_head, self.transformer.wte)[: 1 if self.config.tie_embeddings else 2]:
+        heads_and_embeddings = (self.lm_head, self.transformer.wte)
+        for module in heads_and_embeddings[: 1 if self.config.tie_embeddings else 2]:
             old = module.weight
             weight = torch.empty(vocab_size, old.size(1), device=old.device, dtype=old.dtype)
             nn.init.normal_(weight, mean=0.0, std=0.02)
@@ -408,7 +421,8 @@ class GPT(nn.Module):
 
     def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                         top_k: int | None = None, top_p: float | None = None,
-                        eos_token: int | None = None, use_cache: bool = True) -> Iterator[torch.Tensor]:
+                        eos_token: int | None = None,
+                        use_cache: bool = True) -> Iterator[torch.Tensor]:
         """Yield the (B,) next tokens after the prompts idx (B, T): greedy at temperature 0, else
         sampled (top_k, top_p nucleus); a sequence that emitted eos_token repeats it until all have.
         Learned positions keep a KV cache from sliding: a full context keeps its last half, refilled

@@ -1,4 +1,5 @@
-"""Sample text from a trained GPT, or export it as an HF folder (GPT-2, Llama or Qwen3) or a GGUF file.
+"""Sample text from a trained GPT, or export it as an HF folder (GPT-2, Llama or Qwen3) or a GGUF
+file.
 
 Reads any model the toolkit reads (default ckpt/ckpt.pt; the tokenizer is stored in it): a
 checkpoint of train.py, train_ddp.py or finetune.py, a DeepSpeed checkpoint folder, or an HF GPT-2
@@ -6,8 +7,8 @@ folder or cached name, or an HF Llama or Qwen3 folder. Prints samples as they ar
 Megatron-style JSONL with --genfile, or reads prompts with --interactive. The options and the
 printing are toolkit/sampling.py's, the generation loop model.py's. --export-hf DIR writes a folder
 of the model's family that transformers (AutoModelForCausalLM, AutoTokenizer) and lm-eval's `hf`
-model load alone, offline (toolkit/hf.py, toolkit/hf_llama.py); --export-gguf FILE one file that llama.cpp,
-ollama and LM Studio run (toolkit/gguf_export.py).
+model load alone, offline (toolkit/hf.py, toolkit/hf_llama.py); --export-gguf FILE one file that
+llama.cpp, ollama and LM Studio run (toolkit/gguf_export.py).
 """
 from toolkit import cli
 from toolkit.model_sources import add_export_arguments, check_exports, export, load_model
@@ -24,7 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     add_sampling_arguments(parser)
     args = parser.parse_args(argv)
     check_sampling_args(args, [args.ckpt])
-    check_exports({"--export-hf": args.export_hf, "--export-gguf": args.export_gguf}, [args.ckpt], args.overwrite)
+    check_exports({"--export-hf": args.export_hf, "--export-gguf": args.export_gguf}, [args.ckpt],
+                  args.overwrite)
     model, facts = load_model(args.ckpt, attn_kernel=args.attn_kernel)
     if args.export_hf or args.export_gguf:
         export(model, facts, args)

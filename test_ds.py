@@ -3,11 +3,12 @@ or export it as a plain ckpt.pt (--export-ckpt, what test.py and train.py read),
 family (--export-hf) or a GGUF file for llama.cpp (--export-gguf).
 
 --ckpt is either
-  * the DeepSpeed checkpoint folder itself (OUT_DIR/ds): the weights of its `latest` checkpoint (or --tag)
-    are gathered in memory, no conversion step needed (deepspeed.utils.zero_to_fp32 for ZeRO; DeepSpeed's
-    universal checkpoint, in a temporary folder, for pipeline or tensor parallel); or
+  * the DeepSpeed checkpoint folder itself (OUT_DIR/ds): the weights of its `latest` checkpoint (or
+    --tag) are gathered in memory, no conversion step needed (deepspeed.utils.zero_to_fp32 for ZeRO;
+    DeepSpeed's universal checkpoint, in a temporary folder, for pipeline or tensor parallel); or
   * the output of DeepSpeed's converter, as in `cd ckpt/ds && python zero_to_fp32.py . ckpt_ds.pt`
-    (a folder holding pytorch_model.bin, shards with an index, or model.safetensors; or one such file).
+    (a folder holding pytorch_model.bin, shards with an index, or model.safetensors; or one such
+    file).
 The default is ckpt/ds/ckpt_ds.pt when it was converted from the newest checkpoint, else ckpt/ds.
 The model config and the tokenizer come from the checkpoint folder (train_state.json, written by
 train_ds.py; for a converted output, the folder above it or --ds-dir), so no training flags need
@@ -32,12 +33,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = cli.argument_parser(__doc__)
     parser.add_argument("--ckpt", default=None,
                         help=f"DeepSpeed checkpoint folder or zero_to_fp32 output (default: "
-                             f"{os.path.join(DEFAULT_DS_DIR, CONVERTED_NAME)} if converted from the newest "
-                             f"checkpoint, else {DEFAULT_DS_DIR})")
+                             f"{os.path.join(DEFAULT_DS_DIR, CONVERTED_NAME)} if converted from "
+                             f"the newest checkpoint, else {DEFAULT_DS_DIR})")
     parser.add_argument("--ds-dir", default=None,
-                        help="the DeepSpeed checkpoint folder holding the model config, when --ckpt is converted "
-                             "output stored elsewhere (default: the folder above it)")
-    parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step2000 (default: latest)")
+                        help="the DeepSpeed checkpoint folder holding the model config, when "
+                             "--ckpt is converted output stored elsewhere (default: the folder "
+                             "above it)")
+    parser.add_argument("--tag", default=None,
+                        help="checkpoint tag, e.g. global_step2000 (default: latest)")
     add_export_arguments(parser)
     parser.add_argument("--export-ckpt", metavar="PATH", default=None,
                         help="write the model as a plain ckpt.pt (weights, configs, tokenizer; no "
@@ -45,11 +48,14 @@ def main(argv: list[str] | None = None) -> None:
     add_sampling_arguments(parser)
     args = parser.parse_args(argv)
     check_sampling_args(args, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir])
-    outputs = {"--export-hf": args.export_hf, "--export-gguf": args.export_gguf, "--export-ckpt": args.export_ckpt}
+    outputs = {"--export-hf": args.export_hf, "--export-gguf": args.export_gguf,
+               "--export-ckpt": args.export_ckpt}
     check_exports(outputs, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir], args.overwrite)
     if args.ckpt is None:
-        args.ckpt = DEFAULT_DS_DIR if args.tag else default_deepspeed_source(DEFAULT_DS_DIR, CONVERTED_NAME)
-    model, state, label = load_deepspeed_model(args.ckpt, args.ds_dir, args.tag, attn_kernel=args.attn_kernel)
+        args.ckpt = (DEFAULT_DS_DIR if args.tag else
+                     default_deepspeed_source(DEFAULT_DS_DIR, CONVERTED_NAME))
+    model, state, label = load_deepspeed_model(args.ckpt, args.ds_dir, args.tag,
+                                               attn_kernel=args.attn_kernel)
     print(f"loaded {label}", file=sys.stderr, flush=True)
     facts = state["tokenizer"]
     if args.export_ckpt:

@@ -1,14 +1,16 @@
-"""Train a GPT with data parallelism over several processes (DistributedDataParallel) under torchrun.
+"""Train a GPT with data parallelism over several processes (DistributedDataParallel)
+under torchrun.
 
     torchrun --standalone --nproc_per_node N train_ddp.py [train.py flags]
     # M machines: run this on each, with R = 0 .. M-1 and A:P reachable from all of them
-    torchrun --nnodes M --node_rank R --master_addr A --master_port P --nproc_per_node N train_ddp.py [flags]
+    torchrun --nnodes M --node_rank R --master_addr A --master_port P --nproc_per_node N \\
+        train_ddp.py [flags]
 
 Same flags as train.py, plus --backend and --timeout. --batch-size is one process's micro-batch and
---grad-accum counts micro-batches per step over ALL processes (default: one per process), so the same
-flags train the same model on any number of processes. Rank 0 writes OUT_DIR/ckpt.pt in train.py's
-format; under `torchrun --max-restarts K` a restarted job continues from it. Signals, timeouts and
-errors under torchrun: docs/training.md.
+--grad-accum counts micro-batches per step over ALL processes (default: one per process), so the
+same flags train the same model on any number of processes. Rank 0 writes OUT_DIR/ckpt.pt in
+train.py's format; under `torchrun --max-restarts K` a restarted job continues from it. Signals,
+timeouts and errors under torchrun: docs/training.md.
 """
 import os
 
@@ -21,7 +23,8 @@ from toolkit.training import TorchEngine
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, given, args = parse_config(argv, description=__doc__, extra_arguments=distributed.add_distributed_flags)
+    cfg, given, args = parse_config(argv, description=__doc__,
+                                    extra_arguments=distributed.add_distributed_flags)
     distributed.init_torchrun(cfg.device, args.backend, args.timeout)
     trainer = setup(cfg, given, TorchEngine(os.path.join(cfg.out_dir, CHECKPOINT_FILE)))
     with tracking_emissions(trainer.cfg, master=distributed.rank() == 0):

@@ -18,10 +18,10 @@ the flags own the batch per process, the accumulation, the learning rate and its
 betas and weight decay; ds_config.json owns the ZeRO stage, offload, gradient clipping and
 precision. A value may be given in either place; given in both and different, it is an error.
 
-Model parallel (toolkit/model_parallel.py): --pipeline-stages P (deepspeed.pipe, ZeRO 0/1) or --tp-size T
-(AutoTP, ZeRO 0-3); the ranks of one model replica read the same data. `mpirun -np N python
-train_ds.py ...` finds its ranks through DeepSpeed's MPI discovery (mpi4py). --estimate-memory
-prints what a model and layout need, without a launcher.
+Model parallel (toolkit/model_parallel.py): --pipeline-stages P (deepspeed.pipe, ZeRO 0/1) or
+--tp-size T (AutoTP, ZeRO 0-3); the ranks of one model replica read the same data. `mpirun -np N
+python train_ds.py ...` finds its ranks through DeepSpeed's MPI discovery (mpi4py).
+--estimate-memory prints what a model and layout need, without a launcher.
 
 Checkpoints: OUT_DIR/ds/ in DeepSpeed's layout plus train_state.json (toolkit/ds_checkpoint.py);
 --init-from resume continues exactly with the same number of processes, and on another number
@@ -60,19 +60,20 @@ def extra_arguments(parser) -> None:
     megatron = flags.megatron_group(parser)
     megatron.add_argument("--pipeline-model-parallel-size", dest="pipeline_stages", type=int,
                           default=argparse.SUPPRESS, help="= --pipeline-stages")
-    megatron.add_argument("--tensor-model-parallel-size", dest="tp_size", type=int, default=argparse.SUPPRESS,
-                          help="= --tp-size")
+    megatron.add_argument("--tensor-model-parallel-size", dest="tp_size", type=int,
+                          default=argparse.SUPPRESS, help="= --tp-size")
     parser.add_argument("--estimate-memory", action="store_true",
                         help="print the parameters, FLOPs per token and memory per device of this "
                              "model and layout (ZeRO stage and offload from the config) on "
                              "--num-nodes x --num-gpus, and exit; nothing is allocated and no "
                              "process group is needed")
-    parser.add_argument("--num-nodes", type=int, default=1, help="machines, for --estimate-memory (default: 1)")
+    parser.add_argument("--num-nodes", type=int, default=1,
+                        help="machines, for --estimate-memory (default: 1)")
     parser.add_argument("--num-gpus", type=int, default=1,
                         help="devices per machine, for --estimate-memory (default: 1)")
     parser.add_argument("--keep-checkpoints", type=int, default=1,
-                        help="global_stepN folders kept in OUT_DIR/ds; older ones are deleted after a save "
-                             "(0 = keep all; default: 1)")
+                        help="global_stepN folders kept in OUT_DIR/ds; older ones are deleted "
+                             "after a save (0 = keep all; default: 1)")
     distributed.add_distributed_flags(parser, backend=False)
 
 
@@ -82,10 +83,12 @@ def main(argv: list[str] | None = None) -> None:
     ds_path = args.deepspeed_config or args.deepscale_config or DEFAULT_DS_CONFIG
     ds = read_json(ds_path, "DeepSpeed config")
     if args.estimate_memory:
-        print(memory_estimate(cfg, given, ds, args.num_nodes, args.num_gpus, args.pipeline_stages, args.tp_size))
+        print(memory_estimate(cfg, given, ds, args.num_nodes, args.num_gpus, args.pipeline_stages,
+                              args.tp_size))
         return
     cfg = init_distributed(cfg, args)
-    engine = DeepSpeedEngine(ds, ds_path, cfg.out_dir, args.keep_checkpoints, args.pipeline_stages, args.tp_size)
+    engine = DeepSpeedEngine(ds, ds_path, cfg.out_dir, args.keep_checkpoints, args.pipeline_stages,
+                             args.tp_size)
     trainer = setup(cfg, given, engine)
     with tracking_emissions(trainer.cfg, master=distributed.rank() == 0):
         trainer.fit()

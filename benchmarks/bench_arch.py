@@ -1,8 +1,9 @@
-"""Time to quality of the two model families side by side: `python train.py` with --arch gpt2 and --arch llama
-at the same width, depth, steps and flags otherwise, on the embedded corpus and on a text file of your choice
-(char level), runs interleaved. Each run's validation loss in bits per byte is recorded against the wall
-seconds since its process started; reported: each family's final val bpb and wall time, and how much sooner
-the llama family reaches the GPT-2 family's final val bpb (interpolated on its curve).
+"""Time to quality of the two model families side by side: `python train.py` with --arch gpt2 and
+--arch llama at the same width, depth, steps and flags otherwise, on the embedded corpus and on a
+text file of your choice (char level), runs interleaved. Each run's validation loss in bits per byte
+is recorded against the wall seconds since its process started; reported: each family's final val
+bpb and wall time, and how much sooner the llama family reaches the GPT-2 family's final val bpb
+(interpolated on its curve).
 
     python benchmarks/bench_arch.py --text input.txt --rounds 2
     python benchmarks/bench_arch.py --flags "--n-layer 6 --n-embd 256 --max-iters 600" --rounds 1
@@ -27,8 +28,8 @@ from toolkit.prepare import ensure_default_corpus
 def timed_run(cmd: list[str], cwd: str) -> tuple[float, list[tuple[float, float]]]:
     """Wall seconds of the whole process, and (seconds since start, val bpb) at each evaluation."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     curve, log = [], []
     for line in proc.stdout:
         log.append(line)
@@ -52,25 +53,29 @@ def main() -> None:
     parser.add_argument("--text", help="a second corpus: a text file, prepared at char level")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default: 2)")
     parser.add_argument("--flags", default="--eval-interval 25",
-                        help="flags for both families (default: %(default)s, the quick start otherwise)")
+                        help="flags for both families (default: %(default)s, the quick start "
+                             "otherwise)")
     args = parser.parse_args()
-    corpora = {"pydoc": os.path.abspath(ensure_default_corpus(os.path.join(ROOT, DEFAULT_CORPUS_DIR)))}
+    corpora = {"pydoc": os.path.abspath(
+        ensure_default_corpus(os.path.join(ROOT, DEFAULT_CORPUS_DIR)))}
     scratch = tempfile.mkdtemp(prefix="bench_arch_")
     if args.text:
         corpora[os.path.basename(args.text)] = os.path.join(scratch, "text")
-        subprocess.run([sys.executable, os.path.join(ROOT, "tokenizer.py"), "--input", args.text, "--tokenizer",
-                        "char", "--val-fraction", "0.1", "--output-dir", corpora[os.path.basename(args.text)],
-                        "--quiet"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, os.path.join(ROOT, "tokenizer.py"), "--input", args.text,
+                        "--tokenizer", "char", "--val-fraction", "0.1",
+                        "--output-dir", corpora[os.path.basename(args.text)], "--quiet"],
+                       check=True, stdout=subprocess.DEVNULL)
     print(f"CPU: {cpu_kind()}, {os.cpu_count()} cores; flags: {args.flags}", flush=True)
     runs = {(corpus, arch): [] for corpus in corpora for arch in ("gpt2", "llama")}
     for r in range(args.rounds):
         for (corpus, arch), results in runs.items():
             out = tempfile.mkdtemp(dir=scratch)
-            cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data-dir", corpora[corpus], "--out-dir", out,
-                   "--arch", arch, *shlex.split(args.flags)]
+            cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data-dir", corpora[corpus],
+                   "--out-dir", out, "--arch", arch, *shlex.split(args.flags)]
             seconds, curve = timed_run(cmd, ROOT)
             results.append({"seconds": seconds, "curve": curve})
-            print(f"round {r + 1} {corpus:12s} {arch:6s} {seconds:6.1f} s, val bpb {curve[-1][1]:.4f}", flush=True)
+            print(f"round {r + 1} {corpus:12s} {arch:6s} {seconds:6.1f} s, val bpb "
+                  f"{curve[-1][1]:.4f}", flush=True)
     print(f"\n{'corpus':14s} {'arch':6s} {'wall s':>7s} {'val bpb':>8s} {'to gpt2 final':>14s}")
     for corpus in corpora:
         target = statistics.median(r["curve"][-1][1] for r in runs[(corpus, "gpt2")])
@@ -83,8 +88,8 @@ def main() -> None:
         gpt2 = statistics.median(r["seconds"] for r in runs[(corpus, "gpt2")])
         llama = [time_to(r["curve"], target) for r in runs[(corpus, "llama")]]
         if None not in llama:
-            print(f"{corpus}: llama reaches gpt2's final val bpb {target:.4f} {gpt2 / statistics.median(llama):.2f}x "
-                  f"sooner than gpt2's whole run")
+            print(f"{corpus}: llama reaches gpt2's final val bpb {target:.4f} "
+                  f"{gpt2 / statistics.median(llama):.2f}x sooner than gpt2's whole run")
 
 
 if __name__ == "__main__":

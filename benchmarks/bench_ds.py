@@ -1,16 +1,19 @@
-"""DeepSpeed on this machine: step time of ZeRO-3 offload vs ZeRO-2 vs DDP, and peak memory per model size.
+"""DeepSpeed on this machine: step time of ZeRO-3 offload vs ZeRO-2 vs DDP, and peak memory per
+model size.
 
     python benchmarks/bench_ds.py steps                  # same model, 2 processes each, ms per step
     python benchmarks/bench_ds.py memory --sizes 12x768,24x1024 --modes zero3_offload,ddp
 
-Every mode trains the same model on the embedded corpus (prepared into a temporary folder) with the same
-global batch, launched as a user would (the deepspeed launcher, torchrun). `steps` reports the median
-step time after the first few steps; `memory` reports the peak resident memory of all processes together
-(sampled every 0.1 s) while the first training steps run, then kills the job (no checkpoint is written).
-Modes: single (train.py, 1 process), ddp (torchrun train_ddp.py), zero2 (ds_config_zero2.json: optimizer
-offloaded), zero3_offload (ds_config.json), zero3 (ds_config.json without offload, torch's AdamW).
-On a CPU-only machine "offload" moves the state from one part of the same RAM to another: what ZeRO saves
-here is the replication of parameters, gradients and optimizer state across processes.
+Every mode trains the same model on the embedded corpus (prepared into a temporary folder) with the
+same global batch, launched as a user would (the deepspeed launcher, torchrun). `steps` reports the
+median step time after the first few steps; `memory` reports the peak resident memory of all
+processes together (sampled every 0.1 s) while the first training steps run, then kills the job (no
+checkpoint is written).
+Modes: single (train.py, 1 process), ddp (torchrun train_ddp.py), zero2 (ds_config_zero2.json:
+optimizer offloaded), zero3_offload (ds_config.json), zero3 (ds_config.json without offload,
+torch's AdamW).
+On a CPU-only machine "offload" moves the state from one part of the same RAM to another: what ZeRO
+saves here is the replication of parameters, gradients and optimizer state across processes.
 """
 import os
 import re
@@ -35,7 +38,8 @@ MODES = ("single", "ddp", "zero2", "zero3_offload", "zero3")
 
 
 def prepare(tmp: str) -> tuple[str, dict]:
-    subprocess.run([sys.executable, os.path.join(ROOT, "tokenizer.py")], cwd=tmp, check=True, capture_output=True)
+    subprocess.run([sys.executable, os.path.join(ROOT, "tokenizer.py")], cwd=tmp, check=True,
+                   capture_output=True)
     zero3 = read_json(os.path.join(ROOT, "ds_config.json"))
     zero3["zero_optimization"].pop("offload_optimizer")
     zero3["zero_optimization"].pop("offload_param")
@@ -53,18 +57,22 @@ def command(mode: str, tmp: str, configs: dict, flags: list[str]) -> list[str]:
     if mode == "single":
         return [sys.executable, os.path.join(ROOT, "train.py"), *flags]
     if mode == "ddp":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                "--master_port", str(free_port()), os.path.join(ROOT, "train_ddp.py"), *flags]
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", os.path.join(tmp, "hostfile"),
-            "--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-            os.path.join(ROOT, "train_ds.py"), "--deepspeed", "--deepspeed_config", configs[mode], *flags]
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                os.path.join(ROOT, "train_ddp.py"), *flags]
+    return [sys.executable, "-m", "deepspeed.launcher.runner",
+            "--hostfile", os.path.join(tmp, "hostfile"), "--no_ssh_check",
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+            os.path.join(ROOT, "train_ds.py"), "--deepspeed", "--deepspeed_config", configs[mode],
+            *flags]
 
 
 def run(cmd: list[str], cwd: str, stop_after: int | None, timeout: float,
         rss_limit_gib: float | None = None) -> tuple[str, float, float]:
     """Run a job in its own session; returns (output, peak RSS of the whole tree in GiB, seconds).
-    With stop_after, the job is killed once that many steps were logged; with rss_limit_gib, once its
-    processes together hold more than that (so a too-large model never pushes a shared machine into OOM)."""
+    With stop_after, the job is killed once that many steps were logged; with rss_limit_gib, once
+    its processes together hold more than that (so a too-large model never pushes a shared machine
+    into OOM)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     log = tempfile.TemporaryFile(mode="w+")
     t0 = time.time()
@@ -93,8 +101,8 @@ def run(cmd: list[str], cwd: str, stop_after: int | None, timeout: float,
 
 
 def kill_tree(root: psutil.Process) -> None:
-    """SIGKILL a job and every process it started (torchrun puts its workers in sessions of their own, so
-    killing the job's process group is not enough)."""
+    """SIGKILL a job and every process it started (torchrun puts its workers in sessions of their
+    own, so killing the job's process group is not enough)."""
     try:
         tree = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
@@ -114,11 +122,13 @@ def model_flags(shape: str) -> list[str]:
 
 
 def steps(args, tmp, data, configs) -> None:
-    flags = ["--data-dir", data, *model_flags(args.shape), "--block-size", str(args.block_size), "--batch-size",
-             str(args.batch_size), "--grad-accum", "2", "--device", "cpu", "--dtype", "float32", "--max-iters",
-             str(args.iters), "--eval-interval", "100000", "--eval-iters", "1", "--log-interval", "1"]
-    print(f"model {args.shape} (layers x width), block {args.block_size}, micro-batch {args.batch_size}, global batch "
-          f"{2 * args.batch_size}, {args.iters} steps, float32; median ms/step after {args.skip} steps")
+    flags = ["--data-dir", data, *model_flags(args.shape), "--block-size", str(args.block_size),
+             "--batch-size", str(args.batch_size), "--grad-accum", "2", "--device", "cpu",
+             "--dtype", "float32", "--max-iters", str(args.iters), "--eval-interval", "100000",
+             "--eval-iters", "1", "--log-interval", "1"]
+    print(f"model {args.shape} (layers x width), block {args.block_size}, micro-batch "
+          f"{args.batch_size}, global batch {2 * args.batch_size}, {args.iters} steps, float32; "
+          f"median ms/step after {args.skip} steps")
     results = {m: [] for m in args.modes}
     for repeat in range(args.repeats):  # interleaved: a busy neighbour slows every mode alike
         for mode in args.modes:
@@ -131,8 +141,8 @@ def steps(args, tmp, data, configs) -> None:
                 print(f"{mode}: failed\n{out[-2000:]}")
                 continue
             results[mode].append(statistics.median(times))
-            print(f"{mode:14s} run {repeat}: {statistics.median(times):8.1f} ms/step, final loss {losses[-1]:.4f}, "
-                  f"peak RSS {peak:.2f} GiB, wall {seconds:.0f} s", flush=True)
+            print(f"{mode:14s} run {repeat}: {statistics.median(times):8.1f} ms/step, final loss "
+                  f"{losses[-1]:.4f}, peak RSS {peak:.2f} GiB, wall {seconds:.0f} s", flush=True)
     print("summary (best median of the repeats):")
     for mode, values in results.items():
         if values:
@@ -140,28 +150,33 @@ def steps(args, tmp, data, configs) -> None:
 
 
 def memory(args, tmp, data, configs) -> None:
-    print(f"peak RSS of all processes during the first {args.steps} steps; block {args.block_size}, micro-batch 1, "
-          f"2 processes (train.py: 1); bytes/param = peak / parameters. The largest model for R GiB is about "
-          f"R / (bytes/param), the fixed overhead aside: try sizes upwards until a run is over the limit")
+    print(f"peak RSS of all processes during the first {args.steps} steps; block "
+          f"{args.block_size}, micro-batch 1, 2 processes (train.py: 1); bytes/param = peak / "
+          f"parameters. The largest model for R GiB is about R / (bytes/param), the fixed overhead "
+          f"aside: try sizes upwards until a run is over the limit")
     import torch
 
     from model import GPT, GPTConfig
     for shape in args.sizes.split(","):
         n_layer, n_embd = (int(v) for v in shape.split("x"))
         with torch.device("meta"):  # count without allocating
-            n_params = GPT(GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64), vocab_size=103,
+            n_params = GPT(GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64),
+                                     vocab_size=103,
                                      block_size=args.block_size)).num_params(non_embedding=False)
         for mode in args.modes:
-            flags = ["--data-dir", data, *model_flags(shape), "--block-size", str(args.block_size), "--batch-size", "1",
-                     "--grad-accum", "1" if mode == "single" else "2", "--device", "cpu", "--dtype", "float32",
-                     "--max-iters", "1000", "--eval-interval", "100000", "--eval-iters", "1", "--log-interval", "1",
+            flags = ["--data-dir", data, *model_flags(shape), "--block-size", str(args.block_size),
+                     "--batch-size", "1", "--grad-accum", "1" if mode == "single" else "2",
+                     "--device", "cpu", "--dtype", "float32", "--max-iters", "1000",
+                     "--eval-interval", "100000", "--eval-iters", "1", "--log-interval", "1",
                      "--warmup-iters", "1", "--out-dir", os.path.join(tmp, f"mem_{mode}_{shape}")]
             limit = args.limit_gib or 0.8 * psutil.virtual_memory().available / 2 ** 30
-            out, peak, seconds = run(command(mode, tmp, configs, flags), tmp, args.steps, args.timeout, limit)
+            out, peak, seconds = run(command(mode, tmp, configs, flags), tmp, args.steps,
+                                     args.timeout, limit)
             ok = len(STEP_LINE.findall(out)) >= args.steps
             status = "ok" if ok else f"over the {limit:.1f} GiB limit" if peak > limit else "FAILED"
             print(f"{shape:10s} {n_params / 1e6:7.1f}M params {mode:14s} peak {peak:6.2f} GiB "
-                  f"({peak * 2 ** 30 / n_params:5.1f} bytes/param) {status} in {seconds:.0f} s", flush=True)
+                  f"({peak * 2 ** 30 / n_params:5.1f} bytes/param) {status} "
+                  f"in {seconds:.0f} s", flush=True)
             if status == "FAILED":
                 print(out[-1500:])
 
@@ -180,12 +195,14 @@ def main() -> None:
     s.add_argument("--timeout", type=float, default=900)
     m = sub.add_parser("memory", allow_abbrev=False)
     m.add_argument("--modes", default="ddp,zero3_offload")
-    m.add_argument("--sizes", default="12x768", help="comma-separated LAYERSxWIDTH (12x768 = GPT-2 small's trunk)")
+    m.add_argument("--sizes", default="12x768",
+                   help="comma-separated LAYERSxWIDTH (12x768 = GPT-2 small's trunk)")
     m.add_argument("--block-size", type=int, default=64)
     m.add_argument("--steps", type=int, default=2)
     m.add_argument("--timeout", type=float, default=1800)
     m.add_argument("--limit-gib", type=float, default=None,
-                   help="kill a run whose processes hold more than this (default: 80%% of the available memory)")
+                   help="kill a run whose processes hold more than this (default: 80%% of the "
+                        "available memory)")
     args = parser.parse_args()
     args.modes = args.modes.split(",")
     unknown = set(args.modes) - set(MODES)

@@ -1,12 +1,14 @@
-"""eval.py's scoring throughput, side by side with a plain forward pass over the same batches and with
-lm-evaluation-harness's own `hf` model on the same weights (the folder test.py --export-hf writes).
+"""eval.py's scoring throughput, side by side with a plain forward pass over the same batches and
+with lm-evaluation-harness's own `hf` model on the same weights (the folder test.py --export-hf
+writes).
 
-Items: HellaSwag-format multiple choice built from the embedded corpus (a 160-character context, four
-60-character endings), GPT-2 vocabulary; the model: random weights of --preset's shape (default gpt2, 124M), in
-float32. Each round times, interleaved: (1) toolkit/evaluation.py's log-likelihoods of every ending (what eval.py
-runs), (2) the same length-sorted batches through model(idx) alone (the forward that any scorer needs), (3)
-lm_eval.simple_evaluate with `hf` on a task YAML over the same items. Throughput is tokens scored per second
-(context and ending tokens of every request); the accuracies printed must agree.
+Items: HellaSwag-format multiple choice built from the embedded corpus (a 160-character context,
+four 60-character endings), GPT-2 vocabulary; the model: random weights of --preset's shape (default
+gpt2, 124M), in float32. Each round times, interleaved: (1) toolkit/evaluation.py's log-likelihoods
+of every ending (what eval.py runs), (2) the same length-sorted batches through model(idx) alone
+(the forward that any scorer needs), (3) lm_eval.simple_evaluate with `hf` on a task YAML over the
+same items. Throughput is tokens scored per second (context and ending tokens of every request); the
+accuracies printed must agree.
 
     python benchmarks/bench_eval.py --items 100 --rounds 2
 """
@@ -40,10 +42,12 @@ def write_items(path: str, n: int) -> None:
         for _ in range(n):
             doc = rng.choice(documents)
             start = rng.randrange(len(doc) - 220)
-            endings = [(o := rng.choice(documents))[(s := rng.randrange(len(o) - 60)):s + 60] for _ in range(3)]
+            endings = [(o := rng.choice(documents))[(s := rng.randrange(len(o) - 60)):s + 60]
+                       for _ in range(3)]
             label = rng.randrange(4)
             endings.insert(label, doc[start + 160:start + 220])
-            f.write(json.dumps({"ctx": doc[start:start + 160], "endings": endings, "label": label}) + "\n")
+            f.write(json.dumps({"ctx": doc[start:start + 160], "endings": endings,
+                                "label": label}) + "\n")
 
 
 def write_yaml(folder: str, items: str) -> None:
@@ -54,9 +58,10 @@ def write_yaml(folder: str, items: str) -> None:
                 "    return dataset.map(lambda d: {'query': preprocess(d['ctx']),"
                 " 'choices': [preprocess(e) for e in d['endings']]})\n")
     with open(os.path.join(folder, "bench_items.yaml"), "w") as f:
-        f.write(f"task: bench_items\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    validation: {items}\n"
-                "validation_split: validation\noutput_type: multiple_choice\nprocess_docs: !function "
-                "utils.process_plain\ndoc_to_text: '{{query}}'\ndoc_to_target: '{{label}}'\ndoc_to_choice: choices\n"
+        f.write(f"task: bench_items\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                f"    validation: {items}\nvalidation_split: validation\n"
+                "output_type: multiple_choice\nprocess_docs: !function utils.process_plain\n"
+                "doc_to_text: '{{query}}'\ndoc_to_target: '{{label}}'\ndoc_to_choice: choices\n"
                 "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
 
 
@@ -84,10 +89,12 @@ def main() -> None:
     block = model.config.block_size
     batches = sorted(((c + e)[-(block + 1):][:-1] for c, e in task.requests), key=len, reverse=True)
     manager = TaskManager(include_path=work, include_defaults=False)
-    hf = HFLM(pretrained=os.path.join(work, "hf"), device="cpu", dtype="float32", batch_size=args.batch_size)
+    hf = HFLM(pretrained=os.path.join(work, "hf"), device="cpu", dtype="float32",
+              batch_size=args.batch_size)
 
     def ours():
-        return task.score(gpt_logits_at(model, device, torch.float32), block, args.batch_size, device)
+        return task.score(gpt_logits_at(model, device, torch.float32), block, args.batch_size,
+                          device)
 
     @torch.no_grad()
     def forward():
@@ -99,22 +106,27 @@ def main() -> None:
             model(idx)
 
     def theirs():
-        out = simple_evaluate(model=hf, tasks=["bench_items"], task_manager=manager, bootstrap_iters=0)
-        return {k.split(",")[0]: v for k, v in out["results"]["bench_items"].items() if k in ("acc,none",
-                                                                                             "acc_norm,none")}
+        out = simple_evaluate(model=hf, tasks=["bench_items"], task_manager=manager,
+                              bootstrap_iters=0)
+        return {k.split(",")[0]: v for k, v in out["results"]["bench_items"].items()
+                if k in ("acc,none", "acc_norm,none")}
 
-    print(f"CPU {cpu_kind()}, {torch.get_num_threads()} threads; {args.preset}, float32, {args.items} items = "
-          f"{len(task.requests)} requests, {tokens:,} tokens, batch {args.batch_size}")
+    print(f"CPU {cpu_kind()}, {torch.get_num_threads()} threads; {args.preset}, float32, "
+          f"{args.items} items = {len(task.requests)} requests, {tokens:,} tokens, "
+          f"batch {args.batch_size}")
     times = {"eval.py scoring": [], "plain forward": [], "lm-eval hf": []}
     for round_ in range(args.rounds):
-        for name, work_ in (("eval.py scoring", ours), ("plain forward", forward), ("lm-eval hf", theirs)):
+        for name, work_ in (("eval.py scoring", ours), ("plain forward", forward),
+                            ("lm-eval hf", theirs)):
             start = time.perf_counter()
             result = work_()
             times[name].append(time.perf_counter() - start)
-            print(f"round {round_ + 1} {name}: {times[name][-1]:.2f} s" + (f", {result}" if result else ""), flush=True)
+            print(f"round {round_ + 1} {name}: {times[name][-1]:.2f} s" +
+                  (f", {result}" if result else ""), flush=True)
     print("| scorer | median s | tokens/s |\n|---|---|---|")
     for name, values in times.items():
-        print(f"| {name} | {statistics.median(values):.2f} | {tokens / statistics.median(values):,.0f} |")
+        print(f"| {name} | {statistics.median(values):.2f} | "
+              f"{tokens / statistics.median(values):,.0f} |")
 
 
 if __name__ == "__main__":

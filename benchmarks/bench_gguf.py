@@ -1,7 +1,7 @@
-"""How close llama.cpp runs a model exported as GGUF: for each --outtype, the file's size, and on the first
-block of the val split the relative error of llama.cpp's logits against this toolkit's (the norm of the
-difference over the norm of ours) and the share of positions whose likeliest token agrees. Needs
-llama-cpp-python (the test install builds it).
+"""How close llama.cpp runs a model exported as GGUF: for each --outtype, the file's size, and on
+the first block of the val split the relative error of llama.cpp's logits against this toolkit's
+(the norm of the difference over the norm of ours) and the share of positions whose likeliest token
+agrees. Needs llama-cpp-python (the test install builds it).
 
     python benchmarks/bench_gguf.py --ckpt ckpt/ckpt.pt --data-dir data/pydoc_char
 """
@@ -22,7 +22,8 @@ from toolkit.model_sources import load_model
 
 def llama_cpp_logits(path: str, ids: list[int]) -> torch.Tensor:
     from llama_cpp import Llama
-    llm = Llama(model_path=path, n_ctx=max(64, len(ids)), logits_all=True, verbose=False, n_threads=os.cpu_count())
+    llm = Llama(model_path=path, n_ctx=max(64, len(ids)), logits_all=True, verbose=False,
+                n_threads=os.cpu_count())
     llm.eval(ids)
     logits = torch.tensor(np.array(llm.scores[: len(ids)]))
     llm.close()
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> None:
             theirs = llama_cpp_logits(path, ids)
             error = ((theirs - ours).norm() / ours.norm()).item()
             agree = int((theirs.argmax(-1) == ours.argmax(-1)).sum())
-            print(f"{outtype:8} {os.path.getsize(path):>12,} {error:>10.2e} {agree:>8}/{len(ids)}", flush=True)
+            print(f"{outtype:8} {os.path.getsize(path):>12,} {error:>10.2e} {agree:>8}/{len(ids)}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -24,11 +24,13 @@ from toolkit.device import DTYPES, autocast, resolve_device
 
 
 @torch.no_grad()
-def nanogpt_sample(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float) -> torch.Tensor:
+def nanogpt_sample(model: GPT, idx: torch.Tensor, max_new_tokens: int,
+                   temperature: float) -> torch.Tensor:
     """nanoGPT's sampling loop: crop to block_size, full forward, last-position logits, sample."""
     for _ in range(max_new_tokens):
         idx_cond = idx[:, -model.config.block_size :]
-        logits = model.lm_head(model.hidden_states(idx_cond)[:, [-1], :])  # nanoGPT's inference path
+        # nanoGPT's inference path
+        logits = model.lm_head(model.hidden_states(idx_cond)[:, [-1], :])
         probs = F.softmax(logits[:, -1, :] / temperature, dim=-1)
         idx = torch.cat((idx, torch.multinomial(probs, num_samples=1)), dim=1)
     return idx
@@ -36,31 +38,38 @@ def nanogpt_sample(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatu
 
 def main() -> None:
     p = cli.argument_parser(__doc__)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's choice)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds per method")
     p.add_argument("--new-tokens", type=int, default=500)
-    p.add_argument("--vocab-size", type=int, default=103, help="103: a char vocabulary; 50257: GPT-2's")
+    p.add_argument("--vocab-size", type=int, default=103,
+                   help="103: a char vocabulary; 50257: GPT-2's")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--preset", choices=sorted(PRESETS), help="model shape (default: 4 layers, 4 heads, 128 wide)")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="model shape (default: 4 layers, 4 heads, 128 wide)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="autocast dtype (default: float32)")
-    p.add_argument("--methods", default="nanogpt,nocache,cache", help="comma-separated: nanogpt, nocache, cache")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                   help="autocast dtype (default: float32)")
+    p.add_argument("--methods", default="nanogpt,nocache,cache",
+                   help="comma-separated: nanogpt, nocache, cache")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     torch.manual_seed(args.seed)
-    shape = {k: PRESETS[args.preset][k] for k in ("n_layer", "n_head", "n_embd")} if args.preset else \
-        dict(n_layer=4, n_head=4, n_embd=128)
+    shape = {k: PRESETS[args.preset][k] for k in ("n_layer", "n_head", "n_embd")} \
+        if args.preset else dict(n_layer=4, n_head=4, n_embd=128)
     device = resolve_device(args.device)
     config = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size, **shape)
     model = GPT(config).to(device).eval()  # random normal init (std 0.02), not zeros
     prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
     every = {
         "nanogpt": ("nanogpt loop", lambda: nanogpt_sample(model, prompt, args.new_tokens, 1.0)),
-        "nocache": ("generate(use_cache=False)", lambda: model.generate(prompt, args.new_tokens, use_cache=False)),
-        "cache": ("generate(use_cache=True)", lambda: model.generate(prompt, args.new_tokens, use_cache=True)),
+        "nocache": ("generate(use_cache=False)",
+                    lambda: model.generate(prompt, args.new_tokens, use_cache=False)),
+        "cache": ("generate(use_cache=True)",
+                  lambda: model.generate(prompt, args.new_tokens, use_cache=True)),
     }
     methods = dict(every[m] for m in args.methods.split(","))
     for run in methods.values():  # warm-up: allocator, kernels
@@ -79,16 +88,18 @@ def main() -> None:
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
             rates[name].append((out.size(1) - prompt.size(1)) / dt)
-        print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in rates.items()), flush=True)
+        print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in rates.items()),
+              flush=True)
 
-    print(f"\n{device}, {args.dtype}, threads {torch.get_num_threads()}, vocab {args.vocab_size}, block "
-          f"{args.block_size}, {args.new_tokens} new tokens, median of {args.repeats}:")
+    print(f"\n{device}, {args.dtype}, threads {torch.get_num_threads()}, vocab {args.vocab_size}, "
+          f"block {args.block_size}, {args.new_tokens} new tokens, median of {args.repeats}:")
     med = {name: statistics.median(v) for name, v in rates.items()}
     for name, v in med.items():
         spread = f"{min(rates[name]):,.0f}-{max(rates[name]):,.0f}"
         print(f"  {name:28s} {v:9,.0f} tokens/s  (range {spread})")
     if {"cache", "nanogpt"} <= set(args.methods.split(",")):
-        print(f"  cache / nanogpt loop: {med['generate(use_cache=True)'] / med['nanogpt loop']:.1f}x")
+        print(f"  cache / nanogpt loop: "
+              f"{med['generate(use_cache=True)'] / med['nanogpt loop']:.1f}x")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
-"""Instruction tuning, LoRA and chat, measured: three parts, each printing a table (the CPU kind in its header).
+"""Instruction tuning, LoRA and chat, measured: three parts, each printing a table (the CPU kind in
+its header).
 
-  decode  test.py --chat's decode (toolkit/sampling.py's Sampler.reply: KV cache, streaming) against transformers'
-          generate on the same weights (the folder test.py --export-hf writes): the 124M shape with random weights
-          and the chat tokens, float32, batch 1, greedy, a 64-token history; interleaved rounds; the greedy
-          tokens must agree.
-  lora    one fine-tuning step of the 124M preset, float32, batch 4 x 256 tokens (AdamW, the chunked loss):
-          every weight against LoRA (rank 8 on all linears); each mode in a process of its own, interleaved,
-          for its peak RSS and its ms/step.
-  recipe  docs/finetune.md's worked recipe: train.py on the embedded corpus (block 128), the pydoc conversations
-          (examples/pydoc_chat.py), finetune.py --task sft with and without --lora-rank 8, then greedy answers
-          to every conversation's question: the exact-match rate on the training and the held-out ones.
+  decode  test.py --chat's decode (toolkit/sampling.py's Sampler.reply: KV cache, streaming) against
+          transformers' generate on the same weights (the folder test.py --export-hf writes): the
+          124M shape with random weights and the chat tokens, float32, batch 1, greedy, a 64-token
+          history; interleaved rounds; the greedy tokens must agree.
+  lora    one fine-tuning step of the 124M preset, float32, batch 4 x 256 tokens (AdamW, the chunked
+          loss): every weight against LoRA (rank 8 on all linears); each mode in a process of its
+          own, interleaved, for its peak RSS and its ms/step.
+  recipe  docs/finetune.md's worked recipe: train.py on the embedded corpus (block 128), the pydoc
+          conversations (examples/pydoc_chat.py), finetune.py --task sft with and without
+          --lora-rank 8, then greedy answers to every conversation's question: the exact-match rate
+          on the training and the held-out ones.
 
     python benchmarks/bench_sft.py decode --rounds 3
     python benchmarks/bench_sft.py lora --rounds 2
@@ -46,11 +48,12 @@ from toolkit.training import TorchEngine
 
 
 def chat_args(max_new_tokens: int) -> argparse.Namespace:
-    """test.py --chat's options: greedy, float32 on the CPU, streamed, every other one its default."""
+    """test.py --chat's options: greedy, float32 on the CPU, streamed, every other one its
+    default."""
     parser = argparse.ArgumentParser()
     add_sampling_arguments(parser)
-    return parser.parse_args(["--device", "cpu", "--dtype", "float32", "--stream", "--temperature", "0",
-                              "--max-new-tokens", str(max_new_tokens)])
+    return parser.parse_args(["--device", "cpu", "--dtype", "float32", "--stream", "--temperature",
+                              "0", "--max-new-tokens", str(max_new_tokens)])
 
 
 def header() -> str:
@@ -71,8 +74,8 @@ def decode(args) -> None:
     history = [{"role": "user", "content": "word " * 60}]
     ids = chat_prompt(history, tok)
     sampler = Sampler(model, tok, chat_args(args.tokens), None)
-    print(f"{header()}; gpt2 (124M) + chat tokens, float32, batch 1, greedy, {len(ids)}-token history, "
-          f"{args.tokens} new tokens")
+    print(f"{header()}; gpt2 (124M) + chat tokens, float32, batch 1, greedy, "
+          f"{len(ids)}-token history, {args.tokens} new tokens")
     times = {"test.py --chat (Sampler.reply)": [], "transformers generate": []}
     for round_ in range(args.rounds):
         start = time.perf_counter()
@@ -90,7 +93,8 @@ def decode(args) -> None:
               f"; same greedy tokens: {ours == theirs[:len(ours)]}", flush=True)
     print("| decoder | median s | tokens/s |\n|---|---|---|")
     for name, values in times.items():
-        print(f"| {name} | {statistics.median(values):.2f} | {args.tokens / statistics.median(values):.1f} |")
+        print(f"| {name} | {statistics.median(values):.2f} | "
+              f"{args.tokens / statistics.median(values):.1f} |")
 
 
 # ----- lora: one step, one mode per process -----
@@ -117,17 +121,19 @@ def lora_step(mode: str, steps: int) -> dict:
 
 
 def lora_table(args) -> None:
-    print(f"{header()}; gpt2 (124M), float32, batch 4 x 256 tokens, AdamW, {args.steps} steps after 2 warm-up")
+    print(f"{header()}; gpt2 (124M), float32, batch 4 x 256 tokens, AdamW, {args.steps} steps "
+          "after 2 warm-up")
     results = {"full": [], "lora": []}
     for round_ in range(args.rounds):
         for mode in results:
-            out = subprocess.run([sys.executable, __file__, "lora-step", "--mode", mode, "--steps", str(args.steps)],
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run([sys.executable, __file__, "lora-step", "--mode", mode, "--steps",
+                                  str(args.steps)], capture_output=True, text=True, check=True)
             results[mode].append(json.loads(out.stdout.splitlines()[-1]))
             print(f"round {round_ + 1}: {results[mode][-1]}", flush=True)
     print("| fine-tuning | trained parameters | peak RSS GB | ms/step |\n|---|---|---|---|")
     for mode, runs in results.items():
-        print(f"| {'every weight' if mode == 'full' else 'LoRA rank 8, all linears'} | {runs[0]['trainable']:,} | "
+        print(f"| {'every weight' if mode == 'full' else 'LoRA rank 8, all linears'} | "
+              f"{runs[0]['trainable']:,} | "
               f"{statistics.median(r['peak_rss_gb'] for r in runs):.2f} | "
               f"{statistics.median(r['ms_per_step'] for r in runs):,.0f} |")
 
@@ -163,25 +169,27 @@ def recipe(args) -> None:
     work = args.work or tempfile.mkdtemp(prefix="bench_sft_recipe_")
     print(f"{header()}; work folder {work}")
     base = os.path.join(work, "pretrained")
-    run("train.py", "--block-size", "128", "--max-iters", str(args.pretrain_iters), "--out-dir", base,
-        "--overwrite")
+    run("train.py", "--block-size", "128", "--max-iters", str(args.pretrain_iters), "--out-dir",
+        base, "--overwrite")
     run("examples/pydoc_chat.py", "--out-dir", os.path.join(work, "chats"))
     train, val = (os.path.join(work, "chats", f"{name}.jsonl") for name in ("train", "val"))
     rows = []
     for name, extra in (("every weight", []), ("LoRA rank 8", ["--lora-rank", "8"])):
         out = os.path.join(work, "sft-lora" if extra else "sft")
         start = time.perf_counter()
-        best = json.loads(run("finetune.py", "--task", "sft", "--train", train, "--val", val, "--init-from",
-                              os.path.join(base, "ckpt.pt"), "--out-dir", out, "--overwrite", *extra)
+        best = json.loads(run("finetune.py", "--task", "sft", "--train", train, "--val", val,
+                              "--init-from", os.path.join(base, "ckpt.pt"), "--out-dir", out,
+                              "--overwrite", *extra)
                           .splitlines()[-1])
         seconds = time.perf_counter() - start
-        on_train, on_val = (exact_matches(os.path.join(out, "ckpt.pt"), path) for path in (train, val))
+        on_train, on_val = (exact_matches(os.path.join(out, "ckpt.pt"), path)
+                            for path in (train, val))
         rows.append((name, best, seconds, on_train, on_val))
     print("| sft | best val loss | epochs | s | exact match, train | exact match, held out |\n"
           "|---|---|---|---|---|---|")
     for name, best, seconds, (a, n), (b, m) in rows:
-        print(f"| {name} | {best['val_loss']:.4f} | {best['epochs']} | {seconds:.0f} | {a}/{n} = {a / n:.2f} | "
-              f"{b}/{m} = {b / m:.2f} |")
+        print(f"| {name} | {best['val_loss']:.4f} | {best['epochs']} | {seconds:.0f} | "
+              f"{a}/{n} = {a / n:.2f} | {b}/{m} = {b / m:.2f} |")
 
 
 def main() -> None:

@@ -1,11 +1,13 @@
-"""Conversations about Python's documentation topics, answered from their text, for the offline instruction-tuning
-recipe of docs/finetune.md: the embedded corpus (pydoc_data.topics) has 79 topics; for each, two questions:
+"""Conversations about Python's documentation topics, answered from their text, for the offline
+instruction-tuning recipe of docs/finetune.md: the embedded corpus (pydoc_data.topics) has 79
+topics; for each, two questions:
 
     user: Title of augassign?        assistant: Augmented assignment statements
     user: How does augassign begin?  assistant: Augmented assignment is the combination, in a single
 
-A fifth of the topics (every fifth, sorted by name) are held out for validation, with both their questions, so the
-val conversations ask about topics never seen in fine-tuning (their text was seen in pretraining).
+A fifth of the topics (every fifth, sorted by name) are held out for validation, with both their
+questions, so the val conversations ask about topics never seen in fine-tuning (their text was seen
+in pretraining).
 
     python examples/pydoc_chat.py --out-dir data/pydoc_chat     # -> train.jsonl, val.jsonl
 """
@@ -15,13 +17,15 @@ import os
 import re
 from pydoc_data.topics import topics
 
-ANSWER_CHARS = 48  # "How does ... begin?" is answered with the first words of the topic's first paragraph
+# "How does ... begin?" is answered with the first words of the topic's first paragraph
+ANSWER_CHARS = 48
 
 
 def conversations(key: str, text: str) -> list[dict]:
     lines = text.strip().splitlines()
     title = lines[0].strip()
-    paragraphs = [p for p in re.split(r"\n\s*\n", "\n".join(lines[2:])) if p.strip() and not p.startswith(" ")]
+    paragraphs = [p for p in re.split(r"\n\s*\n", "\n".join(lines[2:]))
+                  if p.strip() and not p.startswith(" ")]
     first = " ".join(paragraphs[0].split()) if paragraphs else title
     beginning = first[:ANSWER_CHARS].rsplit(" ", 1)[0] if len(first) > ANSWER_CHARS else first
     return [{"messages": [{"role": "user", "content": f"Title of {key}?"},
@@ -31,8 +35,10 @@ def conversations(key: str, text: str) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out-dir", default="data/pydoc_chat", help="where train.jsonl and val.jsonl go")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", default="data/pydoc_chat",
+                        help="where train.jsonl and val.jsonl go")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     splits = {"train": [], "val": []}

@@ -1,5 +1,5 @@
-"""The benchmark scripts run and write well-formed records (their speeds are figures, not test assertions).
-bench_sdpa.py runs inside gpu_check.sh's dry run (tests/test_gpu_check.py)."""
+"""The benchmark scripts run and write well-formed records (their speeds are figures, not test
+assertions). bench_sdpa.py runs inside gpu_check.sh's dry run (tests/test_gpu_check.py)."""
 import re
 import subprocess
 import sys
@@ -8,9 +8,11 @@ from conftest import ROOT
 
 
 def test_bench_train_rounds_and_table():
-    """Two interleaved rounds of this project's variants (no nanoGPT checkout): a row per round, then the table."""
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--iters", "2",
-                             "--eval-iters", "1", "--repeats", "2", "--ours", "float32+muon"],
+    """Two interleaved rounds of this project's variants (no nanoGPT checkout): a row per round,
+    then the table."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"),
+                             "--iters", "2", "--eval-iters", "1", "--repeats", "2",
+                             "--ours", "float32+muon"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rounds = [line for line in result.stdout.splitlines() if line.startswith("round ")]
@@ -19,43 +21,54 @@ def test_bench_train_rounds_and_table():
 
 
 def test_bench_floor_sums_the_step_matmuls():
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_floor.py"), "--n-layer", "1",
-                             "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "2",
-                             "--repeats", "2", "--step-ms", "1000"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_floor.py"),
+                             "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
+                             "--block-size", "32", "--batch-size", "2", "--repeats", "2",
+                             "--step-ms", "1000"],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    ms = {name: float(value) for name, value in re.findall(r"^(\S.*?)\s{2,}([\d.]+) ms", result.stdout, re.M)}
+    ms = {name: float(value)
+          for name, value in re.findall(r"^(\S.*?)\s{2,}([\d.]+) ms", result.stdout, re.M)}
     linear, attention = ms["linear matmuls (fwd + 2 bwd)"], ms["causal attention matmuls"]
     assert linear > 0 and attention > 0
     assert abs(ms["floor (everything else free)"] - (linear + attention)) <= 0.015
-    speedup = float(result.stdout.split("largest speedup over a 1000.0 ms step: ")[1].split("x")[0])
-    # both are printed to 2 decimals (each within 0.005 of its true value): they must fit the same true floor
+    speedup = float(result.stdout.split("largest speedup over a 1000.0 ms step: ")[1]
+                    .split("x")[0])
+    # both are printed to 2 decimals (each within 0.005 of its true value): they must fit the same
+    # true floor
     floor = ms["floor (everything else free)"]
-    assert 1000 / (speedup + 0.005) - 0.005 - 1e-9 <= floor <= 1000 / (speedup - 0.005) + 0.005 + 1e-9
+    assert (1000 / (speedup + 0.005) - 0.005 - 1e-9 <= floor <=
+            1000 / (speedup - 0.005) + 0.005 + 1e-9)
 
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_floor.py"), "--n-embd", "30"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 1 and bad.stderr.startswith("error:") and len(bad.stderr.splitlines()) == 1
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_floor.py"),
+                          "--n-embd", "30"], capture_output=True, text=True, timeout=120)
+    assert (bad.returncode == 1 and bad.stderr.startswith("error:") and
+            len(bad.stderr.splitlines()) == 1)
 
 
 def test_bench_bpe_ratios_table(tmp_path):
     """Tokens per character of GPT-2's BPE and of trained ones, on held-out Chinese and English."""
-    (tmp_path / "zh.txt").write_text("".join(f"第{i}条：质量不错，价格也便宜，推荐大家购买。\n" for i in range(300)))
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_bpe.py"), "ratios", "--chinese",
-                             str(tmp_path / "zh.txt"), "--sizes", "300", "600"], capture_output=True, text=True,
-                            timeout=300)
+    (tmp_path / "zh.txt").write_text("".join(f"第{i}条：质量不错，价格也便宜，推荐大家购买。\n"
+                                             for i in range(300)))
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_bpe.py"), "ratios",
+                             "--chinese", str(tmp_path / "zh.txt"), "--sizes", "300", "600"],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = {line[:34].strip(): [float(x) for x in line[34:].split()] for line in result.stdout.splitlines()
-            if line.startswith(("gpt2", "bpe"))}
+    rows = {line[:34].strip(): [float(x) for x in line[34:].split()]
+            for line in result.stdout.splitlines() if line.startswith(("gpt2", "bpe"))}
     assert set(rows) == {"gpt2 (50,257)", *(f"bpe {n} trained on {lang}" for n in (300, 600)
                                               for lang in ("Chinese", "English"))}, rows
     # trained on Chinese, more entries spend fewer tokens on Chinese, and fewer than GPT-2's
-    assert rows["bpe 600 trained on Chinese"][0] < rows["bpe 300 trained on Chinese"][0] < rows["gpt2 (50,257)"][0]
+    assert (rows["bpe 600 trained on Chinese"][0] < rows["bpe 300 trained on Chinese"][0] <
+            rows["gpt2 (50,257)"][0])
 
 
 def test_speedrun_without_a_nanogpt_checkout_is_one_line(tmp_path):
-    """(A run needs karpathy/nanoGPT, which is not shipped: only the check of its folder runs here, given as a
-    relative path, as gpu_check.sh passes NANOGPT_DIR, and named as the absolute path each run starts from.)"""
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speedrun.py"), "--nanogpt-dir",
-                             tmp_path.name], capture_output=True, text=True, timeout=120, cwd=tmp_path.parent)
+    """(A run needs karpathy/nanoGPT, which is not shipped: only the check of its folder runs here,
+    given as a relative path, as gpu_check.sh passes NANOGPT_DIR, and named as the absolute path
+    each run starts from.)"""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speedrun.py"),
+                             "--nanogpt-dir", tmp_path.name], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path.parent)
     assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith(f"error: --nanogpt-dir {tmp_path} holds no train.py")

@@ -1,5 +1,6 @@
-"""A byte-level BPE trained here (tokenizer.py --tokenizer bpe) on mixed Chinese, English and code, and a
-model trained on its data, through every script: sampling, evaluation, fine-tuning, embeddings, HF export."""
+"""A byte-level BPE trained here (tokenizer.py --tokenizer bpe) on mixed Chinese, English and code,
+and a model trained on its data, through every script: sampling, evaluation, fine-tuning,
+embeddings, HF export."""
 import json
 import random
 from pathlib import Path
@@ -38,16 +39,19 @@ def chinese_document(rng: random.Random, sentences: int = 40) -> str:
 def mixed_documents(n: int = 600) -> list[str]:
     """Chinese, English prose (the pydoc corpus) and Python code, interleaved."""
     rng, english = random.Random(0), default_corpus_documents()
-    return [[chinese_document(rng), english[i % len(english)][:2000], CODE[i % 2][:2000]][i % 3] for i in range(n)]
+    return [[chinese_document(rng), english[i % len(english)][:2000], CODE[i % 2][:2000]][i % 3]
+            for i in range(n)]
 
 
 @pytest.fixture(scope="module")
 def bpe_data(tmp_path_factory) -> Path:
-    """The mixed documents as JSON lines, prepared with a BPE trained on them (the defaults but the size)."""
+    """The mixed documents as JSON lines, prepared with a BPE trained on them (the defaults but the
+    size)."""
     folder = tmp_path_factory.mktemp("bpe")
-    (folder / "mixed.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in mixed_documents()))
-    result = run_main("tokenizer.py", "--input", folder / "mixed.jsonl", "--tokenizer", "bpe", "--vocab-size",
-                      VOCAB, "--output-dir", folder / "data")
+    (folder / "mixed.jsonl").write_text("".join(json.dumps({"text": d}) + "\n"
+                                                for d in mixed_documents()))
+    result = run_main("tokenizer.py", "--input", folder / "mixed.jsonl", "--tokenizer", "bpe",
+                      "--vocab-size", VOCAB, "--output-dir", folder / "data")
     assert result.returncode == 0, result.stderr
     return folder / "data"
 
@@ -55,8 +59,8 @@ def bpe_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def bpe_model(bpe_data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bpe-model")
-    result = run_main("train.py", "--data-dir", bpe_data, "--out-dir", out, *TINY_MODEL, "--block-size", "64",
-                      "--max-iters", "60", "--eval-interval", "30")
+    result = run_main("train.py", "--data-dir", bpe_data, "--out-dir", out, *TINY_MODEL,
+                      "--block-size", "64", "--max-iters", "60", "--eval-interval", "30")
     assert result.returncode == 0, result.stderr[-2000:]
     return out / "ckpt.pt"
 
@@ -81,11 +85,13 @@ def test_the_trained_bpe_is_written_beside_the_data_and_spends_fewer_tokens_on_c
 
 
 def random_unicode(rng: random.Random) -> str:
-    """Text from many scripts and the hard cases: emoji (with skin tones and joiners), CJK (with the astral
-    planes), combining marks, right-to-left, controls, the replacement character, private use."""
-    ranges = [(0x20, 0x7E), (0x00, 0x1F), (0xA0, 0x17F), (0x300, 0x36F), (0x4E00, 0x9FFF), (0x20000, 0x2A6DF),
-              (0x3040, 0x30FF), (0xAC00, 0xD7A3), (0x600, 0x6FF), (0x1F300, 0x1FAFF), (0x1F3FB, 0x1F3FF),
-              (0xE000, 0xF8FF), (0xFFFD, 0xFFFD), (0x200D, 0x200D), (0xFE0F, 0xFE0F)]
+    """Text from many scripts and the hard cases: emoji (with skin tones and joiners), CJK (with the
+    astral planes), combining marks, right-to-left, controls, the replacement character, private
+    use."""
+    ranges = [(0x20, 0x7E), (0x00, 0x1F), (0xA0, 0x17F), (0x300, 0x36F), (0x4E00, 0x9FFF),
+              (0x20000, 0x2A6DF), (0x3040, 0x30FF), (0xAC00, 0xD7A3), (0x600, 0x6FF),
+              (0x1F300, 0x1FAFF), (0x1F3FB, 0x1F3FF), (0xE000, 0xF8FF), (0xFFFD, 0xFFFD),
+              (0x200D, 0x200D), (0xFE0F, 0xFE0F)]
     pieces = [chr(rng.randint(*rng.choice(ranges))) for _ in range(rng.randrange(1, 40))]
     pieces += rng.sample(["👩‍👩‍👧", "e\u0301", "🇨🇳", " ", "\n", "\t", EOT_TEXT, "  ", "中文"], 2)
     rng.shuffle(pieces)
@@ -103,19 +109,21 @@ def test_decode_of_encode_is_the_text_for_any_unicode_and_surrogates_are_refused
     # through tokenizer.py: JSON may spell a lone surrogate; it is one line naming it
     bad = bpe_data.parent / "surrogate.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": "half an emoji \\ud83d"}\n')
-    result = run_main("tokenizer.py", "--input", bad, "--tokenizer-file", bpe_data / "tokenizer.json",
-                      "--output-dir", bpe_data.parent / "surrogate")
+    result = run_main("tokenizer.py", "--input", bad, "--tokenizer-file",
+                      bpe_data / "tokenizer.json", "--output-dir", bpe_data.parent / "surrogate")
     assert_one_line_error(result, "surrogate")
-    assert not (bpe_data.parent / "surrogate").exists() or not any((bpe_data.parent / "surrogate").iterdir())
+    assert not (bpe_data.parent / "surrogate").exists() or \
+        not any((bpe_data.parent / "surrogate").iterdir())
 
 
 def test_what_is_shown_while_decoding_never_holds_half_a_character(bpe_data):
-    """Each prefix of the ids decodes to whole characters, the start of the whole text: a streamed sample
-    grows and never shows a replacement character for a character still being spelled."""
+    """Each prefix of the ids decodes to whole characters, the start of the whole text: a streamed
+    sample grows and never shows a replacement character for a character still being spelled."""
     tok = tokenizer_of(bpe_data)
     for text in ["中文分词😀是自然语言处理", "e\u0301🇨🇳👩‍👩‍👧 mixed 混合 text"]:
         ids = tok.encode(text)
-        cut = [i for i in range(len(ids)) if len(tok.decode(ids[:i]).encode()) < len(tok.decode_bytes(ids[:i]))]
+        cut = [i for i in range(len(ids))
+               if len(tok.decode(ids[:i]).encode()) < len(tok.decode_bytes(ids[:i]))]
         assert cut, "no token of this text ends inside a character: the test would test nothing"
         for i in range(len(ids) + 1):
             shown = tok.decode(ids[:i])
@@ -123,11 +131,13 @@ def test_what_is_shown_while_decoding_never_holds_half_a_character(bpe_data):
 
 
 def test_the_model_samples_streams_and_evaluates_in_bits_per_byte(bpe_data, bpe_model):
-    common = ["--ckpt", bpe_model, "--prompt", "今天的天气", "--num-samples", "1", "--max-new-tokens", "40",
-              "--seed", "3", "--device", "cpu"]
-    streamed, whole = run_main("test.py", *common, "--stream"), run_main("test.py", *common, "--no-stream")
+    common = ["--ckpt", bpe_model, "--prompt", "今天的天气", "--num-samples", "1",
+              "--max-new-tokens", "40", "--seed", "3", "--device", "cpu"]
+    streamed, whole = run_main("test.py", *common, "--stream"), \
+        run_main("test.py", *common, "--no-stream")
     assert streamed.returncode == 0 and whole.returncode == 0, streamed.stderr + whole.stderr
-    assert streamed.stdout == whole.stdout and streamed.stdout.startswith("今天的天气"), streamed.stdout
+    assert streamed.stdout == whole.stdout and streamed.stdout.startswith("今天的天气"), \
+        streamed.stdout
     history = load_checkpoint(str(bpe_model))["history"]
     last = history["metrics"][-1]
     assert 0 < last["val_bpb"] < 16, last
@@ -138,38 +148,44 @@ def test_the_model_samples_streams_and_evaluates_in_bits_per_byte(bpe_data, bpe_
 
 
 def test_the_model_fine_tunes_on_characters_pretraining_never_saw(bpe_model, tmp_path):
-    """classify and sft add their special tokens to the trained vocabulary; a rare character is just bytes."""
+    """classify and sft add their special tokens to the trained vocabulary; a rare character is just
+    bytes."""
     rng = random.Random(1)
-    rows = [{"text": chinese_document(rng) + ("玄奘" if i % 2 else ""), "label": "rare" if i % 2 else "plain"}
+    rows = [{"text": chinese_document(rng) + ("玄奘" if i % 2 else ""),
+             "label": "rare" if i % 2 else "plain"}
             for i in range(40)]
-    (tmp_path / "cls.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    result = run_main("finetune.py", "--task", "classify", "--train", tmp_path / "cls.jsonl", "--val",
-                      tmp_path / "cls.jsonl", "--init-from", bpe_model, "--out-dir", tmp_path / "cls", "--epochs", "1",
-                      "--device", "cpu")
+    (tmp_path / "cls.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                                for r in rows))
+    result = run_main("finetune.py", "--task", "classify", "--train", tmp_path / "cls.jsonl",
+                      "--val", tmp_path / "cls.jsonl", "--init-from", bpe_model, "--out-dir",
+                      tmp_path / "cls", "--epochs", "1", "--device", "cpu")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "val_accuracy" in json.loads(result.stdout.splitlines()[-1])
     chats = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
              for q, a in zip(CHINESE[::2], CHINESE[1::2])]
-    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chats))
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c, ensure_ascii=False) + "\n"
+                                                 for c in chats))
     result = run_main("finetune.py", "--task", "sft", "--train", tmp_path / "chat.jsonl", "--val",
-                      tmp_path / "chat.jsonl", "--init-from", bpe_model, "--out-dir", tmp_path / "sft", "--epochs",
-                      "1", "--device", "cpu")
+                      tmp_path / "chat.jsonl", "--init-from", bpe_model, "--out-dir",
+                      tmp_path / "sft", "--epochs", "1", "--device", "cpu")
     assert result.returncode == 0, result.stderr[-2000:]
-    talk = run_main("test.py", "--ckpt", tmp_path / "sft" / "ckpt.pt", "--chat", "--max-new-tokens", "8",
-                    "--device", "cpu", input="你好\n")
+    talk = run_main("test.py", "--ckpt", tmp_path / "sft" / "ckpt.pt", "--chat", "--max-new-tokens",
+                    "8", "--device", "cpu", input="你好\n")
     assert talk.returncode == 0 and "model> " in talk.stdout, talk.stderr
 
 
 def test_the_model_embeds_chinese_documents(bpe_model, tmp_path):
     docs = [{"id": f"d{i}", "text": text} for i, text in enumerate(CHINESE)]
-    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs))
-    made = run_main("embed.py", "index", "--ckpt", bpe_model, "--input", tmp_path / "docs.jsonl", "--out",
-                    tmp_path / "index", "--device", "cpu")
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d, ensure_ascii=False) + "\n"
+                                                 for d in docs))
+    made = run_main("embed.py", "index", "--ckpt", bpe_model, "--input", tmp_path / "docs.jsonl",
+                    "--out", tmp_path / "index", "--device", "cpu")
     assert made.returncode == 0, made.stderr
-    found = run_main("embed.py", "search", "--index", tmp_path / "index", "--query", CHINESE[3], "--json",
-                     "--device", "cpu")
+    found = run_main("embed.py", "search", "--index", tmp_path / "index", "--query", CHINESE[3],
+                     "--json", "--device", "cpu")
     assert found.returncode == 0, found.stderr
-    assert json.loads(found.stdout.splitlines()[-1])["results"][0]["id"] == "d3"  # a text retrieves itself first
+    # a text retrieves itself first
+    assert json.loads(found.stdout.splitlines()[-1])["results"][0]["id"] == "d3"
 
 
 def test_the_hf_export_holds_the_same_tokenizer_and_model(bpe_model, tmp_path):
@@ -179,7 +195,8 @@ def test_the_hf_export_holds_the_same_tokenizer_and_model(bpe_model, tmp_path):
     checkpoint = load_checkpoint(str(bpe_model))
     tok = load_tokenizer(checkpoint["tokenizer"])
     rng = random.Random(5)
-    for text in [*mixed_documents(6), *(random_unicode(rng).replace(EOT_TEXT, "") for _ in range(50))]:
+    for text in [*mixed_documents(6),
+                 *(random_unicode(rng).replace(EOT_TEXT, "") for _ in range(50))]:
         assert hf_tok(text)["input_ids"] == tok.encode(text), ascii(text[:80])
     assert hf_tok.eos_token_id == tok.eot_id
     ids = tok.encode(CHINESE[0])
@@ -194,38 +211,43 @@ def test_the_hf_export_holds_the_same_tokenizer_and_model(bpe_model, tmp_path):
 def test_a_tokenizer_file_that_cannot_separate_documents_or_is_not_bpe_is_one_line(tmp_path):
     plain = HFTokenizer(models.BPE())  # a byte-level BPE with no special token at all
     plain.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    plain.train_from_iterator(["some text to learn from, 一些文字"] * 20, trainers.BpeTrainer(vocab_size=300))
+    plain.train_from_iterator(["some text to learn from, 一些文字"] * 20,
+                              trainers.BpeTrainer(vocab_size=300))
     (tmp_path / "no-eot.json").write_text(plain.to_str())
-    word_level = {"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}
+    word_level = {"version": "1.0",
+                  "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}
     (tmp_path / "words.json").write_text(json.dumps(word_level))
     (tmp_path / "in.txt").write_text("hello")
-    for name, fragment in [("no-eot.json", EOT_TEXT), ("words.json", "not the tokenizer.json of a BPE model")]:
-        result = run_main("tokenizer.py", "--input", tmp_path / "in.txt", "--tokenizer-file", tmp_path / name,
-                          "--output-dir", tmp_path / "out")
+    for name, fragment in [("no-eot.json", EOT_TEXT),
+                           ("words.json", "not the tokenizer.json of a BPE model")]:
+        result = run_main("tokenizer.py", "--input", tmp_path / "in.txt", "--tokenizer-file",
+                          tmp_path / name, "--output-dir", tmp_path / "out")
         assert_one_line_error(result, fragment)
-    small = run_main("tokenizer.py", "--input", tmp_path / "in.txt", "--tokenizer", "bpe", "--vocab-size", "256",
-                     "--output-dir", tmp_path / "out")
+    small = run_main("tokenizer.py", "--input", tmp_path / "in.txt", "--tokenizer", "bpe",
+                     "--vocab-size", "256", "--output-dir", tmp_path / "out")
     assert_one_line_error(small, "--vocab-size 256 is too small", "257")
     assert not (tmp_path / "out").exists()
 
 
 def test_a_bpe_of_another_kind_encodes_trains_and_samples(tmp_path):
-    """An HF BPE that is not byte-level (SentencePiece's word boundary `▁`, as Llama-style tokenizer.json files
-    have): its own decoder gives the text back, and a model trains on it and samples."""
+    """An HF BPE that is not byte-level (SentencePiece's word boundary `▁`, as Llama-style
+    tokenizer.json files have): its own decoder gives the text back, and a model trains on it and
+    samples."""
     spm = HFTokenizer(models.BPE(unk_token="<unk>"))
     spm.pre_tokenizer, spm.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
     texts = [d[:2000] for d in default_corpus_documents()[:40]]
-    spm.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", EOT_TEXT]))
+    spm.train_from_iterator(texts,
+                            trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", EOT_TEXT]))
     (tmp_path / "spm.json").write_text(spm.to_str())
     tok = Tokenizer("bpe", tokenizer_json=spm.to_str())
     assert not tok.byte_level and tok.decode(tok.encode("the return value of a function")) == \
         "the return value of a function"
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    prepared = run_main("tokenizer.py", "--input", tmp_path / "docs.jsonl", "--tokenizer-file", tmp_path / "spm.json",
-                        "--append-eod", "--output-dir", tmp_path / "data")
+    prepared = run_main("tokenizer.py", "--input", tmp_path / "docs.jsonl", "--tokenizer-file",
+                        tmp_path / "spm.json", "--append-eod", "--output-dir", tmp_path / "data")
     assert prepared.returncode == 0, prepared.stderr
-    trained = run_main("train.py", "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "ckpt", *TINY_MODEL,
-                       "--max-iters", "2", "--eval-interval", "2")
+    trained = run_main("train.py", "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "ckpt",
+                       *TINY_MODEL, "--max-iters", "2", "--eval-interval", "2")
     assert trained.returncode == 0 and "val bpb" in trained.stdout, trained.stderr
     sampled = run_main("test.py", "--ckpt", tmp_path / "ckpt" / "ckpt.pt", "--prompt", "the value",
                        "--max-new-tokens", "5", "--num-samples", "1", "--device", "cpu")

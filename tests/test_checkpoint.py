@@ -1,5 +1,6 @@
-"""The checkpoint formats: ckpt.pt (old files still load), atomic writes, weight files (toolkit/checkpoint.py),
-DeepSpeed folders (toolkit/ds_checkpoint.py), and one reader for every source (toolkit/model_sources.py)."""
+"""The checkpoint formats: ckpt.pt (old files still load), atomic writes, weight files
+(toolkit/checkpoint.py), DeepSpeed folders (toolkit/ds_checkpoint.py), and one reader for every
+source (toolkit/model_sources.py)."""
 import json
 import os
 import pickle
@@ -19,26 +20,32 @@ from toolkit.hf import save_gpt2
 from toolkit.model_sources import load_model
 from toolkit.writers import write_nanogpt
 
-OLD_CHECKPOINT = ROOT / "tests" / "data" / "ckpt_a684da2.pt"  # written by train.py at commit a684da2 (3 steps)
-OLD_GREEDY = "def  TT\u2013\u2013\u2013000" + "\u201c" * 21  # what test.py printed from it at that commit
+# written by train.py at commit a684da2 (3 steps)
+OLD_CHECKPOINT = ROOT / "tests" / "data" / "ckpt_a684da2.pt"
+# what test.py printed from it at that commit
+OLD_GREEDY = "def  TT\u2013\u2013\u2013000" + "\u201c" * 21
 
 
 def test_checkpoint_written_by_an_older_version_samples_and_resumes(tmp_path):
     sample = run_main("test.py", "--ckpt", OLD_CHECKPOINT, "--temperature", "0", "--prompt", "def ",
-                        "--max-new-tokens", "30", "--num-samples", "1", "--device", "cpu", "--no-stream")
+                      "--max-new-tokens", "30", "--num-samples", "1", "--device", "cpu",
+                      "--no-stream")
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.splitlines()[0] == OLD_GREEDY
     old = load_checkpoint(str(OLD_CHECKPOINT))
-    facts = old["tokenizer"]  # data in the checkpoint's own vocabulary, whatever this Python's pydoc holds
+    # data in the checkpoint's own vocabulary, whatever this Python's pydoc holds
+    facts = old["tokenizer"]
     ids = np.random.default_rng(0).integers(0, facts["vocab_size"], 4000).astype(np.uint16)
     write_nanogpt(str(tmp_path / "data"), ids[:3600], ids[3600:], facts)
     shutil.copy(OLD_CHECKPOINT, tmp_path / "ckpt.pt")
-    resumed = run_main("train.py", "--init-from", "resume", "--out-dir", tmp_path, "--data-dir", tmp_path / "data",
-                       "--max-iters", "5", "--device", "cpu")
+    resumed = run_main("train.py", "--init-from", "resume", "--out-dir", tmp_path, "--data-dir",
+                       tmp_path / "data", "--max-iters", "5", "--device", "cpu")
     assert resumed.returncode == 0, resumed.stderr
     new = load_checkpoint(str(tmp_path / "ckpt.pt"))
-    assert new["iter_num"] == 5 and new["history"]["iter"][:len(old["history"]["iter"])] == old["history"]["iter"]
-    assert new["train_config"]["optimizer"] == "adamw"  # what it was trained with, before the option existed
+    assert new["iter_num"] == 5 and \
+        new["history"]["iter"][:len(old["history"]["iter"])] == old["history"]["iter"]
+    # what it was trained with, before the option existed
+    assert new["train_config"]["optimizer"] == "adamw"
 
 
 def test_checkpoint_of_compiled_model_loads_in_plain_model(tmp_path):
@@ -82,26 +89,30 @@ def test_deepspeed_tags_and_a_missing_tag(tmp_path):
     fake_deepspeed_folder(tmp_path / "ds", "global_step4")
     (tmp_path / "ds" / "global_step12").mkdir()
     (tmp_path / "ds" / "global_step9").mkdir()
-    assert ds_checkpoint.deepspeed_tags(str(tmp_path / "ds")) == ["global_step4", "global_step9", "global_step12"]
-    with pytest.raises(CLIError, match="has no checkpoint global_step20; it holds global_step4, global_step9, "
-                                       "global_step12"):
+    assert ds_checkpoint.deepspeed_tags(str(tmp_path / "ds")) == \
+        ["global_step4", "global_step9", "global_step12"]
+    with pytest.raises(CLIError, match="has no checkpoint global_step20; it holds global_step4, "
+                                       "global_step9, global_step12"):
         ds_checkpoint.read_train_state(str(tmp_path / "ds"), "global_step20")
 
 
 def test_a_converted_file_older_than_the_newest_tag_is_not_the_default(tmp_path):
     ds = tmp_path / "ds"
     fake_deepspeed_folder(ds, "global_step4")
-    weights = torch.load(next((ds / "global_step4").glob("*model_states.pt")), weights_only=True)["module"]
+    weights = torch.load(next((ds / "global_step4").glob("*model_states.pt")),
+                         weights_only=True)["module"]
     (ds / "ckpt_ds.pt").mkdir()
     torch.save(weights, ds / "ckpt_ds.pt" / "pytorch_model.bin")  # converted after global_step4
     assert ds_checkpoint.converted_from(str(ds / "ckpt_ds.pt"), str(ds)) == "global_step4"
     assert ds_checkpoint.default_deepspeed_source(str(ds), "ckpt_ds.pt") == str(ds / "ckpt_ds.pt")
     time.sleep(0.01)
-    shutil.copytree(ds / "global_step4", ds / "global_step8", copy_function=shutil.copy)  # training went on
+    # training went on
+    shutil.copytree(ds / "global_step4", ds / "global_step8", copy_function=shutil.copy)
     (ds / "latest").write_text("global_step8")
     assert ds_checkpoint.default_deepspeed_source(str(ds), "ckpt_ds.pt") == str(ds)
     _, state, label = ds_checkpoint.load_deepspeed_model(str(ds / "ckpt_ds.pt"))
-    assert state["tag"] == "global_step4" and "output of global_step4" in label and "newer global_step8" in label
+    assert state["tag"] == "global_step4" and "output of global_step4" in label and \
+        "newer global_step8" in label
 
 
 @pytest.mark.parametrize("content", [b"", b"garbage" * 10, pickle.dumps({"model": 1})])
@@ -112,14 +123,14 @@ def test_unreadable_checkpoints_are_one_line_errors(tmp_path, content):
 
 
 def test_load_model_reads_every_source_alike(tmp_path):
-    """A ckpt.pt, an HF folder written from it, and a DeepSpeed folder's zero_to_fp32 output: the same weights and
-    tokenizer facts, with dropout off unless asked for."""
+    """A ckpt.pt, an HF folder written from it, and a DeepSpeed folder's zero_to_fp32 output: the
+    same weights and tokenizer facts, with dropout off unless asked for."""
     facts = {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256}
     config = dict(block_size=8, vocab_size=257, n_layer=1, n_head=1, n_embd=8)
     torch.manual_seed(0)
     source = GPT(GPTConfig(**config))
-    save_checkpoint({"model": source.state_dict(), "model_config": vars(source.config), "tokenizer": facts},
-                    str(tmp_path / "ckpt.pt"))
+    save_checkpoint({"model": source.state_dict(), "model_config": vars(source.config),
+                     "tokenizer": facts}, str(tmp_path / "ckpt.pt"))
     save_gpt2(source, str(tmp_path / "hf"), facts)
     fake_deepspeed_folder(tmp_path / "ds", tokenizer=facts, model_config=config)
     torch.save(source.state_dict(), tmp_path / "ds" / "ckpt_ds.pt")

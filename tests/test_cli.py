@@ -6,24 +6,28 @@ import pytest
 
 from conftest import ROOT, run_main
 
-SCRIPTS = ["tokenizer.py", "train.py", "train_ddp.py", "train_ds.py", "test.py", "test_ds.py", "finetune.py",
-           "embed.py"]
+SCRIPTS = ["tokenizer.py", "train.py", "train_ddp.py", "train_ds.py", "test.py", "test_ds.py",
+           "finetune.py", "embed.py"]
 # embed.py's flags belong to its subcommands: one of them, with its required flags
-SUBCOMMAND = {"embed.py": ["encode", "--ckpt", "ckpt.pt", "--input", "texts.txt", "--out", "vectors"]}
+SUBCOMMAND = {"embed.py": ["encode", "--ckpt", "ckpt.pt", "--input", "texts.txt", "--out",
+                           "vectors"]}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_and_no_abbreviations(script):
-    """argparse's prefix matching is off: Megatron's --save must never be read as --save-interval."""
+    """argparse's prefix matching is off: Megatron's --save must never be read as
+    --save-interval."""
     command = SUBCOMMAND.get(script, [])
     help_text = run_main(script, *command, "--help", env={"DS_ACCELERATOR": "cpu"})
     assert help_text.returncode == 0 and "usage:" in help_text.stdout, help_text.stderr
-    flag = "--num-samples" if script.startswith("test") else "--workers" if script == "tokenizer.py" else \
-        "--chunk-tokens" if script == "embed.py" else "--lm-weight" if script == "finetune.py" else \
-        "--eval-interval"
+    flag = "--num-samples" if script.startswith("test") else \
+        "--workers" if script == "tokenizer.py" else \
+        "--chunk-tokens" if script == "embed.py" else \
+        "--lm-weight" if script == "finetune.py" else "--eval-interval"
     assert flag in help_text.stdout
     abbreviated = run_main(script, *command, flag[:-3], "5", env={"DS_ACCELERATOR": "cpu"})
-    assert abbreviated.returncode == 2 and f"unrecognized arguments: {flag[:-3]}" in abbreviated.stderr
+    assert abbreviated.returncode == 2 and \
+        f"unrecognized arguments: {flag[:-3]}" in abbreviated.stderr
 
 
 def test_megatron_save_is_not_taken_for_save_interval():
@@ -38,7 +42,8 @@ def test_underscore_spellings_are_the_kebab_case_flags():
     of a flag too)."""
     from toolkit import cli
     from toolkit.train_config import parse_config
-    cfg, explicit, _ = parse_config(["--max_iters=7", "--data_dir", "x", "--compile=False", "--bias=True"])
+    cfg, explicit, _ = parse_config(["--max_iters=7", "--data_dir", "x", "--compile=False",
+                                     "--bias=True"])
     assert (cfg.max_iters, cfg.data_dir, cfg.compile, cfg.bias) == (7, "x", False, True)
     assert {"max_iters", "data_dir", "compile", "bias"} <= explicit
     parser = cli.argument_parser(None)
@@ -53,6 +58,8 @@ def test_underscore_spellings_are_the_kebab_case_flags():
 
 def test_sampling_imports_neither_the_training_core_nor_deepspeed():
     code = ("import runpy, sys; runpy.run_path('test.py', run_name='sampling'); "
-            "print(sorted(m for m in ('toolkit.training', 'toolkit.pretraining', 'deepspeed') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+            "print(sorted(m for m in ('toolkit.training', 'toolkit.pretraining', 'deepspeed') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
     assert out.stdout.strip() == "[]"

@@ -1,5 +1,5 @@
-"""toolkit/data.py: loading both formats, Megatron's document split, deterministic windows, batches, corrupt
-data."""
+"""toolkit/data.py: loading both formats, Megatron's document split, deterministic windows,
+batches, corrupt data."""
 import json
 import os
 import struct
@@ -42,7 +42,8 @@ def write_megatron(prefix: str, documents: list[np.ndarray], sidecar: bool = Tru
 
 
 def documents(n: int) -> list[np.ndarray]:
-    """Document i holds the value i (mod 256), repeated 1 + i % 5 times: its tokens say where it came from."""
+    """Document i holds the value i (mod 256), repeated 1 + i % 5 times: its tokens say where it
+    came from."""
     return [np.full(1 + i % 5, i % 256) for i in range(n)]
 
 
@@ -52,8 +53,8 @@ def test_load_nanogpt(tmp_path):
     assert isinstance(corpus, Corpus) and isinstance(corpus.train, np.memmap)
     assert corpus.train.dtype == np.uint16 and len(corpus.train) == 1000 and len(corpus.val) == 100
     assert corpus.meta["vocab_size"] == 257 and corpus.meta["tokenizer"] == "byte"
-    wide = load_corpus(write_nanogpt(tmp_path / "w", np.arange(70_000), np.arange(10), dtype="uint32",
-                                     vocab_size=70_000))
+    wide = load_corpus(write_nanogpt(tmp_path / "w", np.arange(70_000), np.arange(10),
+                                     dtype="uint32", vocab_size=70_000))
     assert wide.train.dtype == np.uint32 and wide.train[-1] == 69_999
 
 
@@ -61,7 +62,8 @@ def test_token_ids_and_counts_are_checked_once_at_load(tmp_path):
     with pytest.raises(CLIError, match="token ids outside the vocabulary of 257 .largest 300."):
         load_corpus(write_nanogpt(tmp_path / "a", np.arange(301), np.arange(10)))
     with pytest.raises(CLIError, match="train.bin holds 500 tokens but meta.json records 1,000"):
-        load_corpus(write_nanogpt(tmp_path / "b", np.arange(500) % 257, np.arange(10), train_tokens=1000))
+        load_corpus(write_nanogpt(tmp_path / "b", np.arange(500) % 257, np.arange(10),
+                                  train_tokens=1000))
     prefix = write_megatron(str(tmp_path / "m"), documents(10))
     with open(prefix + ".json", "w") as f:
         json.dump({"format": "megatron", **FACTS, "vocab_size": 5}, f)
@@ -86,7 +88,8 @@ def test_load_megatron_every_way_of_naming_it(tmp_path):
 def test_megatron_split_by_documents(tmp_path, n_docs, split, train_docs, val_docs):
     corpus = load_corpus(write_megatron(str(tmp_path / "m"), documents(n_docs)), split=split)
     assert np.array_equal(corpus.train, np.concatenate(documents(n_docs)[:train_docs]))
-    assert np.array_equal(corpus.val, np.concatenate(documents(n_docs)[train_docs: train_docs + val_docs]))
+    assert np.array_equal(corpus.val,
+                          np.concatenate(documents(n_docs)[train_docs: train_docs + val_docs]))
 
 
 def test_megatron_without_sidecar_assumes_gpt2(tmp_path, capsys):
@@ -98,7 +101,8 @@ def test_megatron_without_sidecar_assumes_gpt2(tmp_path, capsys):
 def test_window_offsets_are_deterministic_and_in_range():
     a = window_offsets(1000, 64, 5000, seed=1, step=7)
     assert a.dtype == np.int64 and a.shape == (5000,)
-    assert a.min() >= 0 and a.max() <= 1000 - 65 and a.max() == 1000 - 65  # the last window fits exactly
+    # the last window fits exactly
+    assert a.min() >= 0 and a.max() <= 1000 - 65 and a.max() == 1000 - 65
     assert np.array_equal(a, window_offsets(1000, 64, 5000, seed=1, step=7))
     assert not np.array_equal(a, window_offsets(1000, 64, 5000, seed=1, step=8))
     assert not np.array_equal(a, window_offsets(1000, 64, 5000, seed=1, step=7, stream=1))
@@ -107,7 +111,8 @@ def test_window_offsets_are_deterministic_and_in_range():
 
 
 def test_window_longer_than_data():
-    with pytest.raises(CLIError, match=r"data has 64 tokens, shorter than one window of block_size\+1 = 65 tokens"):
+    with pytest.raises(CLIError, match=r"data has 64 tokens, shorter than one window of "
+                                       r"block_size\+1 = 65 tokens"):
         window_offsets(64, 64, 1, seed=0, step=0)
 
 
@@ -137,7 +142,8 @@ def corrupt(prefix: str, how: str) -> None:
 
 
 @pytest.mark.parametrize("how, message", [
-    ("magic", "bad magic"), ("version", "version 2"), ("truncated", "truncated"), ("bin-size", "describes")])
+    ("magic", "bad magic"), ("version", "version 2"), ("truncated", "truncated"),
+    ("bin-size", "describes")])
 def test_corrupt_megatron(tmp_path, how, message):
     prefix = write_megatron(str(tmp_path / "m"), documents(10))
     corrupt(prefix, how)
@@ -168,6 +174,7 @@ def test_missing_empty_or_invalid_files(tmp_path):
 def test_corpus_from_tokenizer_script(tmp_path):
     """The real pipeline end to end: the default corpus loads and batches."""
     corpus = load_corpus(ensure_default_corpus(str(tmp_path / "pydoc_char")))
-    x, y = get_batch(corpus.train, window_offsets(len(corpus.train), 32, 4, seed=0, step=0), 32, "cpu")
+    x, y = get_batch(corpus.train, window_offsets(len(corpus.train), 32, 4, seed=0, step=0), 32,
+                     "cpu")
     text = load_tokenizer(corpus.meta).decode(x[0].tolist())
     assert len(text) == 32 and int(x.max()) < corpus.meta["vocab_size"]

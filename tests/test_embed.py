@@ -1,9 +1,10 @@
-"""embed.py, embedding.py and index.py: pooling, padding, chunks, the index, exact search, contrastive tuning,
-the files written, bad input.
+"""embed.py, embedding.py and index.py: pooling, padding, chunks, the index, exact search,
+contrastive tuning, the files written, bad input.
 
-The encoder is a tiny byte-level GPT with random weights. The retrieval set is built from a synonym map: the
-documents say "the cat eats the fish", the queries "a kitty devours some trout", so a query shares meaning but
-few bytes with its document; tune learns the synonyms from 70 combinations and is evaluated on 30 others.
+The encoder is a tiny byte-level GPT with random weights. The retrieval set is built from a synonym
+map: the documents say "the cat eats the fish", the queries "a kitty devours some trout", so a query
+shares meaning but few bytes with its document; tune learns the synonyms from 70 combinations and is
+evaluated on 30 others.
 """
 import itertools
 import json
@@ -28,10 +29,11 @@ from toolkit.index import Index, retrieval_metrics
 from toolkit.prepare import default_corpus_documents
 
 BYTES = {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256}
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # for a process of its own: tiny models run fastest on one thread
+# for a process of its own: tiny models run fastest on one thread
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 DEVICE = ["--device", "cpu"]
-TUNE = ["--max-iters", "60", "--batch-size", "16", "--lr", "2e-3", "--dtype", "float32", "--log-interval", "20",
-        *DEVICE]
+TUNE = ["--max-iters", "60", "--batch-size", "16", "--lr", "2e-3", "--dtype", "float32",
+        "--log-interval", "20", *DEVICE]
 SUBJECTS = {"cat": "kitty", "dog": "hound", "horse": "pony", "bird": "sparrow", "wolf": "lupine"}
 VERBS = {"eats": "devours", "sees": "spots", "likes": "enjoys", "chases": "pursues"}
 OBJECTS = {"apples": "fruit", "bread": "loaf", "fish": "trout", "grass": "hay", "meat": "steak"}
@@ -43,8 +45,10 @@ def embed_py(*args, **kwargs) -> subprocess.CompletedProcess:
 
 def write_model(path, seed: int = 0, facts: dict = BYTES, block_size: int = 64) -> GPT:
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(block_size=block_size, vocab_size=facts["vocab_size"], n_layer=2, n_head=2, n_embd=64))
-    save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config), "tokenizer": facts}, str(path))
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=facts["vocab_size"], n_layer=2,
+                          n_head=2, n_embd=64))
+    save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config),
+                     "tokenizer": facts}, str(path))
     return model.eval()
 
 
@@ -58,32 +62,37 @@ def metrics(result: subprocess.CompletedProcess) -> dict:
 
 
 def write_retrieval_set(folder) -> None:
-    """folder/ckpt.pt (the untuned encoder), docs.jsonl (100 documents), train.jsonl (70 pairs for tune) and
-    heldout.jsonl (the queries of the other 30 documents, for eval). benchmarks/bench_embed.py uses it too."""
+    """folder/ckpt.pt (the untuned encoder), docs.jsonl (100 documents), train.jsonl (70 pairs for
+    tune) and heldout.jsonl (the queries of the other 30 documents, for eval).
+    benchmarks/bench_embed.py uses it too."""
     write_model(folder / "ckpt.pt")
     combos = list(itertools.product(SUBJECTS, VERBS, OBJECTS))
     random.Random(0).shuffle(combos)
-    documents = [{"id": f"d{i}", "text": f"the {s} {v} the {o}"} for i, (s, v, o) in enumerate(combos)]
+    documents = [{"id": f"d{i}", "text": f"the {s} {v} the {o}"}
+                 for i, (s, v, o) in enumerate(combos)]
     queries = [f"a {SUBJECTS[s]} {VERBS[v]} some {OBJECTS[o]}" for s, v, o in combos]
     write_jsonl(folder / "docs.jsonl", documents)
-    write_jsonl(folder / "train.jsonl", [{"query": q, "positive": d["text"]} for q, d in zip(queries[:70], documents)])
-    write_jsonl(folder / "heldout.jsonl", [{"query": q, "id": d["id"]} for q, d in zip(queries, documents)][70:])
+    write_jsonl(folder / "train.jsonl",
+                [{"query": q, "positive": d["text"]} for q, d in zip(queries[:70], documents)])
+    write_jsonl(folder / "heldout.jsonl",
+                [{"query": q, "id": d["id"]} for q, d in zip(queries, documents)][70:])
 
 
-# a sentence: after another or a blank line, 40 to 250 characters (a "." inside a word does not end it)
+# a sentence: after another or a blank line, 40 to 250 characters
+# (a "." inside a word does not end it)
 SENTENCE = re.compile(r"(?<=[.!?:]\s|\n\n)[A-Z](?:[^.!?]|[.!?](?!\s)){40,250}?[.!?](?=\s)")
 
 
 def write_pydoc_retrieval_set(folder, seed: int = 0) -> None:
-    """A retrieval set from the embedded corpus (issue 47's): each Python documentation topic with two sentences
-    cut out is a document (folder/docs.jsonl); the cut sentences are the queries. The topics are split in two:
-    tune.jsonl holds the first half's queries as pairs with their documents, heldout.jsonl the second half's
-    queries with their documents' ids, for eval. Tuning from the documents alone sees no query at all.
-    benchmarks/bench_embed.py uses it too."""
+    """A retrieval set from the embedded corpus (issue 47's): each Python documentation topic with
+    two sentences cut out is a document (folder/docs.jsonl); the cut sentences are the queries. The
+    topics are split in two: tune.jsonl holds the first half's queries as pairs with their
+    documents, heldout.jsonl the second half's queries with their documents' ids, for eval. Tuning
+    from the documents alone sees no query at all. benchmarks/bench_embed.py uses it too."""
     rng, documents, queries = random.Random(seed), [], []
     for number, text in enumerate(default_corpus_documents()):
-        cut = sorted(rng.sample(list(SENTENCE.finditer(text)), 2) if len(SENTENCE.findall(text)) >= 2 else [],
-                     key=lambda m: m.start())
+        cut = sorted(rng.sample(list(SENTENCE.finditer(text)), 2)
+                     if len(SENTENCE.findall(text)) >= 2 else [], key=lambda m: m.start())
         for m in reversed(cut):
             text = text[:m.start()] + text[m.end():]
         documents.append({"id": f"topic{number}", "text": text})
@@ -91,7 +100,8 @@ def write_pydoc_retrieval_set(folder, seed: int = 0) -> None:
     write_jsonl(folder / "docs.jsonl", documents)
     write_jsonl(folder / "tune.jsonl",
                 [{"query": q, "positive": documents[n]["text"]} for q, n in queries if n % 2 == 0])
-    write_jsonl(folder / "heldout.jsonl", [{"query": q, "id": documents[n]["id"]} for q, n in queries if n % 2])
+    write_jsonl(folder / "heldout.jsonl",
+                [{"query": q, "id": documents[n]["id"]} for q, n in queries if n % 2])
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +109,8 @@ def corpus(tmp_path_factory):
     """The retrieval set and an index of it made with the untuned encoder."""
     folder = tmp_path_factory.mktemp("retrieval")
     write_retrieval_set(folder)
-    result = embed_py("index", "--ckpt", folder / "ckpt.pt", "--input", folder / "docs.jsonl", "--out",
-                      folder / "index", *DEVICE)
+    result = embed_py("index", "--ckpt", folder / "ckpt.pt", "--input", folder / "docs.jsonl",
+                      "--out", folder / "index", *DEVICE)
     assert result.returncode == 0, result.stderr
     return folder
 
@@ -110,24 +120,29 @@ def corpus(tmp_path_factory):
 @pytest.mark.parametrize("pooling", POOLINGS)
 def test_a_text_has_the_same_vector_alone_and_in_a_padded_batch(pooling):
     model = GPT(GPTConfig(block_size=64, vocab_size=257, n_layer=2, n_head=2, n_embd=64)).eval()
-    texts = [list(b"short"), list(b"a much longer text than the others, padded to nothing"), list(b"x")]
+    texts = [list(b"short"), list(b"a much longer text than the others, padded to nothing"),
+             list(b"x")]
     batched = encode(model, texts, pooling, batch_size=3)
     alone = np.stack([encode(model, [t], pooling, batch_size=1)[0] for t in texts])
     np.testing.assert_allclose(batched, alone, atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.linalg.norm(batched, axis=1), 1, atol=1e-6)
-    assert np.array_equal(encode(model, texts, pooling, batch_size=2), encode(model, texts, pooling, batch_size=2))
+    assert np.array_equal(encode(model, texts, pooling, batch_size=2),
+                          encode(model, texts, pooling, batch_size=2))
     assert not np.allclose(batched[0], batched[1], atol=1e-3)  # texts differ, so do their vectors
 
 
 def test_poolings_weigh_positions_as_documented():
     lengths = torch.tensor([3, 1])
-    assert pooling_weights(lengths, 4, "weighted-mean").tolist()[0] == pytest.approx([1 / 6, 2 / 6, 3 / 6, 0])
-    assert pooling_weights(lengths, 4, "mean").tolist()[0] == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0])
+    assert pooling_weights(lengths, 4, "weighted-mean").tolist()[0] == \
+        pytest.approx([1 / 6, 2 / 6, 3 / 6, 0])
+    assert pooling_weights(lengths, 4, "mean").tolist()[0] == \
+        pytest.approx([1 / 3, 1 / 3, 1 / 3, 0])
     assert pooling_weights(lengths, 4, "last").tolist() == [[0, 0, 1, 0], [1, 0, 0, 0]]
 
 
 @pytest.mark.parametrize("n, chunk, overlap, spans", [
-    (10, 4, 1, [(0, 4), (3, 7), (6, 10)]), (4, 4, 1, [(0, 4)]), (5, 4, 1, [(0, 4), (3, 5)]), (3, 8, 0, [(0, 3)]),
+    (10, 4, 1, [(0, 4), (3, 7), (6, 10)]), (4, 4, 1, [(0, 4)]), (5, 4, 1, [(0, 4), (3, 5)]),
+    (3, 8, 0, [(0, 3)]),
 ])
 def test_chunks_cover_the_text_with_the_overlap_asked(n, chunk, overlap, spans):
     assert chunk_spans(n, chunk, overlap) == spans
@@ -135,14 +150,16 @@ def test_chunks_cover_the_text_with_the_overlap_asked(n, chunk, overlap, spans):
 
 def test_encode_writes_unit_vectors_and_one_row_per_chunk_whatever_the_batch(tmp_path):
     model = write_model(tmp_path / "ckpt.pt")
-    lines = ["first text", "", "a second, much longer text that needs three chunks of sixteen", "third"]
+    lines = ["first text", "", "a second, much longer text that needs three chunks of sixteen",
+             "third"]
     (tmp_path / "texts.txt").write_text("\n".join(lines) + "\n")
     outputs = []
     for batch in ("16", "1"):
         out = tmp_path / f"vectors{batch}"
-        result = embed_py("encode", "--ckpt", tmp_path / "ckpt.pt", "--input", tmp_path / "texts.txt", "--out", out,
-                          "--chunk-tokens", "24", "--overlap", "4", "--batch-size", batch, "--dtype", "float32",
-                          *DEVICE)  # float32: padding and batching change no vector beyond rounding
+        # float32: padding and batching change no vector beyond rounding
+        result = embed_py("encode", "--ckpt", tmp_path / "ckpt.pt", "--input",
+                          tmp_path / "texts.txt", "--out", out, "--chunk-tokens", "24", "--overlap",
+                          "4", "--batch-size", batch, "--dtype", "float32", *DEVICE)
         assert result.returncode == 0, result.stderr
         rows = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
         outputs.append((np.load(out.with_suffix(".npy")), rows))
@@ -152,9 +169,11 @@ def test_encode_writes_unit_vectors_and_one_row_per_chunk_whatever_the_batch(tmp
     assert vectors.dtype == np.float32 and vectors.shape == (5, 64)
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-6)
     assert [(r["id"], r["chunk"], r["tokens"]) for r in rows] == [
-        ("1", 0, [0, 10]), ("3", 0, [0, 24]), ("3", 1, [20, 44]), ("3", 2, [40, 61]), ("4", 0, [0, 5])]
+        ("1", 0, [0, 10]), ("3", 0, [0, 24]), ("3", 1, [20, 44]), ("3", 2, [40, 61]),
+        ("4", 0, [0, 5])]
     chunk = list(lines[2].encode())[20:44]
-    np.testing.assert_allclose(vectors[2], encode(model, [chunk], "weighted-mean", 1)[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(vectors[2], encode(model, [chunk], "weighted-mean", 1)[0], atol=1e-5,
+                               rtol=0)
 
 
 # ----- the index and search -----
@@ -162,15 +181,19 @@ def test_encode_writes_unit_vectors_and_one_row_per_chunk_whatever_the_batch(tmp
 def test_every_document_retrieves_itself_first_from_its_own_text(corpus, tmp_path):
     documents = [json.loads(line) for line in (corpus / "docs.jsonl").read_text().splitlines()]
     write_jsonl(tmp_path / "self.jsonl", [{"query": d["text"], "id": d["id"]} for d in documents])
-    result = embed_py("eval", "--index", corpus / "index", "--pairs", tmp_path / "self.jsonl", *DEVICE)
-    assert metrics(result) == {"recall@1": 1.0, "recall@5": 1.0, "recall@10": 1.0, "mrr@10": 1.0, "queries": 100}
+    result = embed_py("eval", "--index", corpus / "index", "--pairs", tmp_path / "self.jsonl",
+                      *DEVICE)
+    assert metrics(result) == {"recall@1": 1.0, "recall@5": 1.0, "recall@10": 1.0, "mrr@10": 1.0,
+                               "queries": 100}
     assert "recall@5" in result.stdout.splitlines()[1]
 
 
 def test_a_reloaded_index_gives_identical_results(corpus, tmp_path):
-    """Two processes, the second with a copy of the encoder elsewhere: the index knows it by its sha256."""
+    """Two processes, the second with a copy of the encoder elsewhere: the index knows it by its
+    sha256."""
     shutil.copy(corpus / "ckpt.pt", tmp_path / "copy.pt")
-    query = ["--query", "the cat eats the fish", "--query", "a pony enjoys some hay", "--top-k", "3"]
+    query = ["--query", "the cat eats the fish", "--query", "a pony enjoys some hay", "--top-k",
+             "3"]
     runs = [embed_py("search", "--index", corpus / "index", *query, "--json", *ckpt, *DEVICE)
             for ckpt in ([], ["--ckpt", tmp_path / "copy.pt"])]
     assert runs[0].returncode == 0, runs[0].stderr
@@ -181,13 +204,15 @@ def test_a_reloaded_index_gives_identical_results(corpus, tmp_path):
     assert best["text"] == best["passage"] == "the cat eats the fish" and best["tokens"] == [0, 21]
     assert best["score"] > 0.9999 and first[0]["results"][1]["score"] < best["score"]
     table = embed_py("search", "--index", corpus / "index", *query, *DEVICE).stdout.splitlines()
-    assert table[0] == "query: the cat eats the fish" and table[1].split() == ["rank", "score", "id", "passage"]
+    assert table[0] == "query: the cat eats the fish" and \
+        table[1].split() == ["rank", "score", "id", "passage"]
     assert table[2].split()[0] == "1" and table[2].endswith("the cat eats the fish")
 
 
 @pytest.mark.parametrize("block_rows", [1, 7, 64, 10_000])
 def test_search_in_blocks_equals_the_whole_product(tmp_path, block_rows):
-    vectors = torch.nn.functional.normalize(torch.randn(1000, 32, generator=torch.Generator().manual_seed(0)), dim=1)
+    vectors = torch.nn.functional.normalize(
+        torch.randn(1000, 32, generator=torch.Generator().manual_seed(0)), dim=1)
     np.save(tmp_path / "v.npy", vectors.numpy())
     mapped = np.load(tmp_path / "v.npy", mmap_mode="r")
     queries = vectors[[3, 500, 999]] + 0.1
@@ -200,15 +225,17 @@ def test_search_in_blocks_equals_the_whole_product(tmp_path, block_rows):
 
 def test_search_ranks_documents_not_chunks(tmp_path):
     write_model(tmp_path / "ckpt.pt", block_size=16)
-    texts = ["the cat eats the fish " * 4, "the cat eats the fish " * 3 + "and more", "a dog", "bread and apples"]
+    texts = ["the cat eats the fish " * 4, "the cat eats the fish " * 3 + "and more", "a dog",
+             "bread and apples"]
     (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
-    result = embed_py("index", "--ckpt", tmp_path / "ckpt.pt", "--input", tmp_path / "texts.txt", "--out",
-                      tmp_path / "index", "--overlap", "0", *DEVICE)
+    result = embed_py("index", "--ckpt", tmp_path / "ckpt.pt", "--input", tmp_path / "texts.txt",
+                      "--out", tmp_path / "index", "--overlap", "0", *DEVICE)
     assert result.returncode == 0, result.stderr
     index = Index(str(tmp_path / "index"))
     assert index.meta["max_chunks"] == 6 and index.meta["rows"] == 6 + 5 + 1 + 1
     query = torch.from_numpy(index.vectors[[0]].copy())  # the first chunk of document 1
-    hits = index.search(query, 3)[0]  # documents 1 and 2 both begin with that chunk; their other chunks come next
+    # documents 1 and 2 both begin with that chunk; their other chunks come next
+    hits = index.search(query, 3)[0]
     numbers = [number for number, _, _ in hits]
     assert sorted(numbers[:2]) == [0, 1] and numbers[2] in (2, 3)
     assert hits[0][1] == pytest.approx(1, abs=1e-5) and hits[1][1] == pytest.approx(1, abs=1e-5)
@@ -216,13 +243,16 @@ def test_search_ranks_documents_not_chunks(tmp_path):
 
 def test_an_index_records_its_encoder_by_its_fingerprint(corpus):
     encoder = Index(str(corpus / "index")).meta["encoder"]
-    assert encoder == {"path": str(corpus / "ckpt.pt"), "sha256": files.fingerprint(str(corpus / "ckpt.pt"))}
+    assert encoder == {"path": str(corpus / "ckpt.pt"),
+                       "sha256": files.fingerprint(str(corpus / "ckpt.pt"))}
 
 
 def test_metrics_count_the_relevant_document_in_the_first_ten_hits():
-    hits = [[(number, 1.0, number) for number in found] for found in ([7, 1, 2], [1, 7], range(20), [3])]
+    hits = [[(number, 1.0, number) for number in found]
+            for found in ([7, 1, 2], [1, 7], range(20), [3])]
     metrics = retrieval_metrics(hits, [7, 7, 15, 7])  # ranks 0 and 1; then 15, past ten; then none
-    assert metrics == {"recall@1": 0.25, "recall@5": 0.5, "recall@10": 0.5, "mrr@10": 1.5 / 4, "queries": 4}
+    assert metrics == {"recall@1": 0.25, "recall@5": 0.5, "recall@10": 0.5, "mrr@10": 1.5 / 4,
+                       "queries": 4}
 
 
 def test_json_lines_offsets_find_each_line_and_arrays_are_saved_whole(tmp_path):
@@ -233,7 +263,8 @@ def test_json_lines_offsets_find_each_line_and_arrays_are_saved_whole(tmp_path):
     assert [json.loads(data[start:end]) for start, end in zip(offsets[:-1], offsets[1:])] == records
     files.save_array(str(tmp_path / "offsets.npy"), offsets)
     assert np.array_equal(np.load(tmp_path / "offsets.npy", mmap_mode="r"), offsets)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["offsets.npy", "records.jsonl"]  # no temporary left
+    # no temporary left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["offsets.npy", "records.jsonl"]
 
 
 def test_a_json_array_corpus_numbers_its_items(tmp_path):
@@ -242,9 +273,11 @@ def test_a_json_array_corpus_numbers_its_items(tmp_path):
     rows = [{"text": "第一篇"}, {"text": "second"}, {"text": "third", "doc": "c"}]
     (tmp_path / "one_line.json").write_text(json.dumps(rows, ensure_ascii=False))
     documents = read_corpus(str(tmp_path / "one_line.json"), "text", "doc", "*.txt")
-    assert [(d.id, d.text) for d in documents] == [("1", "第一篇"), ("2", "second"), ("c", "third")]
+    assert [(d.id, d.text) for d in documents] == [("1", "第一篇"), ("2", "second"),
+                                                   ("c", "third")]
     (tmp_path / "lines.jsonl").write_text("\n" + "".join(json.dumps(r) + "\n" for r in rows))
-    assert [d.id for d in read_corpus(str(tmp_path / "lines.jsonl"), "text", "doc", "*.txt")] == ["2", "3", "c"]
+    assert [d.id for d in read_corpus(str(tmp_path / "lines.jsonl"), "text", "doc", "*.txt")] == \
+        ["2", "3", "c"]
 
 
 def test_every_command_that_encodes_offers_the_dtypes_of_the_other_scripts():
@@ -256,91 +289,111 @@ def test_every_command_that_encodes_offers_the_dtypes_of_the_other_scripts():
 # ----- contrastive tuning -----
 
 def write_topic_set(folder) -> None:
-    """60 documents, each 20 sentences of its own topic's invented words among common ones, and 120 queries: new
-    sentences of each topic, in no document. folder/ckpt.pt is the untuned (random) encoder."""
+    """60 documents, each 20 sentences of its own topic's invented words among common ones, and 120
+    queries: new sentences of each topic, in no document. folder/ckpt.pt is the untuned (random)
+    encoder."""
     rng = random.Random(0)
     common = ["the", "and", "of", "to", "is", "in", "with", "for", "on", "as"]
-    topics = [["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 7))) for _ in range(8)]
+    topics = [["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 7)))
+               for _ in range(8)]
               for _ in range(60)]
 
     def sentence(words: list[str]) -> str:
-        return " ".join(rng.choice(words) if rng.random() < 0.5 else rng.choice(common) for _ in range(8)) + "."
+        return " ".join(rng.choice(words) if rng.random() < 0.5 else rng.choice(common)
+                        for _ in range(8)) + "."
 
     write_model(folder / "ckpt.pt")
-    write_jsonl(folder / "docs.jsonl", [{"id": f"t{i}", "text": " ".join(sentence(w) for _ in range(20))}
-                                        for i, w in enumerate(topics)])
-    write_jsonl(folder / "queries.jsonl", [{"query": sentence(w), "id": f"t{i}"} for i, w in enumerate(topics)
-                                           for _ in range(2)])
+    write_jsonl(folder / "docs.jsonl",
+                [{"id": f"t{i}", "text": " ".join(sentence(w) for _ in range(20))}
+                 for i, w in enumerate(topics)])
+    write_jsonl(folder / "queries.jsonl",
+                [{"query": sentence(w), "id": f"t{i}"} for i, w in enumerate(topics)
+                 for _ in range(2)])
 
 
 def test_tune_from_documents_alone_raises_recall_of_unseen_queries_on_the_defaults(tmp_path):
-    """Issue 47: no labels, two spans of a document as a pair; the queries are in no document tuned on."""
+    """Issue 47: no labels, two spans of a document as a pair; the queries are in no document tuned
+    on."""
     write_topic_set(tmp_path)
     recall = {}
-    for name, ckpt in (("untuned", tmp_path / "ckpt.pt"), ("tuned", tmp_path / "tuned" / "ckpt.pt")):
+    for name, ckpt in (("untuned", tmp_path / "ckpt.pt"),
+                       ("tuned", tmp_path / "tuned" / "ckpt.pt")):
         if name == "tuned":
-            tuned = embed_py("tune", "--ckpt", tmp_path / "ckpt.pt", "--input", tmp_path / "docs.jsonl", "--out-dir",
-                             tmp_path / "tuned", *DEVICE, "--log-interval", "100")
+            tuned = embed_py("tune", "--ckpt", tmp_path / "ckpt.pt", "--input",
+                             tmp_path / "docs.jsonl", "--out-dir", tmp_path / "tuned", *DEVICE,
+                             "--log-interval", "100")
             assert tuned.returncode == 0, tuned.stderr
             assert "on 0 pairs and 60 documents, 10 held out" in tuned.stdout
-        made = embed_py("index", "--ckpt", ckpt, "--input", tmp_path / "docs.jsonl", "--out", tmp_path / name, *DEVICE)
+        made = embed_py("index", "--ckpt", ckpt, "--input", tmp_path / "docs.jsonl", "--out",
+                        tmp_path / name, *DEVICE)
         assert made.returncode == 0, made.stderr
-        recall[name] = metrics(embed_py("eval", "--index", tmp_path / name, "--pairs", tmp_path / "queries.jsonl"))
+        recall[name] = metrics(embed_py("eval", "--index", tmp_path / name, "--pairs",
+                                        tmp_path / "queries.jsonl"))
     before, after = recall["untuned"], recall["tuned"]
-    assert after["recall@1"] >= 1.5 * before["recall@1"] and after["recall@10"] > before["recall@10"], recall
+    assert after["recall@1"] >= 1.5 * before["recall@1"] and \
+        after["recall@10"] > before["recall@10"], recall
     assert after["mrr@10"] > before["mrr@10"]
 
 
 def test_tune_with_documents_and_pairs_holds_out_a_tenth_and_keeps_the_best(corpus, tmp_path):
-    """--input and --pairs together: 100 documents + 70 pairs, 17 held out; the checkpoint is the best evaluation's
-    (the untuned encoder's included), the run says so; neither input is one line."""
-    result = embed_py("tune", "--ckpt", corpus / "ckpt.pt", "--input", corpus / "docs.jsonl", "--pairs",
-                      corpus / "train.jsonl", "--out-dir", tmp_path / "both", *TUNE)
+    """--input and --pairs together: 100 documents + 70 pairs, 17 held out; the checkpoint is the
+    best evaluation's (the untuned encoder's included), the run says so; neither input is one
+    line."""
+    result = embed_py("tune", "--ckpt", corpus / "ckpt.pt", "--input", corpus / "docs.jsonl",
+                      "--pairs", corpus / "train.jsonl", "--out-dir", tmp_path / "both", *TUNE)
     assert result.returncode == 0, result.stderr
-    assert "on 70 pairs and 100 documents, 17 held out for the best checkpoint" in result.stdout, result.stdout
+    assert "on 70 pairs and 100 documents, 17 held out for the best checkpoint" in result.stdout, \
+        result.stdout
     saved = load_checkpoint(str(tmp_path / "both" / "ckpt.pt"))
     history = saved["history"]
     best = min(history["val"])
     assert saved["embedding"]["val"]["val_loss"] == best and saved["iter_num"] == \
         history["eval_iter"][history["val"].index(best)]
     assert "the best checkpoint is" in result.stdout
-    assert_one_line_error(embed_py("tune", "--ckpt", corpus / "ckpt.pt", "--out-dir", tmp_path / "none", *DEVICE),
-                          "tune learns from --input")
+    assert_one_line_error(embed_py("tune", "--ckpt", corpus / "ckpt.pt", "--out-dir",
+                                   tmp_path / "none", *DEVICE), "tune learns from --input")
 
 
 def test_tune_raises_recall_on_held_out_queries(corpus, tmp_path):
-    before = metrics(embed_py("eval", "--index", corpus / "index", "--pairs", corpus / "heldout.jsonl", *DEVICE))
-    tuned = embed_py("tune", "--ckpt", corpus / "ckpt.pt", "--pairs", corpus / "train.jsonl", "--out-dir",
-                     tmp_path / "tuned", *DEVICE, "--log-interval", "50", "--run-name", "run")  # the defaults learn
+    before = metrics(embed_py("eval", "--index", corpus / "index", "--pairs",
+                              corpus / "heldout.jsonl", *DEVICE))
+    # the defaults learn
+    tuned = embed_py("tune", "--ckpt", corpus / "ckpt.pt", "--pairs", corpus / "train.jsonl",
+                     "--out-dir", tmp_path / "tuned", *DEVICE, "--log-interval", "50", "--run-name",
+                     "run")
     assert tuned.returncode == 0, tuned.stderr
-    result = embed_py("index", "--ckpt", tmp_path / "tuned" / "ckpt.pt", "--input", corpus / "docs.jsonl", "--out",
-                      tmp_path / "index", *DEVICE)
+    result = embed_py("index", "--ckpt", tmp_path / "tuned" / "ckpt.pt", "--input",
+                      corpus / "docs.jsonl", "--out", tmp_path / "index", *DEVICE)
     assert result.returncode == 0, result.stderr
-    after = metrics(embed_py("eval", "--index", tmp_path / "index", "--pairs", corpus / "heldout.jsonl", *DEVICE))
+    after = metrics(embed_py("eval", "--index", tmp_path / "index", "--pairs",
+                             corpus / "heldout.jsonl", *DEVICE))
     assert before["queries"] == after["queries"] == 30
     assert before["recall@1"] <= 0.2 and after["recall@1"] >= 0.6, (before, after)
     assert after["mrr@10"] > before["mrr@10"] + 0.4
     losses = tensorboard_scalars(tmp_path / "tuned" / "tensorboard")["loss/train"]
     assert [step for step, _ in losses] == [50, 100, 150, 200] and losses[-1][1] < losses[0][1]
-    sampled = run_main("test.py", "--ckpt", tmp_path / "tuned" / "ckpt.pt", "--device", "cpu", "--max-new-tokens",
-                       "5", "--num-samples", "1", "--prompt", "the cat")
+    sampled = run_main("test.py", "--ckpt", tmp_path / "tuned" / "ckpt.pt", "--device", "cpu",
+                       "--max-new-tokens", "5", "--num-samples", "1", "--prompt", "the cat")
     assert sampled.returncode == 0 and sampled.stdout.startswith("the cat"), sampled.stderr
 
 
 def test_bias_only_tuning_changes_only_biases(corpus, tmp_path):
-    result = embed_py("tune", "--ckpt", corpus / "ckpt.pt", "--pairs", corpus / "train.jsonl", "--out-dir", tmp_path,
-                      "--bias-only", *TUNE, "--max-iters", "3")
+    result = embed_py("tune", "--ckpt", corpus / "ckpt.pt", "--pairs", corpus / "train.jsonl",
+                      "--out-dir", tmp_path, "--bias-only", *TUNE, "--max-iters", "3")
     assert result.returncode == 0, result.stderr
-    before, after = load_checkpoint(str(corpus / "ckpt.pt"))["model"], load_checkpoint(str(tmp_path / "ckpt.pt"))
-    changed = {name for name, value in after["model"].items() if not torch.equal(value, before[name])}
+    before, after = (load_checkpoint(str(corpus / "ckpt.pt"))["model"],
+                     load_checkpoint(str(tmp_path / "ckpt.pt")))
+    changed = {name for name, value in after["model"].items()
+               if not torch.equal(value, before[name])}
     assert changed and all(name.endswith(".bias") for name in changed), changed
     assert after["iter_num"] == 3 and after["embedding"]["bias_only"] is True
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_0(corpus, tmp_path):
-    proc = subprocess.Popen([sys.executable, str(ROOT / "embed.py"), "tune", "--ckpt", str(corpus / "ckpt.pt"),
-                             "--pairs", str(corpus / "train.jsonl"), "--out-dir", str(tmp_path), *TUNE,
-                             "--max-iters", "100000", "--log-interval", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(ROOT / "embed.py"), "tune", "--ckpt",
+                             str(corpus / "ckpt.pt"), "--pairs", str(corpus / "train.jsonl"),
+                             "--out-dir", str(tmp_path), *TUNE, "--max-iters", "100000",
+                             "--log-interval", "1"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **ONE_THREAD})
     try:
         for line in proc.stdout:
@@ -351,13 +404,15 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(corpus, tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 0, err
-    assert "stopped by signal" in out and "the best checkpoint is" in out  # 10 of the 70 pairs held out
+    # 10 of the 70 pairs held out
+    assert "stopped by signal" in out and "the best checkpoint is" in out
     assert load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] < 100000
 
 
 def test_a_non_finite_loss_stops_without_saving(corpus, tmp_path):
-    result = embed_py("tune", "--ckpt", corpus / "ckpt.pt", "--pairs", corpus / "train.jsonl", "--out-dir", tmp_path,
-                      *TUNE, "--lr", "1e30", "--warmup-iters", "0", "--max-iters", "5", "--val-fraction", "0")
+    result = embed_py("tune", "--ckpt", corpus / "ckpt.pt", "--pairs", corpus / "train.jsonl",
+                      "--out-dir", tmp_path, *TUNE, "--lr", "1e30", "--warmup-iters", "0",
+                      "--max-iters", "5", "--val-fraction", "0")
     assert_one_line_error(result, "loss is nan", "stopped without saving", "--temperature")
     assert not (tmp_path / "ckpt.pt").exists()
 
@@ -369,31 +424,38 @@ def bad(corpus, tmp_path_factory):
     """Inputs that must be refused, next to the good corpus."""
     folder = tmp_path_factory.mktemp("bad")
     write_model(folder / "other.pt", seed=1)
-    chars = "".join(sorted(set((corpus / "docs.jsonl").read_text())))  # every character of the documents
-    write_model(folder / "char.pt", facts={"tokenizer": "char", "chars": chars, "vocab_size": len(chars),
-                                           "eot_id": None})
+    # every character of the documents
+    chars = "".join(sorted(set((corpus / "docs.jsonl").read_text())))
+    write_model(folder / "char.pt", facts={"tokenizer": "char", "chars": chars,
+                                           "vocab_size": len(chars), "eot_id": None})
     (folder / "blank.txt").write_text("\n  \n\n")
     (folder / "broken.jsonl").write_text('{"text": "fine"}\n{"text": "no end"\n')
-    write_jsonl(folder / "unknown.jsonl", [{"query": "a kitty", "id": "d1"}, {"query": "a hound", "id": "d100"}])
-    write_jsonl(folder / "no_positive.jsonl", [{"query": "a kitty", "positive": "the cat"}, {"query": "a hound"}])
+    write_jsonl(folder / "unknown.jsonl",
+                [{"query": "a kitty", "id": "d1"}, {"query": "a hound", "id": "d100"}])
+    write_jsonl(folder / "no_positive.jsonl",
+                [{"query": "a kitty", "positive": "the cat"}, {"query": "a hound"}])
     return folder
 
 
 @pytest.mark.parametrize("command, fragments", [
-    (["search", "--index", "{corpus}/index", "--query", "cat", "--ckpt", "{bad}/other.pt"], ["is not the encoder"]),
-    (["search", "--index", "{corpus}/index", "--query", "cat", "--ckpt", "{bad}/char.pt"], ["is not the encoder"]),
-    (["index", "--ckpt", "{corpus}/ckpt.pt", "--input", "{bad}/blank.txt", "--out", "{out}"], ["no texts"]),
+    (["search", "--index", "{corpus}/index", "--query", "cat", "--ckpt", "{bad}/other.pt"],
+     ["is not the encoder"]),
+    (["search", "--index", "{corpus}/index", "--query", "cat", "--ckpt", "{bad}/char.pt"],
+     ["is not the encoder"]),
+    (["index", "--ckpt", "{corpus}/ckpt.pt", "--input", "{bad}/blank.txt", "--out", "{out}"],
+     ["no texts"]),
     (["index", "--ckpt", "{corpus}/ckpt.pt", "--input", "{bad}/broken.jsonl", "--out", "{out}"],
      ["broken.jsonl line 2", "invalid JSON"]),
-    (["eval", "--index", "{corpus}/index", "--pairs", "{bad}/unknown.jsonl"], ["unknown.jsonl line 2", "'d100'"]),
-    (["tune", "--ckpt", "{corpus}/ckpt.pt", "--pairs", "{bad}/no_positive.jsonl", "--out-dir", "{out}"],
-     ["no_positive.jsonl line 2", "'positive'"]),
-    (["encode", "--ckpt", "{corpus}/ckpt.pt", "--input", "{corpus}/docs.jsonl", "--out", "{corpus}/docs"],
-     ["would overwrite the input"]),
-    (["encode", "--ckpt", "{corpus}/ckpt.pt", "--input", "{corpus}/docs.jsonl", "--out", "{out}", "--chunk-tokens",
-      "8", "--overlap", "8"], ["--overlap"]),
-    (["tune", "--ckpt", "{corpus}/ckpt.pt", "--pairs", "{corpus}/train.jsonl", "--out-dir", "{out}", "--temperature",
-      "0"], ["--temperature"]),
+    (["eval", "--index", "{corpus}/index", "--pairs", "{bad}/unknown.jsonl"],
+     ["unknown.jsonl line 2", "'d100'"]),
+    (["tune", "--ckpt", "{corpus}/ckpt.pt", "--pairs", "{bad}/no_positive.jsonl", "--out-dir",
+      "{out}"], ["no_positive.jsonl line 2", "'positive'"]),
+    (["encode", "--ckpt", "{corpus}/ckpt.pt", "--input", "{corpus}/docs.jsonl", "--out",
+      "{corpus}/docs"], ["would overwrite the input"]),
+    (["encode", "--ckpt", "{corpus}/ckpt.pt", "--input", "{corpus}/docs.jsonl", "--out", "{out}",
+      "--chunk-tokens", "8", "--overlap", "8"], ["--overlap"]),
+    (["tune", "--ckpt", "{corpus}/ckpt.pt", "--pairs", "{corpus}/train.jsonl", "--out-dir", "{out}",
+      "--temperature", "0"], ["--temperature"]),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(corpus, bad, tmp_path, command, fragments):
     out = tmp_path / "out"
@@ -406,8 +468,8 @@ def test_bad_input_is_one_line_and_writes_nothing(corpus, bad, tmp_path, command
 
 def test_an_encoder_changed_since_indexing_is_refused(corpus, tmp_path):
     write_model(tmp_path / "ckpt.pt")
-    result = embed_py("index", "--ckpt", tmp_path / "ckpt.pt", "--input", corpus / "docs.jsonl", "--out",
-                      tmp_path / "index", *DEVICE)
+    result = embed_py("index", "--ckpt", tmp_path / "ckpt.pt", "--input", corpus / "docs.jsonl",
+                      "--out", tmp_path / "index", *DEVICE)
     assert result.returncode == 0, result.stderr
     write_model(tmp_path / "ckpt.pt", seed=1)  # e.g. training went on in the same --out-dir
     result = embed_py("search", "--index", tmp_path / "index", "--query", "cat", *DEVICE)

@@ -1,6 +1,7 @@
-"""eval.py, toolkit/evaluation.py and toolkit/harness.py: HellaSwag-format files scored as lm-evaluation-harness
-scores them (checked against its own `hf` model on the exported folder), task YAMLs, --eval-tasks in training
-(one process and two), the HF export read by transformers alone, and bad input."""
+"""eval.py, toolkit/evaluation.py and toolkit/harness.py: HellaSwag-format files scored as
+lm-evaluation-harness scores them (checked against its own `hf` model on the exported folder), task
+YAMLs, --eval-tasks in training (one process and two), the HF export read by transformers alone, and
+bad input."""
 import json
 import os
 import random
@@ -10,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main, run_script, tensorboard_scalars
+from conftest import (ROOT, TINY_MODEL, assert_one_line_error, run_main, run_script,
+                      tensorboard_scalars)
 from model import GPT, GPTConfig
 from toolkit.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.distributed import free_port
@@ -22,8 +24,8 @@ WORDS = "the a cat dog sat on mat ran fast slowly house tree big small red blue"
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
-    """As on a machine without internet: the Hugging Face libraries fetch nothing (a test that needed a download
-    fails instead of waiting on the network)."""
+    """As on a machine without internet: the Hugging Face libraries fetch nothing (a test that
+    needed a download fails instead of waiting on the network)."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
@@ -36,9 +38,11 @@ def write_jsonl(path, rows: list[dict]) -> str:
 def hellaswag_rows(n: int, seed: int = 0) -> list[dict]:
     """Items in HellaSwag's own layout, with the WikiHow artifacts its preprocessing removes."""
     rng = random.Random(seed)
-    return [{"activity_label": "Making " + rng.choice(WORDS), "ctx_a": " ".join(rng.choices(WORDS, k=8)),
+    return [{"activity_label": "Making " + rng.choice(WORDS),
+             "ctx_a": " ".join(rng.choices(WORDS, k=8)),
              "ctx_b": " ".join(rng.choices(WORDS, k=3)), "label": str(rng.randrange(4)),
-             "endings": [" ".join(rng.choices(WORDS, k=rng.randint(2, 7))) + " [title] [step] x" for _ in range(4)]}
+             "endings": [" ".join(rng.choices(WORDS, k=rng.randint(2, 7))) + " [title] [step] x"
+                         for _ in range(4)]}
             for _ in range(n)]
 
 
@@ -48,7 +52,8 @@ def task_yaml(folder, data: str, name: str = "local_hellaswag") -> str:
     utils = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "hellaswag", "utils.py")
     (folder / "utils.py").write_text(open(utils).read())
     path = folder / f"{name}.yaml"
-    path.write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    validation: {data}\n"
+    path.write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                    f"    validation: {data}\n"
                     "validation_split: validation\noutput_type: multiple_choice\n"
                     "process_docs: !function utils.process_docs\ndoc_to_text: '{{query}}'\n"
                     "doc_to_target: '{{label}}'\ndoc_to_choice: choices\nmetric_list:\n"
@@ -59,7 +64,8 @@ def task_yaml(folder, data: str, name: str = "local_hellaswag") -> str:
 
 @pytest.fixture(scope="module")
 def gpt2_model(tmp_path_factory, gpt2_vocabulary):
-    """A tiny GPT-2-vocabulary model (weights perturbed off their init), its ckpt.pt, and its HF export."""
+    """A tiny GPT-2-vocabulary model (weights perturbed off their init), its ckpt.pt, and its HF
+    export."""
     folder = tmp_path_factory.mktemp("gpt2")
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=2, n_head=2, n_embd=32))
@@ -83,8 +89,8 @@ def test_the_export_loads_alone_in_transformers_and_encodes_as_the_toolkit(gpt2_
 
     from toolkit.tokenizers import load_tokenizer
     folder = gpt2_model / "hf"
-    assert {"config.json", "model.safetensors", "generation_config.json", "vocab.json", "merges.txt",
-            "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(folder))
+    assert {"config.json", "model.safetensors", "generation_config.json", "vocab.json",
+            "merges.txt", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(folder))
     ours = load_tokenizer(GPT2_FACTS)
     theirs = AutoTokenizer.from_pretrained(folder)
     text = "\n\n".join(default_corpus_documents())[:50_000] + " café naïve 𝔘𝔫𝔦𝔠𝔬𝔡𝔢  spaces\t\n"
@@ -100,20 +106,24 @@ def test_the_export_loads_alone_in_transformers_and_encodes_as_the_toolkit(gpt2_
 
 def test_a_char_model_exports_weights_and_says_what_no_hf_tokenizer_holds(char_data, tmp_path):
     facts = json.loads((char_data / "meta.json").read_text())
-    model = GPT(GPTConfig(block_size=16, vocab_size=facts["vocab_size"], n_layer=1, n_head=1, n_embd=8))
-    save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config), "tokenizer": facts},
-                    str(tmp_path / "ckpt.pt"))
+    model = GPT(GPTConfig(block_size=16, vocab_size=facts["vocab_size"], n_layer=1, n_head=1,
+                          n_embd=8))
+    save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config),
+                     "tokenizer": facts}, str(tmp_path / "ckpt.pt"))
     result = run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", "--export-hf", tmp_path / "hf")
     assert result.returncode == 0 and "no HF tokenizer: see its README.md" in result.stdout
     assert "vocab.json" not in os.listdir(tmp_path / "hf")
     assert "AutoTokenizer` cannot load" in (tmp_path / "hf" / "README.md").read_text()
-    sampled = run_main("test.py", "--ckpt", tmp_path / "hf", "--num-samples", "1", "--max-new-tokens", "5")
-    assert sampled.returncode == 0, sampled.stderr  # the toolkit reads the folder with its own tokenizer
+    sampled = run_main("test.py", "--ckpt", tmp_path / "hf", "--num-samples", "1",
+                       "--max-new-tokens", "5")
+    # the toolkit reads the folder with its own tokenizer
+    assert sampled.returncode == 0, sampled.stderr
 
 
 def test_a_local_file_and_a_task_yaml_score_as_lm_evals_own_hf_model(gpt2_model, tmp_path):
-    """The same items through eval.py (a .jsonl, and a task YAML through the harness) and through lm-eval's own `hf`
-    model on the exported folder: the same acc and acc_norm, every request's log-likelihood within 1e-4."""
+    """The same items through eval.py (a .jsonl, and a task YAML through the harness) and through
+    lm-eval's own `hf` model on the exported folder: the same acc and acc_norm, every request's
+    log-likelihood within 1e-4."""
     pytest.importorskip("lm_eval")
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -123,18 +133,23 @@ def test_a_local_file_and_a_task_yaml_score_as_lm_evals_own_hf_model(gpt2_model,
     from toolkit.tokenizers import load_tokenizer
     data = write_jsonl(tmp_path / "items.jsonl", hellaswag_rows(24))
     yaml = task_yaml(tmp_path, data)
-    result = metrics(run_main("eval.py", "--ckpt", gpt2_model / "ckpt.pt", "--tasks", f"{data},{yaml}", "--dtype",
-                              "float32", "--batch-size", "5", "--output", tmp_path / "out.json"))
-    assert set(result) == {"items", "local_hellaswag"} and result["items"] == result["local_hellaswag"]
+    result = metrics(run_main("eval.py", "--ckpt", gpt2_model / "ckpt.pt", "--tasks",
+                              f"{data},{yaml}", "--dtype", "float32", "--batch-size", "5",
+                              "--output", tmp_path / "out.json"))
+    assert set(result) == {"items", "local_hellaswag"} and \
+        result["items"] == result["local_hellaswag"]
     assert json.loads((tmp_path / "out.json").read_text())["results"] == result
 
     manager = task_manager((str(tmp_path),), False)
-    theirs = simple_evaluate(model=HFLM(pretrained=str(gpt2_model / "hf"), device="cpu", dtype="float32",
-                                        batch_size=8), tasks=["local_hellaswag"], task_manager=manager,
-                             log_samples=True, bootstrap_iters=0)
+    theirs = simple_evaluate(model=HFLM(pretrained=str(gpt2_model / "hf"), device="cpu",
+                                        dtype="float32", batch_size=8),
+                             tasks=["local_hellaswag"], task_manager=manager, log_samples=True,
+                             bootstrap_iters=0)
     model, facts = load_model(str(gpt2_model / "ckpt.pt"))
-    ours = simple_evaluate(model=GPTHarness(model, load_tokenizer(facts), 3, torch.device("cpu"), torch.float32),
-                           tasks=["local_hellaswag"], task_manager=manager, log_samples=True, bootstrap_iters=0)
+    ours = simple_evaluate(model=GPTHarness(model, load_tokenizer(facts), 3, torch.device("cpu"),
+                                            torch.float32),
+                           tasks=["local_hellaswag"], task_manager=manager, log_samples=True,
+                           bootstrap_iters=0)
     assert theirs["results"]["local_hellaswag"]["acc,none"] == result["items"]["acc"]
     assert theirs["results"]["local_hellaswag"]["acc_norm,none"] == result["items"]["acc_norm"]
     their_lls = [r[0][0] for s in theirs["samples"]["local_hellaswag"] for r in s["resps"]]
@@ -144,24 +159,29 @@ def test_a_local_file_and_a_task_yaml_score_as_lm_evals_own_hf_model(gpt2_model,
 
 
 def char_choices(n: int, seed: int = 0) -> list[dict]:
-    """The true 20-character continuation of a 40-character span of the corpus among three from elsewhere."""
+    """The true 20-character continuation of a 40-character span of the corpus among three from
+    elsewhere."""
     documents = [d for d in default_corpus_documents() if len(d) > 200]
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         doc = rng.choice(documents)
         start = rng.randrange(len(doc) - 60)
-        others = [(o := rng.choice(documents))[(s := rng.randrange(len(o) - 20)):s + 20] for _ in range(3)]
+        others = [(o := rng.choice(documents))[(s := rng.randrange(len(o) - 20)):s + 20]
+                  for _ in range(3)]
         label = rng.randrange(4)
-        rows.append({"ctx": doc[start:start + 40], "endings": others[:label] + [doc[start + 40:start + 60]] +
-                     others[label:], "label": label})
+        rows.append({"ctx": doc[start:start + 40],
+                     "endings": others[:label] + [doc[start + 40:start + 60]] + others[label:],
+                     "label": label})
     return rows
 
 
-def test_eval_tasks_in_training_log_acc_and_acc_norm_as_eval_py_and_two_processes_score_them(char_data, tmp_path):
+def test_eval_tasks_in_training_log_acc_and_acc_norm_as_eval_py_and_two_processes_score_them(
+        char_data, tmp_path):
     choices = write_jsonl(tmp_path / "pydoc_choice.jsonl", char_choices(30))
     common = [*TINY_MODEL, "--max-iters", "20", "--eval-interval", "10", "--eval-tasks", choices]
-    result = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path / "one", *common, "--grad-accum", "2")
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path / "one", *common,
+                      "--grad-accum", "2")
     assert result.returncode == 0, result.stderr
     assert "pydoc choice acc " in result.stdout and "pydoc choice acc norm " in result.stdout
     checkpoint = load_checkpoint(str(tmp_path / "one" / "ckpt.pt"))
@@ -171,11 +191,14 @@ def test_eval_tasks_in_training_log_acc_and_acc_norm_as_eval_py_and_two_processe
     assert [step for step, _ in scalars["eval/pydoc_choice_acc_norm"]] == [0, 10, 20]
     scored = metrics(run_main("eval.py", "--ckpt", tmp_path / "one" / "ckpt.pt", "--tasks", choices,
                               "--dtype", "float32"))
-    assert scored["pydoc_choice"] == {"acc": last["pydoc_choice_acc"], "acc_norm": last["pydoc_choice_acc_norm"]}
+    assert scored["pydoc_choice"] == {"acc": last["pydoc_choice_acc"],
+                                      "acc_norm": last["pydoc_choice_acc_norm"]}
 
-    # two processes (one micro-batch each: the same global batch) share the items out and score them alike
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()), "--nproc_per_node",
-           "2", str(ROOT / "train_ddp.py"), "--data-dir", str(char_data), "--out-dir", str(tmp_path / "two"), *common]
+    # two processes (one micro-batch each: the same global batch) share the items out and score
+    # them alike
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()),
+           "--nproc_per_node", "2", str(ROOT / "train_ddp.py"), "--data-dir", str(char_data),
+           "--out-dir", str(tmp_path / "two"), *common]
     ddp = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert ddp.returncode == 0, ddp.stderr[-3000:]
@@ -186,7 +209,8 @@ def test_eval_tasks_in_training_log_acc_and_acc_norm_as_eval_py_and_two_processe
 
 
 @pytest.mark.parametrize("line, message", [
-    ('{"ctx": "a", "endings": ["b", "c"], "label": 2}', "line 2: label must be the index of the right ending"),
+    ('{"ctx": "a", "endings": ["b", "c"], "label": 2}',
+     "line 2: label must be the index of the right ending"),
     ('{"ctx": "a", "label": 0}', "line 2: 'endings' must be a list of at least two strings"),
     ('{"ctx": "a", "endings": ["b"', "line 2: invalid JSON"),
     ('{"endings": ["b", "c"], "label": 0}', "line 2: no string 'ctx'"),
@@ -194,22 +218,27 @@ def test_eval_tasks_in_training_log_acc_and_acc_norm_as_eval_py_and_two_processe
 def test_a_bad_line_is_named(gpt2_model, tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"ctx": "a", "endings": ["b", "c"], "label": 1}\n' + line + "\n")
-    assert_one_line_error(run_main("eval.py", "--ckpt", gpt2_model / "ckpt.pt", "--tasks", path), message)
+    assert_one_line_error(run_main("eval.py", "--ckpt", gpt2_model / "ckpt.pt", "--tasks", path),
+                          message)
 
 
 def test_bad_input_is_one_line(gpt2_model, tmp_path):
     ckpt = gpt2_model / "ckpt.pt"
-    assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", tmp_path / "missing.jsonl"),
-                          "task file not found")
+    assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks",
+                                   tmp_path / "missing.jsonl"), "task file not found")
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     items = write_jsonl(tmp_path / "ok.jsonl", hellaswag_rows(2))
-    assert_one_line_error(run_main("eval.py", "--ckpt", tmp_path / "junk.pt", "--tasks", items), "junk.pt")
+    assert_one_line_error(run_main("eval.py", "--ckpt", tmp_path / "junk.pt", "--tasks", items),
+                          "junk.pt")
     pytest.importorskip("lm_eval")
-    # a Hub with no address (RFC 2606's .invalid) and no offline mode set: eval.py sets it, or the hub libraries
-    # retry for 25 s with a warning each time (on the real stderr: hence a process of its own)
-    no_hub = {"HF_ENDPOINT": "https://hub.invalid", "HF_HUB_OFFLINE": "", "HF_DATASETS_OFFLINE": "",
-              "HTTPS_PROXY": "", "https_proxy": "", "ALL_PROXY": "", "all_proxy": ""}
-    offline = run_script("eval.py", "--ckpt", ckpt, "--tasks", "hellaswag", "--limit", "2", timeout=120, env=no_hub)
+    # a Hub with no address (RFC 2606's .invalid) and no offline mode set: eval.py sets it, or the
+    # hub libraries retry for 25 s with a warning each time (on the real stderr: hence a process of
+    # its own)
+    no_hub = {"HF_ENDPOINT": "https://hub.invalid", "HF_HUB_OFFLINE": "",
+              "HF_DATASETS_OFFLINE": "", "HTTPS_PROXY": "", "https_proxy": "", "ALL_PROXY": "",
+              "all_proxy": ""}
+    offline = run_script("eval.py", "--ckpt", ckpt, "--tasks", "hellaswag", "--limit", "2",
+                         timeout=120, env=no_hub)
     assert_one_line_error(offline, "cannot load the data of hellaswag", "local file")
     assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", "hellaswagg"),
                           "unknown task 'hellaswagg'")
@@ -218,8 +247,9 @@ def test_bad_input_is_one_line(gpt2_model, tmp_path):
 def test_without_lm_eval_a_harness_task_names_the_install(gpt2_model):
     code = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = sys.argv[1:]; "
             "runpy.run_path(sys.argv[0], run_name='__main__')")
-    result = subprocess.run([sys.executable, "-c", code, str(ROOT / "eval.py"), "--ckpt", str(gpt2_model / "ckpt.pt"),
-                             "--tasks", "arc_easy"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run([sys.executable, "-c", code, str(ROOT / "eval.py"), "--ckpt",
+                             str(gpt2_model / "ckpt.pt"), "--tasks", "arc_easy"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert_one_line_error(result, "pip install lm_eval")
 
 

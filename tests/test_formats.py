@@ -1,5 +1,6 @@
-"""The containers text ships in (parquet, arrow, a `datasets` folder, zstd), llm.c's token shards, and bits per
-byte: the same rows give the same ids whatever holds them, and shards train exactly as nanoGPT's files."""
+"""The containers text ships in (parquet, arrow, a `datasets` folder, zstd), llm.c's token shards,
+and bits per byte: the same rows give the same ids whatever holds them, and shards train exactly
+as nanoGPT's files."""
 import json
 import math
 
@@ -19,28 +20,32 @@ from toolkit.documents import ZstdReader, read_documents
 from toolkit.model_sources import load_model
 from toolkit.tokenizers import load_tokenizer
 
-ROWS = [f"第{i}条评论：质量不错，价格也便宜 😀 row {i} of the table,\nwith a second line. " * (1 + i % 5)
-        for i in range(60)]
+ROWS = [f"第{i}条评论：质量不错，价格也便宜 😀 row {i} of the table,\n"
+        "with a second line. " * (1 + i % 5) for i in range(60)]
 
 
 def write_inputs(folder) -> dict[str, object]:
     """ROWS (with an id column beside the text) in every container tokenizer.py reads."""
     table = pa.table({"id": list(range(len(ROWS))), "text": ROWS})
-    inputs = {"jsonl": folder / "rows.jsonl", "parquet": folder / "rows.parquet", "arrow": folder / "rows.arrow",
-              "arrow stream": folder / "stream.arrow", "datasets": folder / "saved", "zst": folder / "rows.jsonl.zst",
+    inputs = {"jsonl": folder / "rows.jsonl", "parquet": folder / "rows.parquet",
+              "arrow": folder / "rows.arrow", "arrow stream": folder / "stream.arrow",
+              "datasets": folder / "saved", "zst": folder / "rows.jsonl.zst",
               "json array": folder / "rows.json"}
-    lines = "".join(json.dumps({"id": i, "text": t}, ensure_ascii=False) + "\n" for i, t in enumerate(ROWS))
+    lines = "".join(json.dumps({"id": i, "text": t}, ensure_ascii=False) + "\n"
+                    for i, t in enumerate(ROWS))
     inputs["jsonl"].write_text(lines)
-    inputs["json array"].write_text(json.dumps([{"id": i, "text": t} for i, t in enumerate(ROWS)], indent=1,
-                                               ensure_ascii=False))  # as alpaca_data.json is laid out
+    # as alpaca_data.json is laid out
+    inputs["json array"].write_text(json.dumps([{"id": i, "text": t} for i, t in enumerate(ROWS)],
+                                               indent=1, ensure_ascii=False))
     pq.write_table(table, inputs["parquet"], row_group_size=7)
-    assert pq.ParquetFile(inputs["parquet"]).num_row_groups == 9  # several row groups, read one at a time
+    # several row groups, read one at a time
+    assert pq.ParquetFile(inputs["parquet"]).num_row_groups == 9
     with pa.ipc.new_file(inputs["arrow"], table.schema) as writer:
         writer.write_table(table, max_chunksize=11)
     with pa.ipc.new_stream(inputs["arrow stream"], table.schema) as writer:
         writer.write_table(table, max_chunksize=13)
-    datasets.Dataset.from_dict({"id": list(range(len(ROWS))), "text": ROWS}).save_to_disk(inputs["datasets"],
-                                                                                          num_shards=3)
+    datasets.Dataset.from_dict({"id": list(range(len(ROWS))), "text": ROWS}).save_to_disk(
+        inputs["datasets"], num_shards=3)
     inputs["zst"].write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
     return inputs
 
@@ -53,19 +58,20 @@ def test_the_same_rows_give_the_same_bins_whatever_holds_them(tmp_path):
     inputs = write_inputs(tmp_path)
     results = {}
     for name, path in inputs.items():
-        result = run_main("tokenizer.py", "--input", path, "--tokenizer", "gpt2", "--append-eod", "--output-dir",
-                          tmp_path / name.replace(" ", "-"))
+        result = run_main("tokenizer.py", "--input", path, "--tokenizer", "gpt2", "--append-eod",
+                          "--output-dir", tmp_path / name.replace(" ", "-"))
         assert result.returncode == 0, (name, result.stderr)
         results[name] = bins(tmp_path / name.replace(" ", "-"))
     assert all(found == results["jsonl"] for found in results.values()), [n for n in results]
     train, val = (np.frombuffer(b, np.uint16) for b in results["jsonl"])
-    assert len(train) + len(val) == sum(len(tiktoken.get_encoding("r50k_base").encode(r)) + 1 for r in ROWS)
+    assert len(train) + len(val) == sum(len(tiktoken.get_encoding("r50k_base").encode(r)) + 1
+                                        for r in ROWS)
     # a plain text file compressed with zstd: the file's bins
     (tmp_path / "one.txt").write_text(ROWS[3])
     (tmp_path / "one.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(ROWS[3].encode()))
     for name in ("one.txt", "one.txt.zst"):
-        assert run_main("tokenizer.py", "--input", tmp_path / name, "--tokenizer", "byte", "--output-dir",
-                        tmp_path / (name + "-out")).returncode == 0
+        assert run_main("tokenizer.py", "--input", tmp_path / name, "--tokenizer", "byte",
+                        "--output-dir", tmp_path / (name + "-out")).returncode == 0
     assert bins(tmp_path / "one.txt-out") == bins(tmp_path / "one.txt.zst-out")
 
 
@@ -78,11 +84,15 @@ def test_containers_that_cannot_be_read_are_one_line(tmp_path):
     (tmp_path / "cut.jsonl.zst").write_bytes(compressed[: len(compressed) // 2])
     cases = {"missing column": (["--input", inputs["parquet"], "--json-key", "body"],
                                 ["rows.parquet has no column 'body'", "its columns: id, text"]),
-             "not text": (["--input", inputs["parquet"], "--json-key", "id"], ["column 'id' holds int64, not text"]),
-             "corrupt parquet": (["--input", tmp_path / "garbage.parquet"], ["cannot read", "garbage.parquet"]),
-             "truncated parquet": (["--input", tmp_path / "cut.parquet"], ["cannot read", "cut.parquet"]),
+             "not text": (["--input", inputs["parquet"], "--json-key", "id"],
+                          ["column 'id' holds int64, not text"]),
+             "corrupt parquet": (["--input", tmp_path / "garbage.parquet"],
+                                 ["cannot read", "garbage.parquet"]),
+             "truncated parquet": (["--input", tmp_path / "cut.parquet"],
+                                   ["cannot read", "cut.parquet"]),
              "truncated zst": (["--input", tmp_path / "cut.jsonl.zst"], ["cut.jsonl.zst"]),
-             "missing column in a datasets folder": (["--input", inputs["datasets"], "--json-key", "body"],
+             "missing column in a datasets folder": (["--input", inputs["datasets"],
+                                                      "--json-key", "body"],
                                                      ["has no column 'body'"])}
     for name, (args, fragments) in cases.items():
         out = tmp_path / name.replace(" ", "-")
@@ -94,12 +104,13 @@ def test_containers_that_cannot_be_read_are_one_line(tmp_path):
 def test_llmc_shards_written_here_hold_each_document_after_an_end_of_text_and_train(tmp_path):
     inputs = write_inputs(tmp_path)
     out = tmp_path / "fineweb"
-    result = run_main("tokenizer.py", "--input", inputs["parquet"], "--format", "llmc", "--shard-tokens", "1000",
-                      "--output-dir", out)
+    result = run_main("tokenizer.py", "--input", inputs["parquet"], "--format", "llmc",
+                      "--shard-tokens", "1000", "--output-dir", out)
     assert result.returncode == 0, result.stderr
-    names = sorted((p.name for p in out.glob("*.bin")), key=lambda name: name[-10:])  # by shard number
-    assert names[0] == "fineweb_val_000000.bin" and names[1:] == [f"fineweb_train_{i:06d}.bin"
-                                                                  for i in range(1, len(names))]
+    # by shard number
+    names = sorted((p.name for p in out.glob("*.bin")), key=lambda name: name[-10:])
+    assert names[0] == "fineweb_val_000000.bin" and \
+        names[1:] == [f"fineweb_train_{i:06d}.bin" for i in range(1, len(names))]
     assert len(names) > 3
     tokens = []
     for name in names:
@@ -109,37 +120,43 @@ def test_llmc_shards_written_here_hold_each_document_after_an_end_of_text_and_tr
         assert len(shard) == header[2] and (len(shard) == 1000 or name == names[-1])
         tokens += shard.tolist()
     enc = tiktoken.get_encoding("r50k_base")
-    assert tokens == [t for row in ROWS for t in [enc.eot_token, *enc.encode(row)]]  # llm.c: EOT, document
-    trained = run_main("train.py", "--data-dir", out, "--out-dir", tmp_path / "ckpt", *TINY_MODEL, "--max-iters",
-                       "2", "--eval-interval", "2")
+    # llm.c: EOT, document
+    assert tokens == [t for row in ROWS for t in [enc.eot_token, *enc.encode(row)]]
+    trained = run_main("train.py", "--data-dir", out, "--out-dir", tmp_path / "ckpt", *TINY_MODEL,
+                       "--max-iters", "2", "--eval-interval", "2")
     assert trained.returncode == 0, trained.stderr
     assert load_checkpoint(str(tmp_path / "ckpt" / "ckpt.pt"))["tokenizer"]["tokenizer"] == "gpt2"
     # a char vocabulary gets its end-of-text token for the shards even without --append-eod
-    chars = run_main("tokenizer.py", "--input", inputs["jsonl"], "--tokenizer", "char", "--format", "llmc",
-                     "--output-dir", tmp_path / "chars")
+    chars = run_main("tokenizer.py", "--input", inputs["jsonl"], "--tokenizer", "char",
+                     "--format", "llmc", "--output-dir", tmp_path / "chars")
     assert chars.returncode == 0, chars.stderr
     meta = json.loads((tmp_path / "chars" / "meta.json").read_text())
-    assert meta["eot_id"] == len(meta["chars"]) and np.fromfile(tmp_path / "chars" / "chars_val_000000.bin",
-                                                                 np.uint16, offset=1024)[0] == meta["eot_id"]
+    assert meta["eot_id"] == len(meta["chars"]) and \
+        np.fromfile(tmp_path / "chars" / "chars_val_000000.bin", np.uint16,
+                    offset=1024)[0] == meta["eot_id"]
 
 
 def test_llmc_shards_without_a_description_are_gpt2_tokens(tmp_path):
-    """A folder as llm.c's fineweb.py leaves it: shards only; GPT-2's vocabulary is assumed, and said."""
+    """A folder as llm.c's fineweb.py leaves it: shards only; GPT-2's vocabulary is assumed, and
+    said."""
     ids = tiktoken.get_encoding("r50k_base").encode(" ".join(ROWS))
     write_llmc_shard(tmp_path / "fineweb_val_000000.bin", ids[:300])
     write_llmc_shard(tmp_path / "fineweb_train_000001.bin", ids[300:])
-    result = run_main("train.py", "--data-dir", tmp_path, "--out-dir", tmp_path / "ckpt", *TINY_MODEL,
-                      "--max-iters", "2", "--eval-interval", "2")
+    result = run_main("train.py", "--data-dir", tmp_path, "--out-dir", tmp_path / "ckpt",
+                      *TINY_MODEL, "--max-iters", "2", "--eval-interval", "2")
     assert result.returncode == 0, result.stderr
     assert "assuming the GPT-2 tokenizer" in result.stderr
     assert load_checkpoint(str(tmp_path / "ckpt" / "ckpt.pt"))["tokenizer"]["vocab_size"] == 50257
 
 
-def test_llmc_shards_train_exactly_as_nanogpt_files_and_resume_exactly(char_data, llmc_data, tmp_path):
-    common = [*TINY_MODEL, "--max-iters", "8", "--lr-decay-iters", "8", "--eval-interval", "4", "--dropout", "0.1"]
+def test_llmc_shards_train_exactly_as_nanogpt_files_and_resume_exactly(char_data, llmc_data,
+                                                                       tmp_path):
+    common = [*TINY_MODEL, "--max-iters", "8", "--lr-decay-iters", "8", "--eval-interval", "4",
+              "--dropout", "0.1"]
 
     def train(data, out, *extra) -> dict:
-        result = run_main("train.py", "--data-dir", data, "--out-dir", tmp_path / out, *common, *extra)
+        result = run_main("train.py", "--data-dir", data, "--out-dir", tmp_path / out, *common,
+                          *extra)
         assert result.returncode == 0, result.stderr
         return load_checkpoint(str(tmp_path / out / "ckpt.pt"))
 
@@ -147,8 +164,8 @@ def test_llmc_shards_train_exactly_as_nanogpt_files_and_resume_exactly(char_data
     train(llmc_data, "split", "--max-iters", "4")
     resumed = train(llmc_data, "split", "--init-from", "resume")
     for run in (shards, resumed):
-        assert run["history"]["loss"] == nanogpt["history"]["loss"] and run["history"]["val"] == nanogpt["history"][
-            "val"]
+        assert run["history"]["loss"] == nanogpt["history"]["loss"] and \
+            run["history"]["val"] == nanogpt["history"]["val"]
         assert all(torch.equal(value, run["model"][key]) for key, value in nanogpt["model"].items())
 
 
@@ -160,21 +177,24 @@ def test_a_broken_llmc_header_is_one_line_naming_the_file(tmp_path, fault, fragm
     write_llmc_shard(tmp_path / "x_val_000000.bin", list(range(100)))
     write_llmc_shard(tmp_path / "x_train_000001.bin", list(range(200)))
     header = np.fromfile(tmp_path / "x_train_000001.bin", np.int32, count=256)
-    header[{"magic": 0, "version": 1, "length": 2}[fault]] = {"magic": 123, "version": 3, "length": 300}[fault]
+    header[{"magic": 0, "version": 1, "length": 2}[fault]] = \
+        {"magic": 123, "version": 3, "length": 300}[fault]
     with open(tmp_path / "x_train_000001.bin", "r+b") as f:
         f.write(header.tobytes())
-    result = run_main("train.py", "--data-dir", tmp_path, "--out-dir", tmp_path / "ckpt", *TINY_MODEL,
-                      "--max-iters", "1")
+    result = run_main("train.py", "--data-dir", tmp_path, "--out-dir", tmp_path / "ckpt",
+                      *TINY_MODEL, "--max-iters", "1")
     assert_one_line_error(result, *fragments)
     assert not (tmp_path / "ckpt" / "ckpt.pt").exists()
 
 
 def test_bits_per_byte_is_the_loss_in_bits_over_the_bytes_of_the_targets(char_data, tmp_path):
-    """eval.py --data-dir against a hand computation: every non-overlapping window of the val split, the summed
-    cross-entropy of its targets in bits, over the UTF-8 bytes those target characters take."""
-    assert run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--max-iters",
-                    "20").returncode == 0
-    result = run_main("eval.py", "--ckpt", tmp_path / "ckpt.pt", "--data-dir", char_data, "--device", "cpu")
+    """eval.py --data-dir against a hand computation: every non-overlapping window of the val
+    split, the summed cross-entropy of its targets in bits, over the UTF-8 bytes those target
+    characters take."""
+    assert run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
+                    "--max-iters", "20").returncode == 0
+    result = run_main("eval.py", "--ckpt", tmp_path / "ckpt.pt", "--data-dir", char_data,
+                      "--device", "cpu")
     assert result.returncode == 0, result.stderr
     val = json.loads(result.stdout.splitlines()[-1])["val"]
 
@@ -185,7 +205,8 @@ def test_bits_per_byte_is_the_loss_in_bits_over_the_bytes_of_the_targets(char_da
     nats, text = 0.0, ""
     with torch.no_grad():
         for start in range(0, (len(tokens) - 1) // block * block, block):
-            x, y = torch.from_numpy(tokens[start:start + block]), tokens[start + 1:start + block + 1]
+            x, y = (torch.from_numpy(tokens[start:start + block]),
+                    tokens[start + 1:start + block + 1])
             log_p = torch.log_softmax(model.eval()(x[None])[0][0].double(), -1)
             nats -= log_p[torch.arange(block), torch.from_numpy(y)].sum().item()
             text += "".join(chars[i] for i in y)
@@ -196,15 +217,16 @@ def test_bits_per_byte_is_the_loss_in_bits_over_the_bytes_of_the_targets(char_da
 
 def test_a_checkpoint_and_data_of_other_tokenizers_are_refused(char_data, tmp_path):
     (tmp_path / "rows.txt").write_text("\n".join(ROWS))
-    assert run_main("tokenizer.py", "--input", tmp_path / "rows.txt", "--tokenizer", "byte", "--output-dir",
-                    tmp_path / "bytes").returncode == 0
-    assert run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path / "ckpt", *TINY_MODEL,
-                    "--max-iters", "2").returncode == 0
-    scored = run_main("eval.py", "--ckpt", tmp_path / "ckpt" / "ckpt.pt", "--data-dir", tmp_path / "bytes")
+    assert run_main("tokenizer.py", "--input", tmp_path / "rows.txt", "--tokenizer", "byte",
+                    "--output-dir", tmp_path / "bytes").returncode == 0
+    assert run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path / "ckpt",
+                    *TINY_MODEL, "--max-iters", "2").returncode == 0
+    scored = run_main("eval.py", "--ckpt", tmp_path / "ckpt" / "ckpt.pt",
+                      "--data-dir", tmp_path / "bytes")
     assert_one_line_error(scored, "uses tokenizer byte")
     before = (tmp_path / "ckpt" / "ckpt.pt").read_bytes()
-    resumed = run_main("train.py", "--data-dir", tmp_path / "bytes", "--out-dir", tmp_path / "ckpt", *TINY_MODEL,
-                       "--init-from", "resume", "--max-iters", "4")
+    resumed = run_main("train.py", "--data-dir", tmp_path / "bytes", "--out-dir", tmp_path / "ckpt",
+                       *TINY_MODEL, "--init-from", "resume", "--max-iters", "4")
     assert_one_line_error(resumed, "tokenizer")
     assert (tmp_path / "ckpt" / "ckpt.pt").read_bytes() == before
 
@@ -213,8 +235,10 @@ def test_a_checkpoint_and_data_of_other_tokenizers_are_refused(char_data, tmp_pa
 
 def test_a_parquet_row_group_that_expands_far_is_read_a_few_rows_at_a_time(tmp_path):
     path = tmp_path / "bomb.parquet"
-    pq.write_table(pa.table({"text": ["x" * 10_000] * 4000}), path, row_group_size=4000, compression="zstd")
-    assert pq.ParquetFile(path).num_row_groups == 1 and path.stat().st_size < 1 << 20  # 40 MB of text
+    pq.write_table(pa.table({"text": ["x" * 10_000] * 4000}), path, row_group_size=4000,
+                   compression="zstd")
+    # 40 MB of text
+    assert pq.ParquetFile(path).num_row_groups == 1 and path.stat().st_size < 1 << 20
     rows, peak = 0, 0
     for pieces, _ in read_documents([str(path)]):
         rows, peak = rows + 1, max(peak, pa.total_allocated_bytes())
@@ -234,7 +258,8 @@ def zst_reads(path) -> tuple[int, int]:
 
 def test_zstd_streams_with_bounded_memory_and_reads_frames_that_meet_a_step(tmp_path, monkeypatch):
     bomb = tmp_path / "zeros.txt.zst"
-    bomb.write_bytes(zstandard.ZstdCompressor(level=3).compress(bytes(256 << 20)))  # 256 MiB of zeros
+    # 256 MiB of zeros
+    bomb.write_bytes(zstandard.ZstdCompressor(level=3).compress(bytes(256 << 20)))
     assert bomb.stat().st_size < 64 << 10
     total, most = zst_reads(bomb)
     assert total == 256 << 20 and most <= 40 << 20, most  # the old reader held all 256 MiB at once
@@ -251,22 +276,24 @@ def test_zstd_streams_with_bounded_memory_and_reads_frames_that_meet_a_step(tmp_
     out = tmp_path / "two-out"
     result = run_main("tokenizer.py", "--input", two, "--tokenizer", "byte", "--output-dir", out)
     assert result.returncode == 0, result.stderr
-    # zeros without a line break: text with no place to split, a JSON line past the limit: one line each
+    # zeros without a line break: text with no place to split, a JSON line past the limit: one
+    # line each
     monkeypatch.setattr(documents, "UNCUT_LIMIT", 1 << 20)
     monkeypatch.setattr(documents, "RECORD_LIMIT", 1 << 20)
     (tmp_path / "zeros.jsonl.zst").write_bytes(bomb.read_bytes())
     for name, fragment in (("zeros.txt.zst", "without a space or a line break"),
                            ("zeros.jsonl.zst", "line 1 is longer than 1 MiB")):
-        result = run_main("tokenizer.py", "--input", tmp_path / name, "--tokenizer", "byte", "--output-dir",
-                          tmp_path / f"{name}-out")
+        result = run_main("tokenizer.py", "--input", tmp_path / name, "--tokenizer", "byte",
+                          "--output-dir", tmp_path / f"{name}-out")
         assert_one_line_error(result, fragment)
 
 
-@pytest.mark.parametrize("data_files", [["data-00000-of-00001.arrow"], {"filename": "x.arrow"}, "x.arrow", [None],
-                                        7, [{"filename": 7}]])
+@pytest.mark.parametrize("data_files", [["data-00000-of-00001.arrow"], {"filename": "x.arrow"},
+                                        "x.arrow", [None], 7, [{"filename": 7}]])
 def test_a_datasets_state_json_of_another_shape_is_one_line(tmp_path, data_files):
     folder = write_inputs(tmp_path)["datasets"]
     state = json.loads((folder / "state.json").read_text())
     (folder / "state.json").write_text(json.dumps({**state, "_data_files": data_files}))
-    result = run_main("tokenizer.py", "--input", folder, "--tokenizer", "byte", "--output-dir", tmp_path / "out")
+    result = run_main("tokenizer.py", "--input", folder, "--tokenizer", "byte",
+                      "--output-dir", tmp_path / "out")
     assert_one_line_error(result, "state.json lists no arrow files")

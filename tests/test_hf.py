@@ -1,4 +1,5 @@
-"""toolkit/hf.py: HF GPT-2 folders both ways, checked against transformers' own GPT2LMHeadModel."""
+"""toolkit/hf.py: HF GPT-2 folders both ways, checked against transformers' own
+GPT2LMHeadModel."""
 import json
 import os
 
@@ -17,8 +18,8 @@ transformers.logging.set_verbosity_error()
 
 def random_hf_model():
     cfg = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0
+        vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0
     )
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(cfg)
@@ -40,8 +41,10 @@ def test_load_hf_safetensors_matches_transformers(tmp_path):
 def test_load_hf_bin_without_prefix(tmp_path):
     hf = random_hf_model()
     hf.config.to_json_file(tmp_path / "config.json")
-    state = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
-    state["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 32, 32))  # old checkpoints carry mask buffers
+    state = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items()
+             if k != "lm_head.weight"}
+    # old checkpoints carry mask buffers
+    state["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 32, 32))
     torch.save(state, tmp_path / "pytorch_model.bin")
     m = load_gpt2(str(tmp_path))
     idx = torch.randint(0, VOCAB, (2, 17))
@@ -53,10 +56,12 @@ def test_load_hf_bin_without_prefix(tmp_path):
 def test_save_pretrained_loads_in_transformers(tmp_path, bias):
     m = tiny_gpt(bias=bias)
     save_gpt2(m, str(tmp_path / "out"))
-    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "merges.txt",
-                                                     "model.safetensors", "special_tokens_map.json", "tokenizer.json",
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json",
+                                                     "merges.txt", "model.safetensors",
+                                                     "special_tokens_map.json", "tokenizer.json",
                                                      "tokenizer_config.json", "vocab.json"]
-    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out",
+                                                      attn_implementation="eager").eval()
     idx = torch.randint(0, VOCAB, (2, 32))
     assert rel_err(m(idx)[0], hf(idx).logits) < 1e-5
     again = load_gpt2(str(tmp_path / "out"))
@@ -85,10 +90,12 @@ def test_from_pretrained_hub_names_only_from_local_cache(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError) as e:
         load_gpt2("gpt2")
     # the CLI that the pinned huggingface_hub installs
-    assert "\n" not in str(e.value) and "`hf download openai-community/gpt2 --local-dir DIR`" in str(e.value)
+    assert ("\n" not in str(e.value)
+            and "`hf download openai-community/gpt2 --local-dir DIR`" in str(e.value))
     with pytest.raises(FileNotFoundError, match="no model directory"):
         load_gpt2(str(tmp_path / "missing"))
-    # a snapshot in the cache, laid out as huggingface_hub writes it, is found under either repository name
+    # a snapshot in the cache, laid out as huggingface_hub writes it, is found under either
+    # repository name
     m = tiny_gpt()
     repo = tmp_path / "hub" / "models--openai-community--gpt2"
     save_gpt2(m, str(repo / "snapshots" / "abc123"))
@@ -102,12 +109,14 @@ def test_from_pretrained_hub_names_only_from_local_cache(tmp_path, monkeypatch):
 def test_a_gpt2_folder_that_ships_a_chat_template_chats_in_it(tmp_path, gpt2_vocabulary):
     save_gpt2(tiny_gpt(vocab_size=50257, n_embd=16), str(tmp_path))
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    config["chat_template"] = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
-    config["eos_token"] = "hello"  # (not end-of-text: the stop id is the eos token's, one token in GPT-2's vocabulary)
+    config["chat_template"] = ("{% for m in messages %}"
+                               "{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}")
+    # (not end-of-text: the stop id is the eos token's, one token in GPT-2's vocabulary)
+    config["eos_token"] = "hello"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     os.remove(tmp_path / "generation_config.json")  # the eos token's id ends a reply
     facts = load_model(str(tmp_path))[1]
     assert facts["chat_template"]["stop_ids"] == [31373]
     tok = load_tokenizer(facts)
-    assert chat_prompt([{"role": "user", "content": "你好<|endoftext|>"}], tok) == [*tok.encode("user: 你好"), 50256,
-                                                                                  *tok.encode("hello")]
+    assert chat_prompt([{"role": "user", "content": "你好<|endoftext|>"}], tok) == [
+        *tok.encode("user: 你好"), 50256, *tok.encode("hello")]

@@ -1,7 +1,8 @@
-"""Bad input and faults, tried as a hostile but realistic user would (issue 16's list, each case kept here).
+"""Bad input and faults, tried as a hostile but realistic user would (issue 16's list, each case
+kept here).
 
-Every case ends in one line starting with `error:` and a non-zero exit; a good checkpoint's bytes never
-change; files that would run code are never unpickled (the marker file never appears).
+Every case ends in one line starting with `error:` and a non-zero exit; a good checkpoint's bytes
+never change; files that would run code are never unpickled (the marker file never appears).
 """
 import fcntl
 import json
@@ -20,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, assert_one_line_error, fake_deepspeed_folder, run_main, run_script
+from conftest import (ROOT, TINY_MODEL, assert_one_line_error, fake_deepspeed_folder, run_main,
+                      run_script)
 from model import GPT, GPTConfig
 from toolkit.hf import save_gpt2
 from toolkit.writers import write_nanogpt
@@ -34,11 +36,12 @@ class Exploit:
 
 @pytest.fixture(scope="module")
 def good_run(char_data, tmp_path_factory):
-    """A finished 4-step run of the tiny GPT-2 (whose learned positions make a block-size lie cost memory, and
-    whose weights an absurd rate breaks): its out dir (copied by each test) and its data."""
+    """A finished 4-step run of the tiny GPT-2 (whose learned positions make a block-size lie cost
+    memory, and whose weights an absurd rate breaks): its out dir (copied by each test) and its
+    data."""
     out = tmp_path_factory.mktemp("good")
-    result = run_main("train.py", "--data-dir", char_data, "--out-dir", out, *TINY_MODEL, "--max-iters", "4",
-                      "--eval-interval", "4", "--arch", "gpt2")
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", out, *TINY_MODEL,
+                      "--max-iters", "4", "--eval-interval", "4", "--arch", "gpt2")
     assert result.returncode == 0, result.stderr
     return out
 
@@ -51,7 +54,8 @@ def run_dir(good_run, tmp_path):
 
 
 def train(char_data, out, *flags, **kwargs):
-    return run_main("train.py", "--data-dir", char_data, "--out-dir", out, *TINY_MODEL, *flags, **kwargs)
+    return run_main("train.py", "--data-dir", char_data, "--out-dir", out, *TINY_MODEL, *flags,
+                    **kwargs)
 
 
 def assert_unchanged(out, before: bytes) -> None:
@@ -63,7 +67,8 @@ def assert_unchanged(out, before: bytes) -> None:
 
 def test_deepspeed_checkpoint_with_code_is_refused_by_test_ds(tmp_path):
     fake_deepspeed_folder(tmp_path / "ds", payload=Exploit())
-    result = run_main("test_ds.py", "--ckpt", tmp_path / "ds", cwd=tmp_path, env={"DS_ACCELERATOR": "cpu"})
+    result = run_main("test_ds.py", "--ckpt", tmp_path / "ds", cwd=tmp_path,
+                      env={"DS_ACCELERATOR": "cpu"})
     assert_one_line_error(result, "never unpickled")
     assert not (tmp_path / "PWNED").exists()
 
@@ -83,12 +88,13 @@ def test_deepspeed_checkpoint_with_code_is_refused_on_resume(ds_ops, char_data, 
 
 @pytest.mark.parametrize("flags", [
     ["--lr", "1e30", "--save-interval", "1"],  # the update breaks the weights after a finite loss
-    ["--lr", "1e30"],                          # no extra save: the final evaluation must not pass either
+    # no extra save: the final evaluation must not pass either
+    ["--lr", "1e30"],
 ])
 def test_diverged_weights_never_replace_the_checkpoint(char_data, run_dir, flags):
     before = (run_dir / "ckpt.pt").read_bytes()
-    result = train(char_data, run_dir, "--init-from", "resume", "--max-iters", "8", "--grad-clip", "0",
-                   "--warmup-iters", "0", "--eval-interval", "4", *flags)
+    result = train(char_data, run_dir, "--init-from", "resume", "--max-iters", "8",
+                   "--grad-clip", "0", "--warmup-iters", "0", "--eval-interval", "4", *flags)
     assert_one_line_error(result, "stopped without saving")
     assert_unchanged(run_dir, before)
 
@@ -105,8 +111,8 @@ def test_infinite_learning_rate_is_refused_up_front(char_data, run_dir):
 def test_genfile_never_replaces_the_checkpoint_or_the_code(run_dir, target):
     path = run_dir / target if target == "ckpt.pt" else ROOT / target
     before = path.read_bytes()
-    result = run_main("test.py", "--ckpt", run_dir / "ckpt.pt", "--device", "cpu", "--max-new-tokens", "5",
-                      "--genfile", path, "--overwrite")
+    result = run_main("test.py", "--ckpt", run_dir / "ckpt.pt", "--device", "cpu",
+                      "--max-new-tokens", "5", "--genfile", path, "--overwrite")
     assert_one_line_error(result, "--genfile", "would overwrite")
     assert path.read_bytes() == before
 
@@ -123,8 +129,9 @@ def test_zero_sizes_are_refused_before_any_write(char_data, run_dir, flag):
 # 5. one run per --out-dir
 
 def test_a_second_run_on_the_same_out_dir_stops_naming_the_first(char_data, tmp_path):
-    first = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--data-dir", str(char_data), "--out-dir",
-                              str(tmp_path), *TINY_MODEL, "--max-iters", "100000", "--eval-interval", "100000"],
+    first = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--data-dir", str(char_data),
+                              "--out-dir", str(tmp_path), *TINY_MODEL, "--max-iters", "100000",
+                              "--eval-interval", "100000"],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for line in first.stdout:
@@ -141,17 +148,19 @@ def test_a_second_run_on_the_same_out_dir_stops_naming_the_first(char_data, tmp_
 # 6. sizes are checked before anything is allocated
 
 def test_checkpoint_of_an_enormous_model_is_refused_at_once(tmp_path):
-    torch.save({"model": {}, "model_config": dict(block_size=8, vocab_size=16, n_layer=1000, n_head=16,
-                                                  n_embd=8192)}, tmp_path / "ckpt.pt")
+    torch.save({"model": {}, "model_config": dict(block_size=8, vocab_size=16, n_layer=1000,
+                                                  n_head=16, n_embd=8192)}, tmp_path / "ckpt.pt")
     start = time.monotonic()
     result = run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", "--device", "cpu")
     assert_one_line_error(result, "GiB for their float32 weights alone")
     assert time.monotonic() - start < 30
 
 
-@pytest.mark.parametrize("change", [dict(n_layer=10**9), dict(n_embd=10**9, n_head=1), dict(n_positions=10**12)])
+@pytest.mark.parametrize("change", [dict(n_layer=10**9), dict(n_embd=10**9, n_head=1),
+                                    dict(n_positions=10**12)])
 def test_hf_config_of_an_enormous_model_is_refused_at_once(tmp_path, change):
-    save_gpt2(GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8)), str(tmp_path))
+    save_gpt2(GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8)),
+              str(tmp_path))
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
     start = time.monotonic()
@@ -178,9 +187,10 @@ def limit_file_size():
 
 def test_a_write_that_fails_keeps_the_old_checkpoint(char_data, run_dir):
     before = (run_dir / "ckpt.pt").read_bytes()
-    cmd = [sys.executable, str(ROOT / "train.py"), "--data-dir", str(char_data), "--out-dir", str(run_dir),
-           *TINY_MODEL, "--init-from", "resume", "--max-iters", "6"]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size)
+    cmd = [sys.executable, str(ROOT / "train.py"), "--data-dir", str(char_data),
+           "--out-dir", str(run_dir), *TINY_MODEL, "--init-from", "resume", "--max-iters", "6"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            preexec_fn=limit_file_size)
     assert_one_line_error(result, "cannot write", "ckpt.pt", "file size limit")
     assert_unchanged(run_dir, before)
 
@@ -197,7 +207,8 @@ def test_an_out_dir_that_cannot_be_created_fails_at_start(char_data, tmp_path):
 @pytest.mark.parametrize("flags, fragment", [
     (["--eval-iters", "0"], "--eval-iters"), (["--eval-interval", "0"], "--eval-interval"),
     (["--log-interval", "0"], "--log-interval"), (["--grad-accum", "0"], "--grad-accum"),
-    (["--block-size", "-5"], "--block-size"), (["--dropout", "1.5"], "--dropout"), (["--beta2", "1"], "--beta2"),
+    (["--block-size", "-5"], "--block-size"), (["--dropout", "1.5"], "--dropout"),
+    (["--beta2", "1"], "--beta2"),
     (["--warmup-iters", "-1"], "--warmup-iters"), (["--weight-decay", "nan"], "--weight-decay"),
 ])
 def test_out_of_range_flags(char_data, tmp_path, flags, fragment):
@@ -212,16 +223,20 @@ def test_out_of_range_flags(char_data, tmp_path, flags, fragment):
 ])
 def test_config_file_values_are_typed_like_their_flags(char_data, tmp_path, config, fragment):
     (tmp_path / "run.json").write_text(json.dumps(config))
-    assert_one_line_error(train(char_data, tmp_path / "out", "--config", tmp_path / "run.json"), fragment)
+    assert_one_line_error(train(char_data, tmp_path / "out", "--config", tmp_path / "run.json"),
+                          fragment)
     assert not (tmp_path / "out").exists()
 
 
 # 9. lesser cases
 
 def test_corrupt_or_malicious_hf_weights(tmp_path):
-    save_gpt2(GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8)), str(tmp_path / "hf"))
-    (tmp_path / "hf" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
-    assert_one_line_error(run_main("test.py", "--ckpt", tmp_path / "hf", "--device", "cpu"), "model.safetensors")
+    save_gpt2(GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8)),
+              str(tmp_path / "hf"))
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00"
+                                                        b"{not a header")
+    assert_one_line_error(run_main("test.py", "--ckpt", tmp_path / "hf", "--device", "cpu"),
+                          "model.safetensors")
     (tmp_path / "hf" / "model.safetensors").unlink()
     torch.save({"transformer.wte.weight": Exploit()}, tmp_path / "hf" / "pytorch_model.bin")
     result = run_main("test.py", "--ckpt", tmp_path / "hf", "--device", "cpu", cwd=tmp_path)
@@ -233,13 +248,14 @@ def test_truncated_train_bin_is_found_from_meta_json(char_data, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(char_data, data)
     (data / "train.bin").write_bytes((data / "train.bin").read_bytes()[:1000])
-    assert_one_line_error(train(data, tmp_path / "out"), "train.bin holds 500 tokens but meta.json records")
+    assert_one_line_error(train(data, tmp_path / "out"),
+                          "train.bin holds 500 tokens but meta.json records")
 
 
 def test_tokenizer_chunk_size_must_be_finite(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
-    result = run_main("tokenizer.py", "--input", tmp_path / "a.txt", "--tokenizer", "byte", "--output-dir",
-                      tmp_path / "out", "--chunk-mb", "inf")
+    result = run_main("tokenizer.py", "--input", tmp_path / "a.txt", "--tokenizer", "byte",
+                      "--output-dir", tmp_path / "out", "--chunk-mb", "inf")
     assert_one_line_error(result, "--chunk-mb")
 
 
@@ -249,9 +265,9 @@ def test_sigterm_to_tokenizer_leaves_no_temporary_files(tmp_path):
         for i in range(200_000):
             f.write(json.dumps({"text": f"document {i} " * 20}) + "\n")
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tokenizer.py"), "--input", str(big), "--tokenizer", "byte",
-                             "--output-dir", str(out), "--chunk-mb", "0.1"], cwd=ROOT, stderr=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tokenizer.py"), "--input", str(big),
+                             "--tokenizer", "byte", "--output-dir", str(out), "--chunk-mb", "0.1"],
+                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not (out.exists() and any(out.iterdir())) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -263,13 +279,15 @@ def test_sigterm_to_tokenizer_leaves_no_temporary_files(tmp_path):
 
 def test_temporary_files_of_a_killed_save_are_removed_by_the_next_run(char_data, run_dir):
     (run_dir / ".ckpt.pt.tmp99999").write_bytes(b"half a checkpoint")
-    result = train(char_data, run_dir, "--init-from", "resume", "--max-iters", "5", "--eval-interval", "100")
+    result = train(char_data, run_dir, "--init-from", "resume", "--max-iters", "5",
+                   "--eval-interval", "100")
     assert result.returncode == 0, result.stderr
     assert not (run_dir / ".ckpt.pt.tmp99999").exists()
 
 
 @pytest.mark.parametrize("flags, fragment", [(["--temperature", "nan"], "temperature"),
-                                             (["--top-p", "0"], "top_p"), (["--top-k", "0"], "top_k")])
+                                             (["--top-p", "0"], "top_p"),
+                                             (["--top-k", "0"], "top_k")])
 def test_sampling_values_are_checked_before_sampling(run_dir, flags, fragment):
     result = run_main("test.py", "--ckpt", run_dir / "ckpt.pt", "--device", "cpu", *flags,
                       "--genfile", run_dir / "samples.jsonl")
@@ -286,8 +304,10 @@ def test_resuming_a_finished_run_says_nothing_is_left(char_data, run_dir):
 
 def test_data_with_ids_outside_the_vocabulary(tmp_path):
     facts = {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256}
-    write_nanogpt(str(tmp_path / "data"), np.full(5000, 300, np.uint16), np.zeros(500, np.uint16), facts)
-    assert_one_line_error(train(tmp_path / "data", tmp_path / "out"), "outside the vocabulary of 257")
+    write_nanogpt(str(tmp_path / "data"), np.full(5000, 300, np.uint16), np.zeros(500, np.uint16),
+                  facts)
+    assert_one_line_error(train(tmp_path / "data", tmp_path / "out"),
+                          "outside the vocabulary of 257")
 
 
 # ----- round three (issue 39) -----
@@ -302,21 +322,24 @@ def deep_inputs(folder, ckpt) -> dict[str, list]:
         (folder / name).write_text(text)
         return folder / name
 
-    lines = write("deep.jsonl", json.dumps(dict.fromkeys(["messages", "text", "query", "ctx"], 0)).replace(
-        "0", DEEP) + "\n")
+    lines = write("deep.jsonl", json.dumps(dict.fromkeys(["messages", "text", "query", "ctx"], 0))
+                  .replace("0", DEEP) + "\n")
     hf = folder / "hf"
     save_gpt2(GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8)), str(hf))
     (hf / "config.json").write_text('{"model_type": "gpt2", "n_layer": ' + DEEP + "}")
     return {
-        "finetune sft": ["finetune.py", "--task", "sft", "--train", lines, "--val", lines, "--init-from", ckpt,
-                         "--out-dir", folder / "sft"],
+        "finetune sft": ["finetune.py", "--task", "sft", "--train", lines, "--val", lines,
+                         "--init-from", ckpt, "--out-dir", folder / "sft"],
         "finetune classify": ["finetune.py", "--task", "classify", "--train", lines, "--val", lines,
                               "--init-from", ckpt, "--out-dir", folder / "cls"],
         "tokenizer": ["tokenizer.py", "--input", lines, "--output-dir", folder / "data"],
         "eval": ["eval.py", "--ckpt", ckpt, "--tasks", lines],
-        "eval yaml": ["eval.py", "--ckpt", ckpt, "--tasks", write("deep.yaml", "task: x\nd: " + DEEP + "\n")],
-        "embed index": ["embed.py", "index", "--ckpt", ckpt, "--input", lines, "--out", folder / "index"],
-        "embed tune": ["embed.py", "tune", "--ckpt", ckpt, "--pairs", lines, "--out-dir", folder / "tuned"],
+        "eval yaml": ["eval.py", "--ckpt", ckpt, "--tasks",
+                      write("deep.yaml", "task: x\nd: " + DEEP + "\n")],
+        "embed index": ["embed.py", "index", "--ckpt", ckpt, "--input", lines, "--out",
+                        folder / "index"],
+        "embed tune": ["embed.py", "tune", "--ckpt", ckpt, "--pairs", lines, "--out-dir",
+                       folder / "tuned"],
         "train config": ["train.py", "--config", write("deep.json", '{"lr": ' + DEEP + "}")],
         "test hf config": ["test.py", "--ckpt", hf],
     }
@@ -338,7 +361,8 @@ def test_json_and_yaml_nested_too_deep_is_one_line_in_every_reader(run_dir, tmp_
     (dict(block_size=10**12), "GiB for their float32 weights alone"),
     (dict(vocab_size=7), "vocab_size 7 (the weights hold"),
 ])
-def test_a_checkpoint_that_claims_another_shape_is_refused_at_once(char_data, run_dir, tmp_path, lie, fragment):
+def test_a_checkpoint_that_claims_another_shape_is_refused_at_once(
+        char_data, run_dir, tmp_path, lie, fragment):
     checkpoint = torch.load(run_dir / "ckpt.pt", weights_only=True)
     checkpoint["model_config"].update(lie)
     torch.save(checkpoint, run_dir / "ckpt.pt")
@@ -346,16 +370,21 @@ def test_a_checkpoint_that_claims_another_shape_is_refused_at_once(char_data, ru
     save_gpt2(GPT(GPTConfig(block_size=32, vocab_size=16, n_layer=1, n_head=2, n_embd=32)), str(hf))
     config = json.loads((hf / "config.json").read_text())
     renamed = {"block_size": "n_positions"}
-    (hf / "config.json").write_text(json.dumps({**config, **{renamed.get(k, k): v for k, v in lie.items()}}))
-    ds = tmp_path / "ds"  # a DeepSpeed folder whose training state says the same, and its converted weights
-    fake_deepspeed_folder(ds, model_config=dict(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8))
-    module = torch.load(ds / "global_step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=True)
+    (hf / "config.json").write_text(
+        json.dumps({**config, **{renamed.get(k, k): v for k, v in lie.items()}}))
+    # a DeepSpeed folder whose training state says the same, and its converted weights
+    ds = tmp_path / "ds"
+    fake_deepspeed_folder(ds, model_config=dict(block_size=8, vocab_size=16, n_layer=1, n_head=1,
+                                                n_embd=8))
+    module = torch.load(ds / "global_step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                        weights_only=True)
     torch.save(module["module"], ds / "ckpt_ds.pt")
     state = json.loads((ds / "global_step4" / "train_state.json").read_text())
     state["model_config"].update({"n_head": 1, **lie})
     (ds / "global_step4" / "train_state.json").write_text(json.dumps(state))
-    commands = [["test.py", "--ckpt", run_dir / "ckpt.pt"], ["eval.py", "--ckpt", run_dir / "ckpt.pt", "--tasks",
-                "hellaswag"], ["test.py", "--ckpt", hf], ["test_ds.py", "--ckpt", ds / "ckpt_ds.pt"],
+    commands = [["test.py", "--ckpt", run_dir / "ckpt.pt"],
+                ["eval.py", "--ckpt", run_dir / "ckpt.pt", "--tasks", "hellaswag"],
+                ["test.py", "--ckpt", hf], ["test_ds.py", "--ckpt", ds / "ckpt_ds.pt"],
                 ["train.py", "--data-dir", char_data, "--out-dir", run_dir, "--init-from", "resume",
                  "--max-iters", "9"]]
     for script, *args in commands:
@@ -365,73 +394,85 @@ def test_a_checkpoint_that_claims_another_shape_is_refused_at_once(char_data, ru
         assert time.monotonic() - start < 5, script  # no model of the claimed shape is built
 
 
-# 3. a kill during DeepSpeed's save: `latest` empty or naming an incomplete tag falls back to a complete one
+# 3. a kill during DeepSpeed's save: `latest` empty or naming an incomplete tag falls back to a
+# complete one
 
-def test_deepspeed_killed_while_saving_resumes_from_the_newest_complete_tag(ds_ops, char_data, tmp_path):
+def test_deepspeed_killed_while_saving_resumes_from_the_newest_complete_tag(
+        ds_ops, char_data, tmp_path):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    train = [sys.executable, str(ROOT / "train_ds.py"), "--deepspeed_config", str(ROOT / "ds_config_zero1.json"),
-             "--data-dir", str(char_data), "--out-dir", str(tmp_path), *TINY_MODEL, "--optimizer", "adamw",
-             "--keep-checkpoints", "2"]
-    proc = subprocess.Popen([*train, "--save-interval", "1", "--max-iters", "100000"], cwd=tmp_path, env=env,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    train = [sys.executable, str(ROOT / "train_ds.py"), "--deepspeed_config",
+             str(ROOT / "ds_config_zero1.json"), "--data-dir", str(char_data), "--out-dir",
+             str(tmp_path), *TINY_MODEL, "--optimizer", "adamw", "--keep-checkpoints", "2"]
+    proc = subprocess.Popen([*train, "--save-interval", "1", "--max-iters", "100000"], cwd=tmp_path,
+                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     for line in proc.stdout:
-        if line.startswith("iter 5:"):  # a save after every step: the kill lands in one, or between two
+        # a save after every step: the kill lands in one, or between two
+        if line.startswith("iter 5:"):
             break
     proc.kill()  # kill -9: no handler runs
     proc.communicate(timeout=60)
     ds = tmp_path / "ds"
-    tags = sorted((p for p in ds.glob("global_step*")), key=lambda p: int(p.name.removeprefix("global_step")))
+    tags = sorted((p for p in ds.glob("global_step*")),
+                  key=lambda p: int(p.name.removeprefix("global_step")))
     assert len(tags) >= 2, list(ds.iterdir())
     (ds / "latest").write_text("")  # what a kill while DeepSpeed rewrites it leaves
     (ds / "latest_complete").unlink(missing_ok=True)
     (tags[-1] / "train_state.json").unlink(missing_ok=True)  # the newest tag: not all written
     complete = tags[-2].name
-    sampled = run_main("test_ds.py", "--ckpt", ds, "--max-new-tokens", "3", "--num-samples", "1", "--device", "cpu",
-                       env={"DS_ACCELERATOR": "cpu"})
+    sampled = run_main("test_ds.py", "--ckpt", ds, "--max-new-tokens", "3", "--num-samples", "1",
+                       "--device", "cpu", env={"DS_ACCELERATOR": "cpu"})
     assert sampled.returncode == 0, sampled.stderr
     notes = [line for line in sampled.stderr.splitlines() if line.startswith("note:")]
-    assert notes == [f"note: {ds}: `latest` is missing, empty or names an incomplete checkpoint; using the newest "
-                     f"complete one, {complete}"], sampled.stderr
+    assert notes == [f"note: {ds}: `latest` is missing, empty or names an incomplete checkpoint; "
+                     f"using the newest complete one, {complete}"], sampled.stderr
     step = int(complete.removeprefix("global_step"))
-    resumed = subprocess.run([*train, "--init-from", "resume", "--max-iters", str(step + 2)], cwd=tmp_path, env=env,
-                             text=True, capture_output=True, timeout=300)
+    resumed = subprocess.run([*train, "--init-from", "resume", "--max-iters", str(step + 2)],
+                             cwd=tmp_path, env=env, text=True, capture_output=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert f"resumed from {ds} at iteration {step}" in resumed.stdout
     assert (ds / "latest_complete").read_text().strip() == f"global_step{step + 2}"
 
 
-# 4. runs started in the same second never share a TensorBoard folder; names sort in time in any time zone
+# 4. runs started in the same second never share a TensorBoard folder; names sort in time in any
+# time zone
 
 def test_runs_started_together_log_to_folders_of_their_own(char_data, tmp_path):
     board = tmp_path / "board"
     flags = ["--data-dir", char_data, *TINY_MODEL, "--max-iters", "1", "--tensorboard-dir", board]
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), *map(str, flags), "--out-dir",
-                               str(tmp_path / name)], cwd=tmp_path, env={**os.environ, "TZ": zone},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), *map(str, flags),
+                               "--out-dir", str(tmp_path / name)], cwd=tmp_path,
+                              env={**os.environ, "TZ": zone}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
              for name, zone in (("a", "Asia/Shanghai"), ("b", "America/Los_Angeles"))]
     started = time.gmtime()
     for proc in procs:
         assert proc.wait(timeout=120) == 0, proc.communicate()[1]
     names = sorted(p.name for p in board.iterdir())
-    assert len(names) == 2 and {name.rsplit("-", 1)[1] for name in names} == {str(p.pid) for p in procs}, names
-    assert all(name.startswith(time.strftime("%Y%m%d-", started)) and "Z-" in name for name in names), names
-    again = [train(char_data, tmp_path / f"c{i}", "--max-iters", "1", "--tensorboard-dir", board) for i in (1, 2)]
+    assert (len(names) == 2 and
+            {name.rsplit("-", 1)[1] for name in names} == {str(p.pid) for p in procs}), names
+    assert all(name.startswith(time.strftime("%Y%m%d-", started)) and "Z-" in name
+               for name in names), names
+    again = [train(char_data, tmp_path / f"c{i}", "--max-iters", "1", "--tensorboard-dir", board)
+             for i in (1, 2)]
     assert all(result.returncode == 0 for result in again)
-    assert len(list(board.iterdir())) == 4  # two runs of one process in the same second: still two folders
+    # two runs of one process in the same second: still two folders
+    assert len(list(board.iterdir())) == 4
 
 
 # 5. tokenizer facts are checked when read
 
 @pytest.mark.parametrize("lie, fragment", [
     ({"chars": [104, 105]}, "chars [104, 105]; it must be a string of distinct characters"),
-    ({"chars": "aab"}, "chars 'aab'"), ({"eot_id": "x"}, "eot_id 'x'"), ({"vocab_size": -5}, "vocab_size -5"),
-    ({"special_tokens": {"start": "x"}}, "special_tokens"), ({"tokenizer": "sentencepiece"}, "unknown tokenizer"),
+    ({"chars": "aab"}, "chars 'aab'"), ({"eot_id": "x"}, "eot_id 'x'"),
+    ({"vocab_size": -5}, "vocab_size -5"), ({"special_tokens": {"start": "x"}}, "special_tokens"),
+    ({"tokenizer": "sentencepiece"}, "unknown tokenizer"),
 ])
 def test_tokenizer_facts_that_lie_are_one_line(run_dir, lie, fragment):
     checkpoint = torch.load(run_dir / "ckpt.pt", weights_only=True)
     checkpoint["tokenizer"].update(lie)
     torch.save(checkpoint, run_dir / "ckpt.pt")
-    assert_one_line_error(run_main("test.py", "--ckpt", run_dir / "ckpt.pt", "--device", "cpu"), fragment)
+    assert_one_line_error(run_main("test.py", "--ckpt", run_dir / "ckpt.pt", "--device", "cpu"),
+                          fragment)
 
 
 def test_a_char_model_whose_data_had_no_newline_samples_unconditionally(tmp_path):
@@ -439,10 +480,11 @@ def test_a_char_model_whose_data_had_no_newline_samples_unconditionally(tmp_path
     ids = np.random.default_rng(0).integers(0, 3, 3000).astype(np.uint16)
     write_nanogpt(str(tmp_path / "data"), ids[:2700], ids[2700:], facts)
     assert train(tmp_path / "data", tmp_path / "out", "--max-iters", "1").returncode == 0
-    result = run_main("test.py", "--ckpt", tmp_path / "out" / "ckpt.pt", "--device", "cpu", "--num-samples", "1",
-                      "--max-new-tokens", "8", "--no-stream")
+    result = run_main("test.py", "--ckpt", tmp_path / "out" / "ckpt.pt", "--device", "cpu",
+                      "--num-samples", "1", "--max-new-tokens", "8", "--no-stream")
     assert result.returncode == 0, result.stderr
-    assert set(result.stdout.splitlines()[0]) <= set("abc") and len(result.stdout.splitlines()[0]) == 8
+    assert (set(result.stdout.splitlines()[0]) <= set("abc") and
+            len(result.stdout.splitlines()[0]) == 8)
 
 
 # 6. long generation shows its progress
@@ -450,9 +492,11 @@ def test_a_char_model_whose_data_had_no_newline_samples_unconditionally(tmp_path
 def test_genfile_generation_shows_tokens_done_and_time_left(run_dir, tmp_path):
     # the bar is for a person watching: test.py as a real process whose stderr is a terminal
     leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
-    proc = subprocess.Popen([sys.executable, "test.py", "--ckpt", str(run_dir / "ckpt.pt"), "--device", "cpu",
-                             "--num-samples", "3", "--max-new-tokens", "20", "--genfile", str(tmp_path / "g.jsonl")],
+    # a new pty is 0 columns wide
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    proc = subprocess.Popen([sys.executable, "test.py", "--ckpt", str(run_dir / "ckpt.pt"),
+                             "--device", "cpu", "--num-samples", "3", "--max-new-tokens", "20",
+                             "--genfile", str(tmp_path / "g.jsonl")],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=follower)
     os.close(follower)
     shown = b""
@@ -473,17 +517,20 @@ def test_genfile_generation_shows_tokens_done_and_time_left(run_dir, tmp_path):
 
 
 def test_an_export_never_replaces_a_model_unless_overwrite(tmp_path):
-    """Issue 49: an export into a folder that holds a model refuses without --overwrite; with it, the folder is
-    replaced whole (the old model's tokenizer.json does not stay beside new weights)."""
+    """Issue 49: an export into a folder that holds a model refuses without --overwrite; with it,
+    the folder is replaced whole (the old model's tokenizer.json does not stay beside new
+    weights)."""
     def checkpoint(path, vocab_size, facts):
         torch.manual_seed(vocab_size)
         model = GPT(GPTConfig(block_size=16, vocab_size=vocab_size, n_layer=1, n_head=2, n_embd=16))
-        torch.save({"model": model.state_dict(), "model_config": vars(model.config), "tokenizer": facts,
-                    "iter_num": 1}, path)
+        torch.save({"model": model.state_dict(), "model_config": vars(model.config),
+                    "tokenizer": facts, "iter_num": 1}, path)
         return model
 
-    checkpoint(tmp_path / "gpt2.pt", 50257, {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256})
-    char = checkpoint(tmp_path / "char.pt", 4, {"tokenizer": "char", "vocab_size": 4, "eot_id": 3, "chars": "abc"})
+    checkpoint(tmp_path / "gpt2.pt", 50257,
+               {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256})
+    char = checkpoint(tmp_path / "char.pt", 4,
+                      {"tokenizer": "char", "vocab_size": 4, "eot_id": 3, "chars": "abc"})
     hf = tmp_path / "hf"
     assert run_main("test.py", "--ckpt", tmp_path / "gpt2.pt", "--export-hf", hf).returncode == 0
     before = {p.name: p.read_bytes() for p in hf.iterdir()}
@@ -494,25 +541,30 @@ def test_an_export_never_replaces_a_model_unless_overwrite(tmp_path):
     assert {p.name: p.read_bytes() for p in hf.iterdir() if p.name != "notes.txt"} == before
     replaced = run_main("test.py", "--ckpt", tmp_path / "char.pt", "--export-hf", hf, "--overwrite")
     assert replaced.returncode == 0, replaced.stderr
-    assert sorted(p.name for p in hf.iterdir()) == ["README.md", "config.json", "generation_config.json",
-                                                     "model.safetensors", "tokenizer_facts.json"]
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf")]  # no temporary folder left
-    sample = run_main("test.py", "--ckpt", hf, "--prompt", "ab", "--max-new-tokens", "3", "--device", "cpu")
+    assert sorted(p.name for p in hf.iterdir()) == ["README.md", "config.json",
+                                                    "generation_config.json", "model.safetensors",
+                                                    "tokenizer_facts.json"]
+    # no temporary folder left
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf")]
+    sample = run_main("test.py", "--ckpt", hf, "--prompt", "ab", "--max-new-tokens", "3",
+                      "--device", "cpu")
     assert sample.returncode == 0, sample.stderr
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"someone's model")
-    assert_one_line_error(run_main("test.py", "--ckpt", tmp_path / "char.pt", "--export-gguf", gguf),
-                          "already holds a file")
+    assert_one_line_error(run_main("test.py", "--ckpt", tmp_path / "char.pt", "--export-gguf",
+                                   gguf), "already holds a file")
     assert gguf.read_bytes() == b"someone's model"
-    assert run_main("test.py", "--ckpt", tmp_path / "char.pt", "--export-gguf", gguf, "--overwrite").returncode == 0
+    assert run_main("test.py", "--ckpt", tmp_path / "char.pt", "--export-gguf", gguf,
+                    "--overwrite").returncode == 0
     assert gguf.read_bytes()[:4] == b"GGUF"
     assert char.config.vocab_size == 4
 
 
 def test_out_of_gpu_memory_is_one_line_saying_what_to_change_and_keeps_the_checkpoint(
         run_dir, char_data, monkeypatch, tmp_path):
-    """Issue 49: torch's OutOfMemoryError, raised where a real GPU raises it (the model's forward), in training
-    (resumed, so a checkpoint is on disk), fine-tuning, sampling, evaluation and embedding."""
+    """Issue 49: torch's OutOfMemoryError, raised where a real GPU raises it (the model's forward),
+    in training (resumed, so a checkpoint is on disk), fine-tuning, sampling, evaluation and
+    embedding."""
     import model
     calls = {"n": 0}
 
@@ -524,18 +576,24 @@ def test_out_of_gpu_memory_is_one_line_saying_what_to_change_and_keeps_the_check
     before = (run_dir / "ckpt.pt").read_bytes()
     ckpt = run_dir / "ckpt.pt"
     (tmp_path / "docs.txt").write_text("a document\n")
-    (tmp_path / "cls.jsonl").write_text('{"text": "a b", "label": "x"}\n{"text": "c d", "label": "y"}\n')
+    (tmp_path / "cls.jsonl").write_text('{"text": "a b", "label": "x"}\n'
+                                        '{"text": "c d", "label": "y"}\n')
     runs = {"train.py": train(char_data, run_dir, "--init-from", "resume", "--max-iters", "8"),
-            "finetune.py": run_main("finetune.py", "--task", "classify", "--train", tmp_path / "cls.jsonl", "--val",
-                                    tmp_path / "cls.jsonl", "--init-from", ckpt, "--out-dir", tmp_path / "ft",
+            "finetune.py": run_main("finetune.py", "--task", "classify", "--train",
+                                    tmp_path / "cls.jsonl", "--val", tmp_path / "cls.jsonl",
+                                    "--init-from", ckpt, "--out-dir", tmp_path / "ft",
                                     "--device", "cpu"),
-            "test.py": run_main("test.py", "--ckpt", ckpt, "--max-new-tokens", "5", "--device", "cpu"),
-            "eval.py": run_main("eval.py", "--ckpt", ckpt, "--data-dir", char_data, "--device", "cpu"),
-            "embed.py": run_main("embed.py", "encode", "--ckpt", ckpt, "--input", tmp_path / "docs.txt",
-                                 "--out", tmp_path / "emb", "--device", "cpu")}
+            "test.py": run_main("test.py", "--ckpt", ckpt, "--max-new-tokens", "5",
+                                "--device", "cpu"),
+            "eval.py": run_main("eval.py", "--ckpt", ckpt, "--data-dir", char_data,
+                                "--device", "cpu"),
+            "embed.py": run_main("embed.py", "encode", "--ckpt", ckpt, "--input",
+                                 tmp_path / "docs.txt", "--out", tmp_path / "emb",
+                                 "--device", "cpu")}
     for script, result in runs.items():
         assert result.returncode == 1, (script, result.stderr[-2000:])
-        assert_one_line_error(result, "out of GPU memory", "Tried to allocate 20.00 GiB", "--batch-size")
+        assert_one_line_error(result, "out of GPU memory", "Tried to allocate 20.00 GiB",
+                              "--batch-size")
     assert calls["n"] >= len(runs)
     assert_unchanged(run_dir, before)
     assert not list(tmp_path.glob("emb*"))
@@ -544,8 +602,8 @@ def test_out_of_gpu_memory_is_one_line_saying_what_to_change_and_keeps_the_check
 @pytest.mark.parametrize("size", ["100000000000000000000", "1000000000"])
 def test_an_absurd_bpe_vocabulary_size_is_one_line(tmp_path, size):
     (tmp_path / "t.txt").write_text("some text to train on\n")
-    result = run_main("tokenizer.py", "--input", tmp_path / "t.txt", "--tokenizer", "bpe", "--vocab-size", size,
-                      "--output-dir", tmp_path / "out")
+    result = run_main("tokenizer.py", "--input", tmp_path / "t.txt", "--tokenizer", "bpe",
+                      "--vocab-size", size, "--output-dir", tmp_path / "out")
     assert_one_line_error(result, f"--vocab-size {size} is more than 1,048,576")
 
 
@@ -554,21 +612,23 @@ def test_a_tokenizer_file_with_a_gap_in_its_ids_keeps_every_id(tmp_path):
     from toolkit.tokenizers import SPELLING
     vocab = {SPELLING[b]: b for b in range(256)}
     vocab["<|endoftext|>"], vocab["ab"] = 256, 70000
-    spec = {"version": "1.0", "added_tokens": [{"id": 256, "content": "<|endoftext|>", "single_word": False,
-                                                "lstrip": False, "rstrip": False, "normalized": False,
+    spec = {"version": "1.0", "added_tokens": [{"id": 256, "content": "<|endoftext|>",
+                                                "single_word": False, "lstrip": False,
+                                                "rstrip": False, "normalized": False,
                                                 "special": True}],
             "normalizer": None, "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
                                                   "trim_offsets": True, "use_regex": True},
             "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": True,
                                                 "trim_offsets": True, "use_regex": True},
-            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
+            "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                      "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
                       "merges": [["a", "b"]]}}
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     (tmp_path / "t.txt").write_text("ab ab cab\n" * 50)
     out = tmp_path / "out"
-    result = run_main("tokenizer.py", "--input", tmp_path / "t.txt", "--tokenizer-file", tmp_path / "tokenizer.json",
-                      "--output-dir", out)
+    result = run_main("tokenizer.py", "--input", tmp_path / "t.txt", "--tokenizer-file",
+                      tmp_path / "tokenizer.json", "--output-dir", out)
     assert result.returncode == 0, result.stderr
     meta = json.loads((out / "meta.json").read_text())
     assert meta["vocab_size"] == 70001 and meta["dtype"] == "uint32", meta
@@ -576,16 +636,19 @@ def test_a_tokenizer_file_with_a_gap_in_its_ids_keeps_every_id(tmp_path):
     assert 70000 in ids and ids.max() == 70000
 
 
-def test_a_request_that_would_never_finish_shows_progress_and_ctrl_c_keeps_the_samples(run_dir, tmp_path):
-    """Issue 49: no terminal, a billion tokens a sample: progress on stderr within seconds; Ctrl-C keeps the
-    samples finished by then in the genfile."""
+def test_a_request_that_would_never_finish_shows_progress_and_ctrl_c_keeps_the_samples(
+        run_dir, tmp_path):
+    """Issue 49: no terminal, a billion tokens a sample: progress on stderr within seconds; Ctrl-C
+    keeps the samples finished by then in the genfile."""
     def interrupted_once_sampling(genfile, max_new_tokens) -> tuple[int, str]:
-        proc = subprocess.Popen([sys.executable, "test.py", "--ckpt", str(run_dir / "ckpt.pt"), "--device", "cpu",
-                                 "--num-samples", "1000000", "--max-new-tokens", max_new_tokens, "--genfile",
-                                 str(genfile)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "test.py", "--ckpt", str(run_dir / "ckpt.pt"),
+                                 "--device", "cpu", "--num-samples", "1000000", "--max-new-tokens",
+                                 max_new_tokens, "--genfile", str(genfile)],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 env={**os.environ, "PYTHONFAULTHANDLER": "1"})
         shown, began = "", time.monotonic()
-        while "tok/s" not in shown and time.monotonic() - began < 120:  # (a bar without a terminal ends no line)
+        # (a bar without a terminal ends no line)
+        while "tok/s" not in shown and time.monotonic() - began < 120:
             shown += os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
         proc.send_signal(signal.SIGINT)
         try:
@@ -593,13 +656,15 @@ def test_a_request_that_would_never_finish_shows_progress_and_ctrl_c_keeps_the_s
         except subprocess.TimeoutExpired:  # where every thread is: faulthandler's dump on SIGABRT
             proc.send_signal(signal.SIGABRT)
             proc.wait(timeout=30)
-            pytest.fail(f"no exit 60 s after SIGINT: {shown[-300:]}{proc.stderr.read().decode(errors='replace')}")
+            pytest.fail(f"no exit 60 s after SIGINT: {shown[-300:]}"
+                        f"{proc.stderr.read().decode(errors='replace')}")
         return status, shown + proc.stderr.read().decode(errors="replace")
 
     status, shown = interrupted_once_sampling(tmp_path / "huge.jsonl", "1000000000")
     assert status == 130 and "sampling:" in shown and "/1000000000000000" in shown, shown
     kept = [json.loads(line) for line in (tmp_path / "huge.jsonl").read_text().splitlines()]
-    assert all(line["finished"] for line in kept)  # only samples that ended (at end-of-text), each whole
+    # only samples that ended (at end-of-text), each whole
+    assert all(line["finished"] for line in kept)
     status, shown = interrupted_once_sampling(tmp_path / "short.jsonl", "4")
     assert status == 130 and "holds the samples finished before the interrupt" in shown, shown
     lines = [json.loads(line) for line in (tmp_path / "short.jsonl").read_text().splitlines()]

@@ -1,5 +1,5 @@
-"""The project's shape: the scripts a user runs at the top, everything else in one package, model.py a leaf, and
-imports (those inside functions too) that go one way."""
+"""The project's shape: the scripts a user runs at the top, everything else in one package, model.py
+a leaf, and imports (those inside functions too) that go one way."""
 import ast
 import sys
 
@@ -9,9 +9,11 @@ PACKAGE = "toolkit"
 
 
 def modules() -> dict[str, ast.Module]:
-    """{module name: its syntax tree} of the scripts and the package (not the tests or benchmarks)."""
+    """{module name: its syntax tree} of the scripts and the package (not the tests or
+    benchmarks)."""
     files = {path.stem: path for path in ROOT.glob("*.py")}
-    files |= {f"{PACKAGE}.{path.stem}": path for path in (ROOT / PACKAGE).glob("*.py") if path.stem != "__init__"}
+    files |= {f"{PACKAGE}.{path.stem}": path for path in (ROOT / PACKAGE).glob("*.py")
+              if path.stem != "__init__"}
     return {name: ast.parse(path.read_text(), str(path)) for name, path in files.items()}
 
 
@@ -23,7 +25,8 @@ def imports(tree: ast.Module, known: set[str]) -> set[str]:
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             found.add(node.module)
-            found |= {f"{node.module}.{alias.name}" for alias in node.names}  # from toolkit import cli
+            # from toolkit import cli
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
     return found & known
 
 
@@ -89,15 +92,16 @@ def test_the_cycle_finder_finds_cycles():
     assert cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
-def test_no_module_is_over_450_lines_and_the_model_of_two_families_over_600():
+def test_no_module_is_over_480_lines_and_the_model_of_two_families_over_640():
     for path in [*ROOT.glob("*.py"), *(ROOT / PACKAGE).glob("*.py")]:
-        limit = 600 if path.name == "model.py" else 450  # as nanochat's gpt.py (555): both families in one file
+        # as nanochat's gpt.py (555, at up to 120 characters a line): both families in one file
+        limit = 640 if path.name == "model.py" else 480
         assert len(path.read_text().splitlines()) <= limit, path.name
 
 
 def test_engines_and_objectives_implement_the_declared_parts():
-    """Every engine and objective has each method of its Protocol (toolkit/training.py), taking its parameters
-    (an objective may name its batch for what it holds)."""
+    """Every engine and objective has each method of its Protocol (toolkit/training.py), taking its
+    parameters (an objective may name its batch for what it holds)."""
     import inspect
 
     from toolkit.sft import ChatObjective
@@ -111,7 +115,8 @@ def test_engines_and_objectives_implement_the_declared_parts():
         return [name for name in inspect.signature(function).parameters if name != "self"]
 
     for protocol, classes in ((Engine, (TorchEngine, DeepSpeedEngine)),
-                              (Objective, (LanguageModeling, TaskObjective, ChatObjective, Contrastive))):
+                              (Objective, (LanguageModeling, TaskObjective, ChatObjective,
+                                           Contrastive))):
         declared = {name: parameters(member) for name, member in vars(protocol).items()
                     if inspect.isfunction(member) and not name.startswith("_")}
         assert len(declared) >= 6
@@ -119,4 +124,5 @@ def test_engines_and_objectives_implement_the_declared_parts():
             for name, wanted in declared.items():
                 assert callable(getattr(cls, name, None)), f"{cls.__name__} has no {name}"
                 found = parameters(getattr(cls, name))
-                assert len(found) >= len(wanted) and found[:1] == wanted[:1], (cls.__name__, name, found)
+                assert len(found) >= len(wanted) and found[:1] == wanted[:1], \
+                    (cls.__name__, name, found)

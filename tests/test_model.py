@@ -1,5 +1,5 @@
-"""model.py: the network, nanoGPT's (logits, loss) contract and the chunked loss, attention kernels, the KV cache
-and sampling. HF numerics are tests/test_hf.py's."""
+"""model.py: the network, nanoGPT's (logits, loss) contract and the chunked loss, attention kernels,
+the KV cache and sampling. HF numerics are tests/test_hf.py's."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,10 +25,12 @@ def test_bad_inputs_raise_clear_value_errors():
 
 
 def test_training_forward_is_one_graph():
-    """Token ids are checked where they enter (data, generate), not per forward: no host sync, no graph break."""
+    """Token ids are checked where they enter (data, generate), not per forward: no host sync, no
+    graph break."""
     m = tiny_gpt()
     idx = torch.randint(0, VOCAB, (2, 16))
-    compiled = torch.compile(m, fullgraph=True, backend="eager")  # fullgraph: a graph break is an error
+    # fullgraph: a graph break is an error
+    compiled = torch.compile(m, fullgraph=True, backend="eager")
     assert torch.equal(compiled(idx, idx, chunked_loss=True)[1], m(idx, idx, chunked_loss=True)[1])
 
 
@@ -43,10 +45,12 @@ def test_attention_kernels_agree_on_cpu():
         m = GPT(tiny_config(attn_kernel=kernel)).eval()
         m.load_state_dict(ref.state_dict())
         assert torch.allclose(m(idx)[0], ref(idx)[0], atol=1e-5)
-    for kernel in ("efficient", "cudnn"):  # checked where a script meets the device (toolkit/device.py)
+    # checked where a script meets the device (toolkit/device.py)
+    for kernel in ("efficient", "cudnn"):
         m = GPT(tiny_config(attn_kernel=kernel))
         with pytest.raises(ValueError,
-                           match=f"attn_kernel '{kernel}' cannot run on cpu.*available: auto, manual, flash, math"):
+                           match=f"attn_kernel '{kernel}' cannot run on cpu.*available: auto, "
+                                 "manual, flash, math"):
             check_attn_kernel(m, torch.device("cpu"), torch.float32)
 
 
@@ -64,23 +68,27 @@ def test_auto_kernel_writes_attention_out_for_bfloat16_on_cpu():
 def test_auto_kernel_leaves_long_bfloat16_attention_to_sdpa():
     """Beyond MANUAL_MAX_KEYS keys, auto is SDPA's flash kernel on CPU, not the written-out form."""
     T = model.MANUAL_MAX_KEYS + 1
-    layer = model.CausalSelfAttention(GPTConfig(block_size=T, vocab_size=VOCAB, n_layer=1, n_head=1, n_embd=8)).eval()
+    layer = model.CausalSelfAttention(GPTConfig(block_size=T, vocab_size=VOCAB, n_layer=1, n_head=1,
+                                                n_embd=8)).eval()
     x = torch.randn(1, T, 8).to(torch.bfloat16)
     outputs = {}
     for kernel in ("auto", "flash", "manual"):
         layer.kernel = kernel
         outputs[kernel] = layer.to(torch.bfloat16)(x)
-    assert torch.equal(outputs["auto"], outputs["flash"]) and not torch.equal(outputs["auto"], outputs["manual"])
+    assert torch.equal(outputs["auto"], outputs["flash"]) and \
+        not torch.equal(outputs["auto"], outputs["manual"])
 
 
 def test_manual_attention_matches_sdpa_in_gradients_and_drops_attention_weights():
     q, k, v = (torch.randn(2, 3, 10, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     grad = torch.randn(2, 3, 10, 8, dtype=torch.float64)
     ours = torch.autograd.grad(model.manual_attention(q, k, v, 0.0), (q, k, v), grad)
-    sdpa = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad)
+    sdpa = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v),
+                               grad)
     for a, b in zip(ours, sdpa):
         assert torch.allclose(a, b, atol=1e-12)
-    assert torch.equal(model.manual_attention(q, k, v, 1.0), torch.zeros_like(q))  # every weight dropped
+    # every weight dropped
+    assert torch.equal(model.manual_attention(q, k, v, 1.0), torch.zeros_like(q))
 
 
 @pytest.mark.parametrize("kernel", ["auto", "manual", "math", "flash"])
@@ -135,7 +143,8 @@ def test_eos_stops_each_sequence():
     idx = torch.randint(0, VOCAB, (2, 3))
     new = m.generate(idx, 30, temperature=0)[:, 3:]
     # an eos that both rows emit, first at different steps
-    firsts = {t: [row.tolist().index(t) for row in new] for t in set(new[0].tolist()) & set(new[1].tolist())}
+    firsts = {t: [row.tolist().index(t) for row in new]
+              for t in set(new[0].tolist()) & set(new[1].tolist())}
     eos, (f0, f1) = next((t, f) for t, f in firsts.items() if f[0] != f[1])
     out = m.generate(idx, 30, temperature=0, eos_token=eos)[:, 3:]
     assert out.size(1) == max(f0, f1) + 1 < 30
@@ -158,7 +167,8 @@ def test_generate_stream_matches_generate_and_restores_mode():
 
 def naive_loss(m: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = m.lm_head(m.hidden_states(idx))
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
+                           ignore_index=-1)
 
 
 def loss_and_grads(m, loss_fn):
@@ -175,7 +185,8 @@ def test_forward_returns_logits_and_loss_as_nanogpt():
     logits, loss = m(idx, targets)
     assert logits.shape == (2, 16, VOCAB) and loss.shape == ()
     assert torch.equal(logits, m(idx)[0]) and m(idx)[1] is None
-    assert loss.item() == pytest.approx(F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=-1)
+    assert loss.item() == pytest.approx(F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1),
+                                                        ignore_index=-1)
                                         .item(), rel=1e-6)
 
 
@@ -191,7 +202,8 @@ def test_chunked_loss_matches_plain_cross_entropy(monkeypatch, chunk_elements):
     fused, fused_grads = loss_and_grads(m, lambda: m(idx, targets, chunked_loss=True)[1])
     assert m(idx, targets, chunked_loss=True)[0] is None  # the logits are never built
     ref, ref_grads = loss_and_grads(m, lambda: m(idx, targets)[1])
-    assert torch.allclose(fused, ref, rtol=1e-6) and torch.allclose(ref, naive_loss(m, idx, targets), rtol=1e-6)
+    assert torch.allclose(fused, ref, rtol=1e-6) and \
+        torch.allclose(ref, naive_loss(m, idx, targets), rtol=1e-6)
     for name, g in ref_grads.items():
         assert rel_err(fused_grads[name], g) < 1e-5, name
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -227,7 +239,8 @@ def test_chunked_loss_with_a_frozen_head_gives_the_same_gradients_and_none_for_t
     m = tiny_gpt().train()
     idx, targets = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
     _, ref_grads = loss_and_grads(m, lambda: m(idx, targets)[1])
-    m.lm_head.weight.requires_grad_(False)  # as LoRA freezes it (tied: the embedding too): no gradient matmul
+    # as LoRA freezes it (tied: the embedding too): no gradient matmul
+    m.lm_head.weight.requires_grad_(False)
     m.zero_grad()
     m(idx, targets, chunked_loss=True)[1].backward()
     assert m.lm_head.weight.grad is None
@@ -243,14 +256,16 @@ def test_param_count_and_flops():
     assert gpt2.num_params(non_embedding=False) == 124_439_808
     assert gpt2.num_params() == 124_439_808 - 1024 * 768
     assert gpt2.flops_per_token() == 6 * gpt2.num_params() + 12 * 12 * 12 * 64 * 1024
-    for bias in (True, False):  # counted from the config (ZeRO-3 partitions the tensors), equal to the tensors
+    # counted from the config (ZeRO-3 partitions the tensors), equal to the tensors
+    for bias in (True, False):
         m = tiny_gpt(bias=bias)
         assert m.num_params(non_embedding=False) == sum(p.numel() for p in m.parameters())
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(n_layer=0), "n_layer must be a positive integer"), (dict(n_embd="64"), "n_embd must be a positive integer"),
-    (dict(n_head=3), "divisible"), (dict(dropout=1.0), "dropout"), (dict(bias="no"), "bias")])
+    (dict(n_layer=0), "n_layer must be a positive integer"),
+    (dict(n_embd="64"), "n_embd must be a positive integer"), (dict(n_head=3), "divisible"),
+    (dict(dropout=1.0), "dropout"), (dict(bias="no"), "bias")])
 def test_impossible_config_is_refused_before_allocation(change, message):
     with pytest.raises(ValueError, match=message):
         GPT(tiny_config(**change))
@@ -273,7 +288,8 @@ def test_crop_block_size_and_optimizer():
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() < 2 for p in no_decay["params"])
-    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == m.num_params(non_embedding=False)
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == \
+        m.num_params(non_embedding=False)
 
 
 def test_sampling_distribution():
@@ -283,18 +299,21 @@ def test_sampling_distribution():
     def freqs(**kw):
         return torch.bincount(model.sample(logits, **kw), minlength=4) / 40000
 
-    assert torch.allclose(freqs(temperature=1.0, top_k=None, top_p=None), logits[0].softmax(-1), atol=0.01)
-    assert torch.allclose(freqs(temperature=2.0, top_k=None, top_p=None), (logits[0] / 2).softmax(-1), atol=0.01)
-    top2 = torch.tensor([1.0, 1.0, 0.0, 0.0]) * logits[0].softmax(-1) / logits[0].softmax(-1)[:2].sum()
+    assert torch.allclose(freqs(temperature=1.0, top_k=None, top_p=None), logits[0].softmax(-1),
+                          atol=0.01)
+    assert torch.allclose(freqs(temperature=2.0, top_k=None, top_p=None),
+                          (logits[0] / 2).softmax(-1), atol=0.01)
+    top2 = torch.tensor([1.0, 1.0, 0.0, 0.0]) * logits[0].softmax(-1) / \
+        logits[0].softmax(-1)[:2].sum()
     assert torch.allclose(freqs(temperature=1.0, top_k=2, top_p=None), top2, atol=0.01)
     # softmax is about [0.64, 0.24, 0.09, 0.03]: top_p 0.8 keeps the first two
     assert torch.allclose(freqs(temperature=1.0, top_k=None, top_p=0.8), top2, atol=0.01)
 
 
 def test_the_padded_vocabulary_is_invisible_outside_the_head():
-    """The head computes the vocabulary padded to a multiple of 64 (aligned GPU kernels): the padded columns
-    get no probability and no gradient, and the weights, the logits returned and the state dict keep the true
-    vocabulary (211)."""
+    """The head computes the vocabulary padded to a multiple of 64 (aligned GPU kernels): the padded
+    columns get no probability and no gradient, and the weights, the logits returned and the state
+    dict keep the true vocabulary (211)."""
     m = tiny_gpt().train()
     idx = torch.randint(0, VOCAB, (2, 16))
     hidden = m.hidden_states(idx)
@@ -305,7 +324,8 @@ def test_the_padded_vocabulary_is_invisible_outside_the_head():
     logits, loss = m(idx, idx)
     assert logits.shape == (2, 16, VOCAB) and torch.isfinite(logits).all()
     loss.backward()
-    assert m.lm_head.weight.grad.shape == (VOCAB, 64) and torch.isfinite(m.lm_head.weight.grad).all()
+    assert m.lm_head.weight.grad.shape == (VOCAB, 64) and \
+        torch.isfinite(m.lm_head.weight.grad).all()
     assert m.state_dict()["lm_head.weight"].shape == (VOCAB, 64)
     aligned = tiny_gpt(vocab_size=128)  # a multiple of 64 already: the head as it is
     hidden = aligned.hidden_states(idx % 128)
@@ -317,8 +337,8 @@ def tiny_llama(**kw) -> GPT:
 
 
 def test_the_llama_family_generates_the_same_tokens_with_and_without_its_cache():
-    """Rotary positions, GQA (2 key/value heads for 4 query heads) and QK-norm through the KV cache, past the block
-    size (the context is cut and prefilled again), greedy and sampled."""
+    """Rotary positions, GQA (2 key/value heads for 4 query heads) and QK-norm through the KV cache,
+    past the block size (the context is cut and prefilled again), greedy and sampled."""
     m = tiny_llama()
     prompt = torch.randint(0, VOCAB, (2, 5))
     for options in (dict(temperature=0), dict(temperature=1.0, top_k=20)):
@@ -339,13 +359,15 @@ def test_the_llama_family_trains_both_loss_paths_alike_in_one_graph():
     assert not torch.equal(m.lm_head.weight, m.transformer.wte.weight)  # untied
     assert "transformer.wpe.weight" not in m.state_dict()  # rotary positions: none learned
     compiled = torch.compile(m, fullgraph=True, backend="eager")
-    assert torch.equal(compiled(idx, targets, chunked_loss=True)[1], m(idx, targets, chunked_loss=True)[1])
+    assert torch.equal(compiled(idx, targets, chunked_loss=True)[1],
+                       m(idx, targets, chunked_loss=True)[1])
     assert m.config.num_params(non_embedding=False) == sum(p.numel() for p in m.parameters())
 
 
 @pytest.mark.parametrize("config, message", [
     (dict(qk_norm=True), "GPT-2 has no qk_norm"), (dict(n_kv_head=2), "GPT-2 has no n_kv_head"),
-    (dict(arch="llama"), "no biases"), (dict(arch="llama", bias=False, n_kv_head=3), "multiple of n_kv_head"),
+    (dict(arch="llama"), "no biases"),
+    (dict(arch="llama", bias=False, n_kv_head=3), "multiple of n_kv_head"),
     (dict(arch="mamba"), "unknown arch")])
 def test_a_config_of_neither_family_is_refused(config, message):
     with pytest.raises(ValueError, match=message):

@@ -1,5 +1,5 @@
-"""test.py and toolkit/sampling.py: sampling from checkpoints and HF directories, streaming, interactive prompts,
-JSONL output that is whole or absent."""
+"""test.py and toolkit/sampling.py: sampling from checkpoints and HF directories, streaming,
+interactive prompts, JSONL output that is whole or absent."""
 import json
 import resource
 import signal
@@ -20,13 +20,16 @@ SAMPLE = ["--device", "cpu", "--max-new-tokens", "24"]
 
 def write_checkpoint(path, facts: dict, rig_eot: bool = False) -> GPT:
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=32, vocab_size=facts["vocab_size"], n_layer=1, n_head=2, n_embd=16))
-    if rig_eot:  # every position's hidden state becomes all-ones and the EOT row dominates the logits
+    model = GPT(GPTConfig(block_size=32, vocab_size=facts["vocab_size"], n_layer=1, n_head=2,
+                          n_embd=16))
+    # every position's hidden state becomes all-ones and the EOT row dominates the logits
+    if rig_eot:
         with torch.no_grad():
             model.transformer.ln_f.weight.zero_()
             model.transformer.ln_f.bias.fill_(1.0)
             model.transformer.wte.weight[facts["eot_id"]] = 10.0
-    save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config), "tokenizer": facts}, str(path))
+    save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config),
+                     "tokenizer": facts}, str(path))
     return model
 
 
@@ -56,8 +59,8 @@ def test_same_seed_same_samples_and_prompt_from_file(char_ckpt, tmp_path):
 
 
 def test_interactive_prompt_loop(char_ckpt):
-    result = run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, "--interactive", "--num-samples", "1",
-                        input="class \nfor \n\n")
+    result = run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, "--interactive", "--num-samples",
+                      "1", input="class \nfor \n\n")
     assert result.returncode == 0, result.stderr
     assert "class " in result.stdout and "for " in result.stdout
 
@@ -66,8 +69,8 @@ def test_unconditional_genfile_and_stop_at_eot(tmp_path):
     path = tmp_path / "ckpt.pt"
     write_checkpoint(path, {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256}, rig_eot=True)
     genfile = tmp_path / "gen.jsonl"
-    result = run_main("test.py", "--ckpt", path, *SAMPLE, "--num-samples", "3", "--micro-batch-size", "2",
-                        "--genfile", genfile, "--temperature", "0")
+    result = run_main("test.py", "--ckpt", path, *SAMPLE, "--num-samples", "3",
+                      "--micro-batch-size", "2", "--genfile", genfile, "--temperature", "0")
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in genfile.read_text().splitlines()]
     assert lines == [{"text": "", "length": 0, "finished": True}] * 3
@@ -89,16 +92,19 @@ def test_samples_from_hf_gpt2_directory(tmp_path):
 @pytest.mark.parametrize("args,fragment", [
     (["--num-samples", "0"], "--num-samples"),
     (["--prompt", "\u4e2d\u6587"], "not in the char vocabulary"),
-    (["--prompt", "FILE:/nonexistent/prompt.txt"], "--prompt FILE: not found: /nonexistent/prompt.txt"),
+    (["--prompt", "FILE:/nonexistent/prompt.txt"],
+     "--prompt FILE: not found: /nonexistent/prompt.txt"),
     (["--top-k", "x"], "--top-k: invalid int value: 'x'"),
-    (["--attn-kernel", "efficient"], "attn_kernel 'efficient' cannot run on cpu"),  # SDPA's needs CUDA
+    # SDPA's needs CUDA
+    (["--attn-kernel", "efficient"], "attn_kernel 'efficient' cannot run on cpu"),
 ])
 def test_bad_sampling_input(char_ckpt, args, fragment):
     assert_one_line_error(run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, *args), fragment)
 
 
 def test_missing_checkpoint(tmp_path):
-    assert_one_line_error(run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", "--device", "cpu"), "not found")
+    assert_one_line_error(run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", "--device", "cpu"),
+                          "not found")
 
 
 def test_genfile_is_not_replaced_without_overwrite(char_ckpt, tmp_path):
@@ -107,26 +113,28 @@ def test_genfile_is_not_replaced_without_overwrite(char_ckpt, tmp_path):
     result = run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, "--genfile", genfile)
     assert_one_line_error(result, "already exists", "--overwrite")
     assert genfile.read_text() == "earlier samples\n"
-    ok = run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, "--genfile", genfile, "--overwrite", "--num-samples", "1")
+    ok = run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, "--genfile", genfile, "--overwrite",
+                  "--num-samples", "1")
     assert ok.returncode == 0 and len(genfile.read_text().splitlines()) == 1
 
 
 def test_hf_export_of_a_char_model_samples_and_generates_in_transformers(char_data, tmp_path):
-    """A char vocabulary's end-of-text id is its own (past the characters): the export names it, and keeps the
-    toolkit's tokenizer facts."""
+    """A char vocabulary's end-of-text id is its own (past the characters): the export names it, and
+    keeps the toolkit's tokenizer facts."""
     import transformers
     facts = json.loads((char_data / "meta.json").read_text())
     model = write_checkpoint(tmp_path / "ckpt.pt", facts)
     save_gpt2(model, str(tmp_path / "hf"), facts)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["bos_token_id"] == config["eos_token_id"] == len(facts["chars"]) == facts["eot_id"]
+    assert config["bos_token_id"] == config["eos_token_id"] == len(facts["chars"]) == \
+        facts["eot_id"]
     assert oct((tmp_path / "hf" / "model.safetensors").stat().st_mode & 0o777) != oct(0o600)
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     out = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 8)
     genfile = tmp_path / "gen.jsonl"
-    sampled = run_main("test.py", "--ckpt", tmp_path / "hf", *SAMPLE, "--prompt", "def ", "--genfile", genfile,
-                         "--num-samples", "1", "--temperature", "0")
+    sampled = run_main("test.py", "--ckpt", tmp_path / "hf", *SAMPLE, "--prompt", "def ",
+                       "--genfile", genfile, "--num-samples", "1", "--temperature", "0")
     assert sampled.returncode == 0, sampled.stderr
     from_ckpt = run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", *SAMPLE, "--prompt", "def ",
                            "--num-samples", "1", "--temperature", "0", "--no-stream")
@@ -138,11 +146,15 @@ def limit_file_size():
     resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
 
 
-def test_a_genfile_that_cannot_be_written_is_one_line_and_leaves_no_partial_file(char_ckpt, tmp_path):
-    """The file size limit stands in for a full disk: the samples that fit are not left behind as a short file."""
+def test_a_genfile_that_cannot_be_written_is_one_line_and_leaves_no_partial_file(
+        char_ckpt, tmp_path):
+    """The file size limit stands in for a full disk: the samples that fit are not left behind as a
+    short file."""
     genfile = tmp_path / "samples.jsonl"
-    cmd = [sys.executable, str(ROOT / "test.py"), "--ckpt", str(char_ckpt), *SAMPLE, "--num-samples", "200",
-           "--batch-size", "50", "--genfile", str(genfile)]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=limit_file_size)
-    assert_one_line_error(result, f"cannot write {genfile}", "file size limit", "nothing was replaced")
+    cmd = [sys.executable, str(ROOT / "test.py"), "--ckpt", str(char_ckpt), *SAMPLE,
+           "--num-samples", "200", "--batch-size", "50", "--genfile", str(genfile)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            preexec_fn=limit_file_size)
+    assert_one_line_error(result, f"cannot write {genfile}", "file size limit",
+                          "nothing was replaced")
     assert list(tmp_path.iterdir()) == []

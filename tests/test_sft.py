@@ -1,5 +1,6 @@
-"""Instruction tuning (finetune.py --task sft, toolkit/chat.py), LoRA (toolkit/lora.py, --lora-rank, --merge-lora),
-the chat loop (test.py --chat), exact resume of a fine-tuning, torchrun, and bad input."""
+"""Instruction tuning (finetune.py --task sft, toolkit/chat.py), LoRA (toolkit/lora.py, --lora-rank,
+--merge-lora), the chat loop (test.py --chat), exact resume of a fine-tuning, torchrun, and bad
+input."""
 import json
 import os
 import shutil
@@ -14,8 +15,9 @@ import transformers
 from conftest import ROOT, assert_one_line_error, gguf_logits, rel_err, run_main, run_script
 from model import GPT, GPTConfig
 from toolkit import lora
-from toolkit.chat import (CHAT_TOKENS, add_chat_tokens, chat_prompt, encode_conversation, encode_conversations,
-                          export_template, fit_history, messages_of, pad_conversations, render)
+from toolkit.chat import (CHAT_TOKENS, add_chat_tokens, chat_prompt, encode_conversation,
+                          encode_conversations, export_template, fit_history, messages_of,
+                          pad_conversations, render)
 from toolkit.checkpoint import load_checkpoint
 from toolkit.distributed import free_port
 from toolkit.files import fingerprint
@@ -28,7 +30,8 @@ from toolkit.model_sources import load_model
 from toolkit.tokenizers import load_tokenizer
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-FAST = ["--device", "cpu", "--dtype", "float32", "--epochs", "2", "--batch-size", "16"]  # not about learning
+# not about learning
+FAST = ["--device", "cpu", "--dtype", "float32", "--epochs", "2", "--batch-size", "16"]
 
 
 def ok(result: subprocess.CompletedProcess) -> dict:
@@ -38,19 +41,21 @@ def ok(result: subprocess.CompletedProcess) -> dict:
 
 @pytest.fixture(scope="module")
 def pretrained(char_data, tmp_path_factory) -> str:
-    """A tiny char-level GPT with room for a question and its answer (block 128), pretrained by train.py."""
+    """A tiny char-level GPT with room for a question and its answer (block 128), pretrained by
+    train.py."""
     out = tmp_path_factory.mktemp("pretrained")
-    result = run_main("train.py", "--data-dir", char_data, "--out-dir", out, "--n-layer", "2", "--n-head", "2",
-                      "--n-embd", "64", "--block-size", "128", "--batch-size", "16", "--max-iters", "300",
-                      "--eval-interval", "300", "--eval-iters", "2", "--log-interval", "300", "--device", "cpu",
-                      env=ENV)
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", out, "--n-layer", "2",
+                      "--n-head", "2", "--n-embd", "64", "--block-size", "128", "--batch-size",
+                      "16", "--max-iters", "300", "--eval-interval", "300", "--eval-iters", "2",
+                      "--log-interval", "300", "--device", "cpu", env=ENV)
     assert result.returncode == 0, result.stderr[-2000:]
     return str(out / "ckpt.pt")
 
 
 @pytest.fixture(scope="module")
 def chats(tmp_path_factory) -> tuple[str, str]:
-    """The recipe's conversations about Python's documentation topics (docs/finetune.md), as its script writes them."""
+    """The recipe's conversations about Python's documentation topics (docs/finetune.md), as its
+    script writes them."""
     out = tmp_path_factory.mktemp("chats")
     result = run_script("examples/pydoc_chat.py", "--out-dir", out)
     assert result.returncode == 0, result.stderr
@@ -64,7 +69,7 @@ def char_tokenizer_and_model(pretrained: str):
     return model, tok
 
 
-# ----------------------------------------------------------------------------- the template and the mask
+# ------------------------------------------------------------------------ the template and the mask
 
 
 def test_the_loss_covers_exactly_the_assistant_tokens_and_their_end(pretrained):
@@ -75,14 +80,16 @@ def test_the_loss_covers_exactly_the_assistant_tokens_and_their_end(pretrained):
                 {"role": "assistant", "content": "Done"}]
     [c] = encode_conversation(messages, tok, block_size=128)
     e = tok.encode
-    assert c.ids == [system, *e("Be brief."), end, user, *e("Hi?"), end, assistant, *e("Hello."), end,
-                     user, *e("And?"), end, assistant, *e("Done"), end] and not c.cut
-    idx, targets = pad_conversations([c, *encode_conversation(messages[:3], tok, 128)], torch.device("cpu"))
+    assert c.ids == [system, *e("Be brief."), end, user, *e("Hi?"), end, assistant, *e("Hello."),
+                     end, user, *e("And?"), end, assistant, *e("Done"), end] and not c.cut
+    idx, targets = pad_conversations([c, *encode_conversation(messages[:3], tok, 128)],
+                                     torch.device("cpu"))
     assert idx[0].tolist() == c.ids[:-1]
     learnt = [(i, t) for i, t in enumerate(targets[0].tolist()) if t != -1]
     assert [t for _, t in learnt] == [*e("Hello."), end, *e("Done"), end]
     assert all(c.ids[i + 1] == t for i, t in learnt)  # each target is the next token
-    assert (targets[1, len(encode_conversation(messages[:3], tok, 128)[0].ids) - 1:] == -1).all()  # padding
+    # padding
+    assert (targets[1, len(encode_conversation(messages[:3], tok, 128)[0].ids) - 1:] == -1).all()
     # the generation prompt: the history and the assistant's role token
     assert chat_prompt(messages[:2], tok) == c.ids[: c.ids.index(assistant) + 1]
     # too long: cut at block_size + 1 tokens; left out when no assistant token remains
@@ -91,7 +98,8 @@ def test_the_loss_covers_exactly_the_assistant_tokens_and_their_end(pretrained):
     kept, left_out = encode_conversations([(1, messages), (2, messages)], tok, block_size=12)
     assert kept == [] and left_out == 2
     # the history of a chat drops its oldest turns first, never the system turn
-    fitted, dropped = fit_history(messages, tok, room=len(chat_prompt(messages[:1] + messages[3:], tok)))
+    fitted, dropped = fit_history(messages, tok,
+                                  room=len(chat_prompt(messages[:1] + messages[3:], tok)))
     assert fitted == messages[:1] + messages[3:] and dropped == 2
 
 
@@ -101,8 +109,8 @@ def test_the_loss_covers_exactly_the_assistant_tokens_and_their_end(pretrained):
 def test_sft_on_the_defaults_learns_and_test_py_chats(pretrained, chats, tmp_path):
     train, val = chats
     out = tmp_path / "sft"
-    result = run_main("finetune.py", "--task", "sft", "--train", train, "--val", val, "--init-from", pretrained,
-                      "--out-dir", out, "--device", "cpu", env=ENV)
+    result = run_main("finetune.py", "--task", "sft", "--train", train, "--val", val, "--init-from",
+                      pretrained, "--out-dir", out, "--device", "cpu", env=ENV)
     best = ok(result)
     history = load_checkpoint(str(out / "ckpt.pt"))["history"]
     start = history["metrics"][0]["val_loss"]  # evaluated before the first step
@@ -110,20 +118,23 @@ def test_sft_on_the_defaults_learns_and_test_py_chats(pretrained, chats, tmp_pat
     assert "warning" not in result.stderr
     assert not (out / "last.pt").exists()  # the run finished: only the best epoch stays
 
-    talk = run_main("test.py", "--ckpt", out / "ckpt.pt", "--chat", "--temperature", "0", "--max-new-tokens", "40",
-                    "--device", "cpu", input="Title of assert?\n\nTitle of lambda?\n")
+    talk = run_main("test.py", "--ckpt", out / "ckpt.pt", "--chat", "--temperature", "0",
+                    "--max-new-tokens", "40", "--device", "cpu",
+                    input="Title of assert?\n\nTitle of lambda?\n")
     assert talk.returncode == 0, talk.stderr
     assert talk.stdout.count("model> ") == 2 and "Ctrl-D" in talk.stderr
-    replies = [line.split("model> ", 1)[1] for line in talk.stdout.splitlines() if "model> " in line]
+    replies = [line.split("model> ", 1)[1] for line in talk.stdout.splitlines()
+               if "model> " in line]
     assert all(replies) and not any(name in talk.stdout for name in CHAT_TOKENS)
     # --prompt frames one question with the template and prints only the answer
-    one = run_main("test.py", "--ckpt", out / "ckpt.pt", "--prompt", "Title of assert?", "--temperature", "0",
-                   "--num-samples", "1", "--max-new-tokens", "40", "--device", "cpu")
+    one = run_main("test.py", "--ckpt", out / "ckpt.pt", "--prompt", "Title of assert?",
+                   "--temperature", "0", "--num-samples", "1", "--max-new-tokens", "40", "--device",
+                   "cpu")
     assert one.returncode == 0 and one.stdout.splitlines()[0] == replies[0], (one.stdout, replies)
     genfile = tmp_path / "answers.jsonl"
-    assert run_main("test.py", "--ckpt", out / "ckpt.pt", "--prompt", "Title of assert?", "--temperature", "0",
-                    "--num-samples", "1", "--max-new-tokens", "40", "--device", "cpu", "--genfile",
-                    genfile).returncode == 0
+    assert run_main("test.py", "--ckpt", out / "ckpt.pt", "--prompt", "Title of assert?",
+                    "--temperature", "0", "--num-samples", "1", "--max-new-tokens", "40",
+                    "--device", "cpu", "--genfile", genfile).returncode == 0
     assert json.loads(genfile.read_text())["text"] == replies[0]  # the answer alone, as printed
     refused = run_main("test.py", "--ckpt", pretrained, "--chat")
     assert_one_line_error(refused, "never instruction-tuned", "--prompt")
@@ -134,45 +145,57 @@ def test_sft_on_the_defaults_learns_and_test_py_chats(pretrained, chats, tmp_pat
 
 def test_lora_trains_only_the_adapters_and_merges_to_the_same_model(pretrained, chats, tmp_path):
     train, val = chats
-    cfg = FinetuneConfig(task="sft", train=train, val=val, init_from=pretrained, out_dir=str(tmp_path / "lora"),
-                         lora_rank=4, device="cpu", dtype="float32", epochs=2, batch_size=16)
+    cfg = FinetuneConfig(task="sft", train=train, val=val, init_from=pretrained,
+                         out_dir=str(tmp_path / "lora"), lora_rank=4, device="cpu", dtype="float32",
+                         epochs=2, batch_size=16)
     trainer = setup(cfg)
     body = trainer.objective.model
-    frozen = {name: p.detach().clone() for name, p in body.named_parameters() if not p.requires_grad}
+    frozen = {name: p.detach().clone() for name, p in body.named_parameters()
+              if not p.requires_grad}
     trained = {id(p) for group in trainer.engine.optimizer.param_groups for p in group["params"]}
     adapters = [m for m in body.modules() if isinstance(m, lora.LoRALinear)]
     rows = {id(m.parametrizations.weight[0].rows) for m in (body.lm_head, body.transformer.wte)}
     assert len(adapters) == 4 * 2  # c_attn, c_proj, c_fc, c_proj in each of 2 blocks
-    assert len(rows) == 2 and not body.config.tie_embeddings  # the untied head's new rows, the embedding's own
+    # the untied head's new rows, the embedding's own
+    assert len(rows) == 2 and not body.config.tie_embeddings
     assert trained == {id(p) for m in adapters for p in (m.lora_a, m.lora_b)} | rows
     assert body.lm_head.parametrizations.weight[0].rows.shape == (len(CHAT_TOKENS), 64)
     trainer.fit()
-    assert all(torch.equal(p, frozen[name]) for name, p in body.named_parameters() if not p.requires_grad)
+    assert all(torch.equal(p, frozen[name]) for name, p in body.named_parameters()
+               if not p.requires_grad)
     assert any(m.lora_b.abs().sum() > 0 for m in adapters)
 
     adapter_ckpt = tmp_path / "lora" / "ckpt.pt"
     saved = load_checkpoint(str(adapter_ckpt))
     assert "model" not in saved and saved["lora"]["base"]["sha256"] == fingerprint(pretrained)
-    # the adapters as trained (unmerged), read back merged, and merged into a full checkpoint: one function
+    # the adapters as trained (unmerged), read back merged, and merged into a full checkpoint:
+    # one function
     idx = torch.randint(0, body.config.vocab_size, (2, 40))
     body.eval()
     with torch.no_grad():
         unmerged = body(idx)[0]
         loaded, _ = load_model(str(adapter_ckpt))
-        torch.testing.assert_close(loaded(idx)[0], unmerged, atol=1e-5, rtol=1e-5)  # merged: W + BA rounds anew
-        merged = ok(run_main("finetune.py", "--merge-lora", adapter_ckpt, "--out-dir", tmp_path / "merged"))
+        # merged: W + BA rounds anew
+        torch.testing.assert_close(loaded(idx)[0], unmerged, atol=1e-5, rtol=1e-5)
+        merged = ok(run_main("finetune.py", "--merge-lora", adapter_ckpt, "--out-dir",
+                             tmp_path / "merged"))
         full = load_checkpoint(merged["out"])
         assert "model" in full and full["finetune"]["lora"]["rank"] == 4
         assert os.path.getsize(adapter_ckpt) < 0.25 * os.path.getsize(merged["out"])
-        torch.testing.assert_close(load_model(merged["out"])[0](idx)[0], unmerged, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(load_model(merged["out"])[0](idx)[0], unmerged, atol=1e-5,
+                                   rtol=1e-5)
     # every reader takes the adapter checkpoint: sampling and the HF export
-    assert run_main("test.py", "--ckpt", adapter_ckpt, "--prompt", "Title of dict?", "--max-new-tokens", "5",
-                    "--num-samples", "1", "--device", "cpu").returncode == 0
-    assert run_main("test.py", "--ckpt", adapter_ckpt, "--export-hf", tmp_path / "hf").returncode == 0
-    exported = run_main("test.py", "--ckpt", adapter_ckpt, "--export-gguf", tmp_path / "m.gguf", "--outtype", "f32")
+    assert run_main("test.py", "--ckpt", adapter_ckpt, "--prompt", "Title of dict?",
+                    "--max-new-tokens", "5", "--num-samples", "1", "--device",
+                    "cpu").returncode == 0
+    assert run_main("test.py", "--ckpt", adapter_ckpt, "--export-hf",
+                    tmp_path / "hf").returncode == 0
+    exported = run_main("test.py", "--ckpt", adapter_ckpt, "--export-gguf", tmp_path / "m.gguf",
+                        "--outtype", "f32")
     assert exported.returncode == 0, exported.stderr
     ids = idx[0].tolist()
-    assert rel_err(gguf_logits(tmp_path / "m.gguf", ids), unmerged[0]) < 1e-3  # llama.cpp runs the merged model
+    # llama.cpp runs the merged model
+    assert rel_err(gguf_logits(tmp_path / "m.gguf", ids), unmerged[0]) < 1e-3
 
 
 def test_lora_for_a_gpt1_task_trains_the_adapters_and_the_head(pretrained, tmp_path):
@@ -180,32 +203,36 @@ def test_lora_for_a_gpt1_task_trains_the_adapters_and_the_head(pretrained, tmp_p
             {"text": f"The value {i} is", "label": "prose"} for i in range(64)]
     path = tmp_path / "cls.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = run_main("finetune.py", "--task", "classify", "--train", path, "--val", path, "--init-from", pretrained,
-                      "--out-dir", tmp_path / "cls", "--lora-rank", "4", "--lora-targets", "attn", *FAST)
+    result = run_main("finetune.py", "--task", "classify", "--train", path, "--val", path,
+                      "--init-from", pretrained, "--out-dir", tmp_path / "cls", "--lora-rank", "4",
+                      "--lora-targets", "attn", *FAST)
     metrics = ok(result)
     assert metrics["val_accuracy"] >= 0.9, metrics
     saved = load_checkpoint(str(tmp_path / "cls" / "ckpt.pt"))
     assert set(saved["adapters"]) == {f"transformer.h.{i}.attn.{n}.lora_{ab}" for i in (0, 1)
-                                      for n in ("c_attn", "c_proj") for ab in "ab"} | {lora.NEW_ROWS,
-                                                                                        lora.NEW_INPUT_ROWS}
+                                      for n in ("c_attn", "c_proj") for ab in "ab"} | \
+        {lora.NEW_ROWS, lora.NEW_INPUT_ROWS}
     predictions = tmp_path / "p.jsonl"
-    assert ok(run_main("finetune.py", "--init-from", tmp_path / "cls" / "ckpt.pt", "--predict", path, "--out",
-                       predictions, "--device", "cpu", "--dtype", "float32"))["predictions"] == 64
+    assert ok(run_main("finetune.py", "--init-from", tmp_path / "cls" / "ckpt.pt", "--predict",
+                       path, "--out", predictions, "--device", "cpu", "--dtype",
+                       "float32"))["predictions"] == 64
 
 
 def test_a_lora_checkpoint_whose_base_is_missing_or_changed_is_refused(pretrained, chats, tmp_path):
     base = tmp_path / "base.pt"
     shutil.copy(pretrained, base)
     train, val = chats
-    ok(run_main("finetune.py", "--task", "sft", "--train", train, "--val", val, "--init-from", base, "--out-dir",
-                tmp_path / "lora", "--lora-rank", "2", *FAST, "--epochs", "1"))
+    ok(run_main("finetune.py", "--task", "sft", "--train", train, "--val", val, "--init-from", base,
+                "--out-dir", tmp_path / "lora", "--lora-rank", "2", *FAST, "--epochs", "1"))
     adapters = tmp_path / "lora" / "ckpt.pt"
     with open(base, "ab") as f:
         f.write(b"\0")
-    assert_one_line_error(run_main("test.py", "--ckpt", adapters), "has changed since they were trained")
+    assert_one_line_error(run_main("test.py", "--ckpt", adapters),
+                          "has changed since they were trained")
     base.unlink()
     assert_one_line_error(run_main("test.py", "--ckpt", adapters), "is missing", str(base))
-    assert_one_line_error(run_main("finetune.py", "--merge-lora", adapters, "--out-dir", tmp_path / "m"), "is missing")
+    assert_one_line_error(run_main("finetune.py", "--merge-lora", adapters, "--out-dir",
+                                   tmp_path / "m"), "is missing")
     assert not (tmp_path / "m").exists()
 
 
@@ -214,12 +241,14 @@ def test_a_lora_checkpoint_whose_base_is_missing_or_changed_is_refused(pretraine
 
 def test_an_interrupted_fine_tuning_resumes_exactly(pretrained, chats, tmp_path):
     train, val = chats
-    args = ["--task", "sft", "--train", train, "--val", val, "--init-from", pretrained, "--lora-rank", "4",
-            *FAST, "--epochs", "4", "--batch-size", "8", "--log-interval", "1"]  # 16 steps an epoch
+    args = ["--task", "sft", "--train", train, "--val", val, "--init-from", pretrained,
+            "--lora-rank", "4", *FAST, "--epochs", "4", "--batch-size", "8",
+            "--log-interval", "1"]  # 16 steps an epoch
     whole = ok(run_main("finetune.py", *args, "--out-dir", tmp_path / "whole", env=ENV))
-    proc = subprocess.Popen([sys.executable, str(ROOT / "finetune.py"), *map(str, args), "--out-dir",
-                             str(tmp_path / "cut")], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, **ENV})
+    proc = subprocess.Popen([sys.executable, str(ROOT / "finetune.py"), *map(str, args),
+                             "--out-dir", str(tmp_path / "cut")], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, **ENV})
     try:
         for line in proc.stdout:
             if line.startswith("iter 20:"):  # into the second epoch
@@ -231,26 +260,35 @@ def test_an_interrupted_fine_tuning_resumes_exactly(pretrained, chats, tmp_path)
     assert proc.returncode == 0 and "--init-from resume" in out, err[-2000:]
     latest = load_checkpoint(str(tmp_path / "cut" / "last.pt"))
     assert 20 <= latest["iter_num"] < 64 and latest["optimizer"]
-    resumed = ok(run_main("finetune.py", "--init-from", "resume", "--out-dir", tmp_path / "cut", env=ENV))
+    resumed = ok(run_main("finetune.py", "--init-from", "resume", "--out-dir", tmp_path / "cut",
+                          env=ENV))
     assert resumed == whole
     saved = [load_checkpoint(str(tmp_path / run / "ckpt.pt")) for run in ("whole", "cut")]
-    assert all(torch.equal(saved[0]["adapters"][k], saved[1]["adapters"][k]) for k in saved[0]["adapters"])
+    assert all(torch.equal(saved[0]["adapters"][k], saved[1]["adapters"][k])
+               for k in saved[0]["adapters"])
     assert saved[0]["history"]["metrics"] == saved[1]["history"]["metrics"]
     assert not (tmp_path / "cut" / "last.pt").exists()
-    assert_one_line_error(run_main("finetune.py", "--init-from", "resume", "--out-dir", tmp_path / "cut"),
+    assert_one_line_error(run_main("finetune.py", "--init-from", "resume", "--out-dir",
+                                   tmp_path / "cut"),
                           "nothing to resume")
 
 
 def test_two_processes_instruction_tune_like_one(pretrained, chats, tmp_path):
     train, val = chats
-    args = ["--task", "sft", "--train", train, "--val", val, "--init-from", pretrained, "--lora-rank", "4",
-            *FAST, "--epochs", "1", "--batch-size", "8", "--lora-dropout", "0"]  # x 2 micro-batches a step
-    one = ok(run_main("finetune.py", *args, "--grad-accum", "2", "--out-dir", tmp_path / "one", env=ENV))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()), "--nproc_per_node",
-           "2", str(ROOT / "finetune.py"), *map(str, args), "--out-dir", str(tmp_path / "two")]
-    two = ok(subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300, env={**os.environ, **ENV}))
-    assert two["steps"] == one["steps"] == 8 and two["val_loss"] == pytest.approx(one["val_loss"], abs=2e-4)
-    adapters = [load_checkpoint(str(tmp_path / run / "ckpt.pt"))["adapters"] for run in ("one", "two")]
+    args = ["--task", "sft", "--train", train, "--val", val, "--init-from", pretrained,
+            "--lora-rank", "4", *FAST, "--epochs", "1", "--batch-size", "8",
+            "--lora-dropout", "0"]  # x 2 micro-batches a step
+    one = ok(run_main("finetune.py", *args, "--grad-accum", "2", "--out-dir", tmp_path / "one",
+                      env=ENV))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()),
+           "--nproc_per_node", "2", str(ROOT / "finetune.py"), *map(str, args), "--out-dir",
+           str(tmp_path / "two")]
+    two = ok(subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=300,
+                            env={**os.environ, **ENV}))
+    assert two["steps"] == one["steps"] == 8 and two["val_loss"] == pytest.approx(one["val_loss"],
+                                                                                  abs=2e-4)
+    adapters = [load_checkpoint(str(tmp_path / run / "ckpt.pt"))["adapters"]
+                for run in ("one", "two")]
     for key in adapters[0]:
         torch.testing.assert_close(adapters[0][key], adapters[1][key], atol=1e-4, rtol=0)
 
@@ -258,11 +296,13 @@ def test_two_processes_instruction_tune_like_one(pretrained, chats, tmp_path):
 def test_alpaca_and_sharegpt_files_train_as_their_messages_do(pretrained, chats, tmp_path):
     """LLaMA-Factory's two layouts (most Chinese instruction sets), alpaca's as one JSON array."""
     train, val = chats
-    layouts = {"alpaca": lambda m: {"instruction": m[0]["content"], "input": "", "output": m[1]["content"]},
+    layouts = {"alpaca": lambda m: {"instruction": m[0]["content"], "input": "",
+                                    "output": m[1]["content"]},
                "sharegpt": lambda m: {"conversations": [{"from": "human", "value": m[0]["content"]},
                                                         {"from": "gpt", "value": m[1]["content"]}]}}
     args = ["--task", "sft", "--val", val, "--init-from", pretrained, *FAST]
-    reports = {"messages": ok(run_main("finetune.py", *args, "--train", train, "--out-dir", tmp_path / "m", env=ENV))}
+    reports = {"messages": ok(run_main("finetune.py", *args, "--train", train, "--out-dir",
+                                       tmp_path / "m", env=ENV))}
     records = [json.loads(line)["messages"] for line in open(train)]
     for name, layout in layouts.items():
         path = tmp_path / f"{name}.json"
@@ -270,7 +310,8 @@ def test_alpaca_and_sharegpt_files_train_as_their_messages_do(pretrained, chats,
             path.write_text(json.dumps([layout(m) for m in records], indent=2, ensure_ascii=False))
         else:
             path.write_text("".join(json.dumps(layout(m)) + "\n" for m in records))
-        reports[name] = ok(run_main("finetune.py", *args, "--train", path, "--out-dir", tmp_path / name, env=ENV))
+        reports[name] = ok(run_main("finetune.py", *args, "--train", path, "--out-dir",
+                                    tmp_path / name, env=ENV))
     assert reports["alpaca"] == reports["sharegpt"] == reports["messages"]
     alpaca = {"system": "简短回答。", "instruction": "翻译成英文", "input": "数据放在哪里？",
               "output": "Where is the data?"}
@@ -278,45 +319,56 @@ def test_alpaca_and_sharegpt_files_train_as_their_messages_do(pretrained, chats,
                                    {"role": "user", "content": "翻译成英文\n数据放在哪里？"},
                                    {"role": "assistant", "content": "Where is the data?"}]
     (tmp_path / "bad.json").write_text(json.dumps([alpaca, {"instruction": "no output"}], indent=2))
-    assert_one_line_error(run_main("finetune.py", *args, "--train", tmp_path / "bad.json", "--out-dir",
-                                   tmp_path / "bad"), f"{tmp_path / 'bad.json'} line 8: expected")
+    assert_one_line_error(run_main("finetune.py", *args, "--train", tmp_path / "bad.json",
+                                   "--out-dir", tmp_path / "bad"),
+                          f"{tmp_path / 'bad.json'} line 8: expected")
 
 
 # ----------------------------------------------------------------------------- bad input
 
 
 @pytest.mark.parametrize("line, message", [
-    ({"messages": [{"role": "user", "content": "hi"}]}, "line 2: the conversation has no assistant turn"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "line 2: message 0 has the unknown role 'robot'"),
-    ({"messages": [{"role": "assistant", "content": 3}]}, "line 2: message 0 (assistant) has content that is not"),
+    ({"messages": [{"role": "user", "content": "hi"}]},
+     "line 2: the conversation has no assistant turn"),
+    ({"messages": [{"role": "robot", "content": "hi"}]},
+     "line 2: message 0 has the unknown role 'robot'"),
+    ({"messages": [{"role": "assistant", "content": 3}]},
+     "line 2: message 0 (assistant) has content that is not"),
     ({"prompt": "hi"}, 'line 2: expected {"messages"'),
 ])
 def test_a_bad_conversation_is_one_line_and_writes_nothing(line, message, pretrained, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n" + json.dumps(line) + "\n")
-    result = run_main("finetune.py", "--task", "sft", "--train", path, "--val", path, "--init-from", pretrained,
-                      "--out-dir", tmp_path / "out", "--device", "cpu")
+    result = run_main("finetune.py", "--task", "sft", "--train", path, "--val", path, "--init-from",
+                      pretrained, "--out-dir", tmp_path / "out", "--device", "cpu")
     assert_one_line_error(result, f"{path} {message}")
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("family", [{}, dict(arch="llama", bias=False, qk_norm=True, tie_embeddings=False)],
+@pytest.mark.parametrize("family",
+                         [{}, dict(arch="llama", bias=False, qk_norm=True, tie_embeddings=False)],
                          ids=["gpt2", "llama"])
 def test_the_hf_export_of_an_instruction_tuned_model_carries_the_template(family, tmp_path):
-    model = GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16, **family))
+    model = GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16,
+                          **family))
     tok = load_tokenizer(dict(GPT2_FACTS))
     special = add_chat_tokens(model, tok)
     (save_llama if family else save_gpt2)(model, str(tmp_path), tok.facts())
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert hf_tok.convert_ids_to_tokens(list(range(50257, 50261))) == list(CHAT_TOKENS)
     assert hf_tok.encode("<|user|>Hi") == [tok.special_tokens["<|user|>"], *tok.encode("Hi")]
-    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "列表的标题？"},
+    history = [{"role": "system", "content": "Be brief."},
+               {"role": "user", "content": "列表的标题？"},
                {"role": "assistant", "content": " Lists"}, {"role": "user", "content": "And dict?"}]
     ids = hf_tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
-    assert hf_tok.encode(ids) == chat_prompt(history, tok)  # the prompt test.py --chat gives the model
-    # and eval.py --apply-chat-template's: the template rendered as text, its tokens read back as tokens
-    assert tok.encode_with_special_tokens(render(export_template(tok.facts()), history)) == chat_prompt(history, tok)
+    # the prompt test.py --chat gives the model
+    assert hf_tok.encode(ids) == chat_prompt(history, tok)
+    # and eval.py --apply-chat-template's: the template rendered as text, its tokens read back
+    # as tokens
+    assert tok.encode_with_special_tokens(render(export_template(tok.facts()), history)) == \
+        chat_prompt(history, tok)
     # generate() ends a reply at the turn's end, as test.py --chat does
     generation = transformers.GenerationConfig.from_pretrained(tmp_path)
     assert generation.eos_token_id == [tok.eot_id, special["<|end|>"]]
-    assert load_model(str(tmp_path))[1]["special_tokens"] == special  # the toolkit chats with it again
+    # the toolkit chats with it again
+    assert load_model(str(tmp_path))[1]["special_tokens"] == special

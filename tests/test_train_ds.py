@@ -1,7 +1,8 @@
-"""train_ds.py and test_ds.py end to end, through the real `deepspeed` launcher, 2 ranks on the CPU (gloo).
+"""train_ds.py and test_ds.py end to end, through the real `deepspeed` launcher, 2 ranks on the
+CPU (gloo).
 
-One ZeRO-3 + CPU offload run (real DeepSpeedCPUAdam) is shared by several tests; DeepSpeed's C++ ops are
-built (or found in the cache) once per session before any launch.
+One ZeRO-3 + CPU offload run (real DeepSpeedCPUAdam) is shared by several tests; DeepSpeed's C++ ops
+are built (or found in the cache) once per session before any launch.
 """
 import json
 import os
@@ -13,17 +14,20 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, assert_one_line_error, fake_deepspeed_folder, gguf_logits, rel_err, run_main
+from conftest import (ROOT, TINY_MODEL, assert_one_line_error, fake_deepspeed_folder, gguf_logits,
+                      rel_err, run_main)
 from toolkit.distributed import free_port
 from toolkit.model_sources import load_model
 
 pytest.importorskip("deepspeed")
 
-# the CPU path even on a machine with GPUs; one thread per process, as each of the simulated "nodes" would use
-# all cores of its own machine (the same thread count everywhere keeps the runs bitwise comparable)
+# the CPU path even on a machine with GPUs; one thread per process, as each of the simulated "nodes"
+# would use all cores of its own machine (the same thread count everywhere keeps the runs bitwise
+# comparable)
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-COMMON = ["--max-iters", "12", "--lr-decay-iters", "12", "--warmup-iters", "2", "--lr", "3e-3", "--grad-accum", "4",
-          "--eval-interval", "6", "--optimizer", "adamw"]  # train.py's reference: DeepSpeed's configs use AdamW
+COMMON = ["--max-iters", "12", "--lr-decay-iters", "12", "--warmup-iters", "2", "--lr", "3e-3",
+          "--grad-accum", "4", "--eval-interval", "6",
+          "--optimizer", "adamw"]  # train.py's reference: DeepSpeed's configs use AdamW
 
 
 def launcher_cmd(hostfile, *extra_launcher_args) -> list[str]:
@@ -37,7 +41,8 @@ def train_ds_args(data, out_dir, *extra, config="ds_config.json") -> list[str]:
 
 
 def launch(hostfile, data, out_dir, *extra, config="ds_config.json", env=None, timeout=300):
-    cmd = launcher_cmd(hostfile, "--no_ssh_check") + train_ds_args(data, out_dir, *extra, config=config)
+    cmd = launcher_cmd(hostfile, "--no_ssh_check") + train_ds_args(data, out_dir, *extra,
+                                                                   config=config)
     return subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=timeout,
                           env={**os.environ, **ENV, **(env or {})})
 
@@ -48,7 +53,8 @@ def train_state(out_dir) -> dict:
 
 
 def final_weights(out_dir) -> dict:
-    """The full fp32 weights of the run's latest checkpoint, gathered by DeepSpeed's zero_to_fp32."""
+    """The full fp32 weights of the run's latest checkpoint, gathered by
+    DeepSpeed's zero_to_fp32."""
     from toolkit.ds_checkpoint import gather_deepspeed_weights
     return gather_deepspeed_weights(str(out_dir / "ds"), train_state(out_dir)["tag"])
 
@@ -78,11 +84,14 @@ def zero3_run(ds_ops, char_data, hostfile, tmp_path_factory):
 
 def test_zero3_offload_trains_converts_and_samples(zero3_run, tmp_path):
     out, result, engine_weights = zero3_run
-    assert "ZeRO stage 3, optimizer offload to cpu, param offload to cpu, optimizer DeepSpeedCPUAdam" in result.stdout
+    assert ("ZeRO stage 3, optimizer offload to cpu, param offload to cpu, "
+            "optimizer DeepSpeedCPUAdam") in result.stdout
     assert "global batch: 4 micro x 2 accumulation x 2 processes = 16 sequences" in result.stdout
     port = result.args[result.args.index("--master_port") + 1]
-    assert "shm_comm" not in result.stdout + result.stderr  # DeepSpeed's shared-memory all-reduce: not built
-    assert "FutureWarning" not in result.stdout + result.stderr  # torch's renamed collectives, once a rank
+    # DeepSpeed's shared-memory all-reduce: not built
+    assert "shm_comm" not in result.stdout + result.stderr
+    # torch's renamed collectives, once a rank
+    assert "FutureWarning" not in result.stdout + result.stderr
     if os.path.isdir("/dev/shm"):  # nor its buffers left behind
         assert not [name for name in os.listdir("/dev/shm") if f"_127.0.0.1_{port}_" in name]
     state = train_state(out)
@@ -101,8 +110,9 @@ def test_zero3_offload_trains_converts_and_samples(zero3_run, tmp_path):
 
     for ckpt in (ds / "ckpt_ds.pt", ds):  # converted output, and the checkpoint folder (in memory)
         genfile = tmp_path / f"{ckpt.name}.jsonl"
-        sampled = run_main("test_ds.py", "--ckpt", ckpt, "--num-samples", "2", "--max-new-tokens", "20",
-                           "--device", "cpu", "--prompt", "def ", "--genfile", genfile, env=ENV)
+        sampled = run_main("test_ds.py", "--ckpt", ckpt, "--num-samples", "2", "--max-new-tokens",
+                           "20", "--device", "cpu", "--prompt", "def ", "--genfile", genfile,
+                           env=ENV)
         assert sampled.returncode == 0, sampled.stderr[-2000:]
         lines = [json.loads(line) for line in genfile.read_text().splitlines()]
         assert len(lines) == 2 and all(line["text"].startswith("def ") for line in lines)
@@ -113,46 +123,56 @@ def test_zero3_offload_trains_converts_and_samples(zero3_run, tmp_path):
     assert exported.returncode == 0, exported.stderr
     hf, _ = load_model(str(tmp_path / "hf"))  # the default family's: an HF Qwen3 folder
     assert_same_weights(hf.state_dict(), engine_weights)
-    exported = run_main("test_ds.py", "--ckpt", ds, "--export-gguf", tmp_path / "m.gguf", "--outtype", "f32", env=ENV)
+    exported = run_main("test_ds.py", "--ckpt", ds, "--export-gguf", tmp_path / "m.gguf",
+                        "--outtype", "f32", env=ENV)
     assert exported.returncode == 0, exported.stderr
     ids = list(range(20))
     with torch.no_grad():
-        assert rel_err(gguf_logits(tmp_path / "m.gguf", ids), hf.eval()(torch.tensor([ids]))[0][0]) < 1e-3
+        assert rel_err(gguf_logits(tmp_path / "m.gguf", ids),
+                       hf.eval()(torch.tensor([ids]))[0][0]) < 1e-3
 
 
 @pytest.fixture(scope="module")
 def reference(char_data, tmp_path_factory) -> dict:
-    """train.py on one process, 4 micro-steps of 4 (fp32 AdamW): what every DeepSpeed run here must reproduce."""
+    """train.py on one process, 4 micro-steps of 4 (fp32 AdamW): what every DeepSpeed run here
+    must reproduce."""
     out = tmp_path_factory.mktemp("reference")
     single = run_main("train.py", "--data-dir", char_data, "--out-dir", out, *TINY_MODEL, *COMMON)
     assert single.returncode == 0, single.stderr
     return torch.load(out / "ckpt.pt", weights_only=True)
 
 
-def assert_losses_close(losses: list[float], expected: list[float], tolerance: float = 1e-4) -> None:
+def assert_losses_close(losses: list[float], expected: list[float],
+                        tolerance: float = 1e-4) -> None:
     differences = [round(abs(a - b), 7) for a, b in zip(losses, expected)]
     assert max(differences) < tolerance, str(differences)
 
 
 def test_zero3_offload_matches_train_py(zero3_run, reference):
-    """2 ranks x 2 micro-steps under ZeRO-3 offload = 1 process x 4 micro-steps of train.py (fp32 AdamW)."""
+    """2 ranks x 2 micro-steps under ZeRO-3 offload = 1 process x 4 micro-steps of train.py
+    (fp32 AdamW)."""
     out, _, gathered = zero3_run
     losses = train_state(out)["history"]["loss"]
     assert len(losses) == len(reference["history"]["loss"]) == 12
     assert_losses_close(losses, reference["history"]["loss"])
-    assert set(gathered) == set(reference["model"])  # what zero_to_fp32 gathers is what train.py computed
+    # what zero_to_fp32 gathers is what train.py computed
+    assert set(gathered) == set(reference["model"])
     assert all(torch.allclose(gathered[k], reference["model"][k], atol=1e-4) for k in gathered)
 
 
-def test_ctrl_c_under_the_zero2_config_saves_a_checkpoint_of_the_same_training(ds_ops, llmc_data, hostfile,
-                                                                               reference, tmp_path):
-    """The shipped ZeRO-2 (optimizer offload) config on llm.c shards, stopped by Ctrl-C: the terminal signals every
-    process of the job (the launcher then also sends SIGTERM to each rank); the ranks finish the step together and
-    save a complete checkpoint, whose losses are train.py's on nanoGPT files of the same tokens."""
-    cmd = launcher_cmd(hostfile, "--no_ssh_check") + train_ds_args(llmc_data, tmp_path, *COMMON[2:], "--max-iters",
-                                                                   "100000", config="ds_config_zero2.json")
-    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, **ENV}, start_new_session=True)
+def test_ctrl_c_under_the_zero2_config_saves_a_checkpoint_of_the_same_training(ds_ops, llmc_data,
+                                                                               hostfile, reference,
+                                                                               tmp_path):
+    """The shipped ZeRO-2 (optimizer offload) config on llm.c shards, stopped by Ctrl-C: the
+    terminal signals every process of the job (the launcher then also sends SIGTERM to each rank);
+    the ranks finish the step together and save a complete checkpoint, whose losses are train.py's
+    on nanoGPT files of the same tokens."""
+    cmd = launcher_cmd(hostfile, "--no_ssh_check") + train_ds_args(llmc_data, tmp_path, *COMMON[2:],
+                                                                   "--max-iters", "100000",
+                                                                   config="ds_config_zero2.json")
+    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, **ENV},
+                            start_new_session=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -165,30 +185,33 @@ def test_ctrl_c_under_the_zero2_config_saves_a_checkpoint_of_the_same_training(d
     state = train_state(tmp_path)
     assert 6 <= state["iter_num"] < 100000 and state["world_size"] == 2
     assert state["train_config"]["grad_accum"] == 4
-    losses = state["history"]["loss"][:12]  # the same schedule for the first 12 steps: --lr-decay-iters 12
+    # the same schedule for the first 12 steps: --lr-decay-iters 12
+    losses = state["history"]["loss"][:12]
     assert_losses_close(losses, reference["history"]["loss"][:len(losses)])
 
 
-def test_two_node_no_ssh_then_exact_resume_here_and_on_one_process(zero3_run, char_data, hostfile, reference,
-                                                                    tmp_path):
-    """Steps 1-6 on two "nodes" (two launchers, no ssh), then steps 7-12 by one launcher: the weights equal the
-    uninterrupted run's bitwise. The same step-6 checkpoint continued on 1 process goes through DeepSpeed's
-    universal checkpoint, with train.py's losses."""
+def test_two_node_no_ssh_then_exact_resume_here_and_on_one_process(zero3_run, char_data, hostfile,
+                                                                   reference, tmp_path):
+    """Steps 1-6 on two "nodes" (two launchers, no ssh), then steps 7-12 by one launcher: the
+    weights equal the uninterrupted run's bitwise. The same step-6 checkpoint continued on 1 process
+    goes through DeepSpeed's universal checkpoint, with train.py's losses."""
     _, _, engine_weights = zero3_run
     nodes = tmp_path / "nodes"
     nodes.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     port = str(free_port())
     args = train_ds_args(char_data, tmp_path, *COMMON[:1], "6", *COMMON[2:])
-    procs = [subprocess.Popen([sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(nodes),
-                               "--no_ssh", "--node_rank", str(rank), "--master_addr", "127.0.0.1",
-                               "--master_port", port, *args], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, env={**os.environ, **ENV}) for rank in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile",
+                               str(nodes), "--no_ssh", "--node_rank", str(rank), "--master_addr",
+                               "127.0.0.1", "--master_port", port, *args], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, **ENV}) for rank in (0, 1)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs[0][-3000:] + outputs[1][-3000:]
     assert "1 micro x" not in outputs[0] and "2 processes" in outputs[0]
     assert train_state(tmp_path)["iter_num"] == 6
-    conv = subprocess.run([sys.executable, "zero_to_fp32.py", ".", "ckpt_ds.pt"], cwd=tmp_path / "ds", text=True,
-                          capture_output=True, timeout=120, env={**os.environ, **ENV})  # the seed's flow, at step 6
+    conv = subprocess.run([sys.executable, "zero_to_fp32.py", ".", "ckpt_ds.pt"],
+                          cwd=tmp_path / "ds", text=True, capture_output=True, timeout=120,
+                          env={**os.environ, **ENV})  # the seed's flow, at step 6
     assert conv.returncode == 0, conv.stderr[-2000:]
     shutil.copytree(tmp_path / "ds", tmp_path / "one" / "ds")
 
@@ -199,51 +222,60 @@ def test_two_node_no_ssh_then_exact_resume_here_and_on_one_process(zero3_run, ch
     assert train_state(tmp_path)["history"]["loss"] == train_state(zero3_run[0])["history"]["loss"]
     assert sorted(p.name for p in (tmp_path / "ds").glob("global_step*")) == ["global_step12"]
 
-    # plain `python test_ds.py` samples the newest weights, not the conversion made at step 6, and says so
+    # plain `python test_ds.py` samples the newest weights, not the conversion made at step 6,
+    # and says so
     user = tmp_path / "user"
     user.mkdir()
     (user / "ckpt").symlink_to(tmp_path)
-    default = run_main("test_ds.py", "--num-samples", "1", "--max-new-tokens", "5", "--device", "cpu",
-                       cwd=user, env=ENV)
+    default = run_main("test_ds.py", "--num-samples", "1", "--max-new-tokens", "5", "--device",
+                       "cpu", cwd=user, env=ENV)
     assert default.returncode == 0, default.stderr[-2000:]
     assert "loaded ckpt/ds (global_step12, iteration 12)" in default.stderr
-    stale = run_main("test_ds.py", "--ckpt", "ckpt/ds/ckpt_ds.pt", "--num-samples", "1", "--max-new-tokens", "5",
-                     "--device", "cpu", cwd=user, env=ENV)
-    assert stale.returncode == 0 and "zero_to_fp32 output older than global_step12" in stale.stderr, stale.stderr
+    stale = run_main("test_ds.py", "--ckpt", "ckpt/ds/ckpt_ds.pt", "--num-samples", "1",
+                     "--max-new-tokens", "5", "--device", "cpu", cwd=user, env=ENV)
+    assert stale.returncode == 0 and \
+        "zero_to_fp32 output older than global_step12" in stale.stderr, stale.stderr
 
     one = tmp_path / "one.hosts"
     one.write_text("localhost slots=1\n")
     single = launch(one, char_data, tmp_path / "one", "--init-from", "resume", "--max-iters", "12")
     assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
-    assert "through DeepSpeed's universal checkpoint" in single.stdout and "x 1 process =" in single.stdout
+    assert "through DeepSpeed's universal checkpoint" in single.stdout and \
+        "x 1 process =" in single.stdout
     state = train_state(tmp_path / "one")
     assert state["iter_num"] == 12 and state["world_size"] == 1
     assert_losses_close(state["history"]["loss"], reference["history"]["loss"])
-    assert sorted(p.name for p in (tmp_path / "one" / "ds").glob("global_step*")) == ["global_step12"]
-    assert not (tmp_path / "one" / "ds" / "universal").exists()  # the conversion is removed once loaded
+    assert sorted(p.name for p in (tmp_path / "one" / "ds").glob("global_step*")) == \
+        ["global_step12"]
+    # the conversion is removed once loaded
+    assert not (tmp_path / "one" / "ds" / "universal").exists()
 
 
 def test_a_resume_in_another_layout_names_the_export(tmp_path):
-    """A pipeline or tensor-parallel layout other than the checkpoint's cannot resume it: one line, naming the
-    export that starts a new run from its weights."""
+    """A pipeline or tensor-parallel layout other than the checkpoint's cannot resume it: one line,
+    naming the export that starts a new run from its weights."""
     from toolkit.cli import CLIError
     from toolkit.deepspeed_engine import DeepSpeedEngine
     fake_deepspeed_folder(tmp_path / "ds")  # 1 process, no pipeline, no tensor parallel
     ds = json.loads((ROOT / "ds_config.json").read_text())
-    engine = DeepSpeedEngine(ds, "ds_config.json", str(tmp_path), 1, pipeline_stages=1, tp_size=2, world_size=2)
-    with pytest.raises(CLIError, match="--pipeline-stages 1 --tp-size 1; resume with the same layout.*--export-hf"):
+    engine = DeepSpeedEngine(ds, "ds_config.json", str(tmp_path), 1, pipeline_stages=1, tp_size=2,
+                             world_size=2)
+    with pytest.raises(CLIError, match="--pipeline-stages 1 --tp-size 1; resume with the same "
+                                       "layout.*--export-hf"):
         engine.read_resume()
 
 
 @pytest.mark.parametrize("change, flags, fragments", [
-    ({"train_micro_batch_size_per_gpu": 4}, {"batch_size": 8}, ["train_micro_batch_size_per_gpu 4", "--batch-size 8"]),
+    ({"train_micro_batch_size_per_gpu": 4}, {"batch_size": 8},
+     ["train_micro_batch_size_per_gpu 4", "--batch-size 8"]),
     ({"gradient_clipping": 0.5}, {"grad_clip": 2.0}, ["gradient_clipping 0.5", "--grad-clip 2.0"]),
     ({"scheduler": {"type": "WarmupLR"}}, {}, ["scheduler section", "remove it"]),
     ({"train_batch_size": 100}, {}, ["train_batch_size 100", "derived"]),
     ({"bf16": {"enabled": True}}, {"dtype": "float32"}, ["precision bfloat16", "--dtype float32"]),
 ])
 def test_a_flag_contradicting_ds_config_is_refused(change, flags, fragments):
-    """Each value has one source of truth: set in ds_config.json and by a flag to something else, it is an error."""
+    """Each value has one source of truth: set in ds_config.json and by a flag to something else, it
+    is an error."""
     from toolkit.cli import CLIError
     from toolkit.deepspeed_engine import reconcile
     from toolkit.train_config import TrainConfig
@@ -252,13 +284,16 @@ def test_a_flag_contradicting_ds_config_is_refused(change, flags, fragments):
     with pytest.raises(CLIError) as error:
         reconcile(cfg, set(flags), ds, "ds_config.json", 2, torch.device("cpu"))
     assert all(fragment in str(error.value) for fragment in fragments), str(error.value)
-    agreed, full = reconcile(TrainConfig(grad_accum=2), set(), json.loads((ROOT / "ds_config.json").read_text()),
-                             "ds_config.json", 2, torch.device("cpu"))
-    assert full["train_micro_batch_size_per_gpu"] == agreed.batch_size and full["gradient_accumulation_steps"] == 1
+    agreed, full = reconcile(TrainConfig(grad_accum=2), set(),
+                             json.loads((ROOT / "ds_config.json").read_text()), "ds_config.json", 2,
+                             torch.device("cpu"))
+    assert full["train_micro_batch_size_per_gpu"] == agreed.batch_size and \
+        full["gradient_accumulation_steps"] == 1
 
 
 def test_test_ds_bad_input_is_one_line(tmp_path):
-    assert_one_line_error(run_main("test_ds.py", "--ckpt", tmp_path / "missing", env=ENV), "not found")
+    assert_one_line_error(run_main("test_ds.py", "--ckpt", tmp_path / "missing", env=ENV),
+                          "not found")
     (tmp_path / "junk").mkdir()
     assert_one_line_error(run_main("test_ds.py", "--ckpt", tmp_path / "junk", env=ENV),
                           "not a DeepSpeed checkpoint")

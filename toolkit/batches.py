@@ -58,7 +58,8 @@ def step_batches(step: int, n: int, cfg,
     """(the example indices of a step's global batch, this rank's micro-batches of it); cfg gives
     batch_size, grad_accum and seed."""
     epoch, index = divmod(step, steps_per_epoch)
-    batch = epoch_batches(n, cfg.batch_size * cfg.grad_accum, cfg.grad_accum, cfg.seed, epoch)[index]
+    batch = epoch_batches(n, cfg.batch_size * cfg.grad_accum, cfg.grad_accum, cfg.seed,
+                          epoch)[index]
     micro_steps = cfg.grad_accum // distributed.world_size()
     mine = np.array_split(batch, cfg.grad_accum)[distributed.rank() * micro_steps:]
     return batch, mine[:micro_steps]
@@ -78,12 +79,13 @@ def train_and_val(cfg, read: Callable[[str], list]) -> tuple[list, list]:
         return train, read(cfg.val)
     held = max(1, round(len(train) * cfg.val_fraction))
     if held >= len(train):
-        raise CLIError(f"{cfg.train} has {len(train)} examples, too few to hold {cfg.val_fraction:.0%} "
-                       "out for validation; give --val")
+        raise CLIError(f"{cfg.train} has {len(train)} examples, too few to hold "
+                       f"{cfg.val_fraction:.0%} out for validation; give --val")
     if distributed.rank() == 0:
-        print(f"validation: {held} of the {len(train)} examples of {cfg.train} held out (--val-fraction "
-              f"{cfg.val_fraction}; or give --val)")
-    chosen = np.random.Generator(np.random.PCG64([cfg.seed, len(train)])).permutation(len(train))[:held]
+        print(f"validation: {held} of the {len(train)} examples of {cfg.train} held out "
+              f"(--val-fraction {cfg.val_fraction}; or give --val)")
+    chosen = np.random.Generator(np.random.PCG64([cfg.seed, len(train)])).permutation(
+        len(train))[:held]
     is_val = np.zeros(len(train), bool)
     is_val[chosen] = True
     return [x for x, v in zip(train, is_val) if not v], [x for x, v in zip(train, is_val) if v]

@@ -40,15 +40,18 @@ END = "<|end|>"
 CHAT_TOKENS = (*(f"<|{role}|>" for role in ROLES), END)
 # the template in Jinja, for the exports: HF's apply_chat_template and llama.cpp's chat then lay a
 # conversation out in the same ids as turn_ids and chat_prompt below
-TEMPLATE_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")  # what render passes
-CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+# what render passes
+TEMPLATE_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")
+CHAT_TEMPLATE = ("{% for message in messages %}"
+                 "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 
 @dataclass
 class Conversation:
     ids: list[int]  # the template's tokens, at most block_size + 1
-    trained: list[bool]  # per token: what an assistant turn adds (its content, its end): a target of the loss
+    # per token: what an assistant turn adds (its content, its end): a target of the loss
+    trained: list[bool]
     cut: bool  # tokens past block_size + 1 were dropped
 
 
@@ -59,7 +62,8 @@ def add_chat_tokens(model: GPT, tokenizer: Tokenizer) -> dict[str, int]:
 
 
 def is_chat_tokenizer(tokenizer: Tokenizer) -> bool:
-    """Whether the model was instruction-tuned here (its tokenizer holds this toolkit's template)."""
+    """Whether the model was instruction-tuned here (its tokenizer holds this toolkit's
+    template)."""
     return all(name in tokenizer.special_tokens for name in CHAT_TOKENS)
 
 
@@ -190,26 +194,31 @@ def toolkit_pieces(messages: list[dict], tokenizer: Tokenizer) -> list[tuple[lis
     return pieces
 
 
-def own_template_pieces(messages: list[dict], tokenizer: Tokenizer) -> list[list[tuple[list[int], bool]]]:
+def own_template_pieces(messages: list[dict],
+                        tokenizer: Tokenizer) -> list[list[tuple[list[int], bool]]]:
     """The training sequences of a conversation in a downloaded model's own template, as (tokens,
     learnt) pieces: an assistant turn learns the text its template adds after the generation prompt
     (its content, its end token, Qwen3's empty <think> block), found by rendering the history up to
     the turn with the generation prompt, and up to and with the turn."""
     template = tokenizer.chat_template
     whole = render(template, messages, prompt=False)
-    turns = []  # (text before the turn, the turn's text) of each assistant turn, in its own rendering
+    # (text before the turn, the turn's text) of each assistant turn, in its own rendering
+    turns = []
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
             before = render(template, messages[:i])
-            upto = whole if i == len(messages) - 1 else render(template, messages[: i + 1], prompt=False)
+            upto = whole if i == len(messages) - 1 else render(template, messages[: i + 1],
+                                                               prompt=False)
             if not upto.startswith(before):
-                raise ValueError(f"the model's chat template does not lay out message {i} after its "
-                                 "generation prompt, so its tokens cannot be told from the prompt's")
+                raise ValueError(f"the model's chat template does not lay out message {i} after "
+                                 "its generation prompt, so its tokens cannot be told from the "
+                                 "prompt's")
             turns.append((before, upto))
     stable = all(whole.startswith(upto) for _, upto in turns) and all(
         len(upto) <= len(later) for (_, upto), (later, _) in zip(turns, turns[1:]))
     if not stable:  # one sequence per assistant turn, the turn last
-        return [text_pieces([(before, False), (upto[len(before):], True)], tokenizer) for before, upto in turns]
+        return [text_pieces([(before, False), (upto[len(before):], True)], tokenizer)
+                for before, upto in turns]
     pieces, start = [], 0
     for before, upto in turns:
         pieces += [(whole[start:len(before)], False), (whole[len(before):len(upto)], True)]
@@ -217,7 +226,8 @@ def own_template_pieces(messages: list[dict], tokenizer: Tokenizer) -> list[list
     return [text_pieces(pieces + [(whole[start:], False)], tokenizer)]
 
 
-def text_pieces(pieces: list[tuple[str, bool]], tokenizer: Tokenizer) -> list[tuple[list[int], bool]]:
+def text_pieces(pieces: list[tuple[str, bool]],
+                tokenizer: Tokenizer) -> list[tuple[list[int], bool]]:
     """Each piece tokenized by itself: an answer's first tokens as the model gives them in a chat,
     after a prompt tokenized up to its generation prompt (a newline that opens an answer is not
     merged into the prompt's last one, as it would be in the whole text)."""
@@ -256,11 +266,13 @@ def trained_tokens(conversations: list[Conversation]) -> int:
     return sum(sum(c.trained[1:]) for c in conversations)
 
 
-def chat_prompt(history: list[dict], tokenizer: Tokenizer, variables: dict | None = None) -> list[int]:
+def chat_prompt(history: list[dict], tokenizer: Tokenizer,
+                variables: dict | None = None) -> list[int]:
     """The prompt for the next assistant turn: every turn of the history, then <|assistant|> (or
     the model's own template with its generation prompt, and the further variables given)."""
     if tokenizer.chat_template:
-        return tokenizer.encode_with_special_tokens(render(tokenizer.chat_template, history, variables=variables))
+        return tokenizer.encode_with_special_tokens(render(tokenizer.chat_template, history,
+                                                           variables=variables))
     ids = [token for message in history for token in turn_ids(message, tokenizer)]
     return tokenizer.with_bos(ids + [tokenizer.special_tokens["<|assistant|>"]])
 
@@ -285,24 +297,29 @@ def template_variables(text: str | None) -> dict:
     {"enable_thinking": false}); {} without it."""
     variables = {} if text is None else parse_json(text, "--chat-template-kwargs")
     if not isinstance(variables, dict):
-        raise CLIError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+        raise CLIError("--chat-template-kwargs must be a JSON object, e.g. "
+                       "'{\"enable_thinking\": false}'")
     taken = [name for name in TEMPLATE_ARGUMENTS if name in variables]
     if taken:
-        raise CLIError(f"--chat-template-kwargs cannot set {taken[0]}: the toolkit gives the template its own")
+        raise CLIError(f"--chat-template-kwargs cannot set {taken[0]}: the toolkit gives the "
+                       "template its own")
     return variables
 
 
-def render(template: dict, messages: list[dict], prompt: bool = True, variables: dict | None = None) -> str:
+def render(template: dict, messages: list[dict], prompt: bool = True,
+           variables: dict | None = None) -> str:
     """The text apply_chat_template(messages, add_generation_prompt=prompt, **variables) gives: the
     template runs in Jinja's immutable sandbox (it is code from a download), with what transformers
     adds to it."""
     tokens = {key: template[key] for key in ("bos_token", "eos_token") if template.get(key)}
     jinja = compiled(template["jinja"])
     try:
-        return jinja.render(messages=messages, tools=None, documents=None, add_generation_prompt=prompt,
-                            **{**tokens, **(variables or {})})
-    except Exception as e:  # the template's own raise_exception, a sandbox refusal, a bad expression
-        raise CLIError(f"the model's chat template fails: {' '.join(str(e).split())[:200]}") from None
+        return jinja.render(messages=messages, tools=None, documents=None,
+                            add_generation_prompt=prompt, **{**tokens, **(variables or {})})
+    # the template's own raise_exception, a sandbox refusal, a bad expression
+    except Exception as e:
+        raise CLIError("the model's chat template fails: "
+                       f"{' '.join(str(e).split())[:200]}") from None
 
 
 @functools.lru_cache(maxsize=4)
@@ -312,8 +329,10 @@ def compiled(jinja: str) -> jinja2.Template:
     text."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[loopcontrols, GenerationBlock])
-    env.filters["tojson"] = lambda value, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
-        json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.filters["tojson"] = (
+        lambda value, ensure_ascii=False, indent=None, separators=None, sort_keys=False:
+        json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                   sort_keys=sort_keys))
     env.globals.update(raise_exception=raise_template_error,
                        strftime_now=lambda format: datetime.now().strftime(format))
     try:
@@ -340,8 +359,10 @@ def export_template(facts: dict) -> dict | None:
     """The chat template an HF or GGUF export carries, as read_chat_template (toolkit/hf.py) holds
     one: this toolkit's for a model instruction-tuned here, else a downloaded folder's own."""
     if chat_end_id(facts) is not None:
-        tokenizer = load_tokenizer(facts)  # a BOS (Llama 3's) opens each conversation, as in its training
+        # a BOS (Llama 3's) opens each conversation, as in its training
+        tokenizer = load_tokenizer(facts)
         jinja = CHAT_TEMPLATE if tokenizer.bos_id is None else "{{ bos_token }}" + CHAT_TEMPLATE
-        return {"jinja": jinja, "bos_token": tokenizer.bos_text or tokenizer.eot_text, "eos_token": tokenizer.eot_text,
+        return {"jinja": jinja, "bos_token": tokenizer.bos_text or tokenizer.eot_text,
+                "eos_token": tokenizer.eot_text,
                 "stop_ids": [i for i in (facts.get("eot_id"), chat_end_id(facts)) if i is not None]}
     return facts.get("chat_template")

@@ -2,11 +2,14 @@
 before use.
 
 `ckpt.pt` (train.py, train_ddp.py) is a plain dict saved with torch.save:
-    model          the weights: a plain state dict without torch.compile's `_orig_mod.` prefix (nanoGPT's layout)
+    model          the weights: a plain state dict without torch.compile's `_orig_mod.` prefix
+                   (nanoGPT's layout)
     model_config   GPTConfig fields
-    tokenizer      tokenizer facts (toolkit.tokenizers.load_tokenizer rebuilds it: sampling needs no data folder)
+    tokenizer      tokenizer facts (toolkit.tokenizers.load_tokenizer rebuilds it: sampling needs
+                   no data folder)
     train_config   the run's options (toolkit.pretraining.TrainConfig, or the fine-tuning's)
-    iter_num       optimizer steps done; also the data position (windows depend only on seed and iteration)
+    iter_num       optimizer steps done; also the data position (windows depend only on seed and
+                   iteration)
     best_val_loss, history (the loss curve)
     optimizer, scaler, rng   what exact resume needs (scaler is None unless float16)
 
@@ -32,7 +35,8 @@ from toolkit.files import atomic_write, read_json
 
 CHECKPOINT_FILE = "ckpt.pt"
 STATE_KEYS = ("model_config", "train_config", "tokenizer", "iter_num", "best_val_loss", "history")
-WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # added to every key by torch.compile's and DDP's wrapper modules
+# added to every key by torch.compile's and DDP's wrapper modules
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors")
 INDEX_FILES = ("pytorch_model.bin.index.json", "model.safetensors.index.json")
 
@@ -63,8 +67,8 @@ def restore_rng(rng: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(rng["cuda"], device)
 
 
-def make_checkpoint(state: dict, model: torch.nn.Module, optimizer: dict | None, scaler: dict | None,
-                    rng: dict) -> dict:
+def make_checkpoint(state: dict, model: torch.nn.Module, optimizer: dict | None,
+                    scaler: dict | None, rng: dict) -> dict:
     """The ckpt.pt dict: the training state (STATE_KEYS, and what else a trainer keeps, e.g. a task
     head) plus the weights, optimizer, scaler and RNG states."""
     missing = [k for k in STATE_KEYS if k not in state]
@@ -76,7 +80,8 @@ def make_checkpoint(state: dict, model: torch.nn.Module, optimizer: dict | None,
 def run_state(model: GPT, cfg, tokenizer: dict) -> dict:
     """What every checkpoint holds besides the weights and the loop's state: the model's shape, the
     run's options and the tokenizer facts."""
-    return {"model_config": asdict(model.config), "train_config": asdict(cfg), "tokenizer": tokenizer}
+    return {"model_config": asdict(model.config), "train_config": asdict(cfg),
+            "tokenizer": tokenizer}
 
 
 def save_checkpoint(checkpoint: dict, path: str) -> None:
@@ -100,7 +105,8 @@ def load_plain(path: str, allowed: tuple = ()):
     """torch.load(weights_only=True): tensors, plain data and `allowed` classes, or a CLIError."""
     try:
         with warnings.catch_warnings(), torch.serialization.safe_globals(list(allowed)):
-            warnings.simplefilter("ignore")  # e.g. about the pickle protocol of files torch.save did not write
+            # e.g. about the pickle protocol of files torch.save did not write
+            warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise CLIError(f"{path} holds Python objects other than tensors and plain data, which are "
@@ -114,7 +120,8 @@ def load_weights(model: GPT, weights: dict, source: str) -> None:
     """Copy a state dict into model: wrapper prefixes stripped, the tied head under either key."""
     weights = clean_state_dict(weights)
     # a tied LM head is the token embedding; converters may write either key or both
-    tied = (("lm_head.weight", "transformer.wte.weight"), ("transformer.wte.weight", "lm_head.weight"))
+    tied = (("lm_head.weight", "transformer.wte.weight"),
+            ("transformer.wte.weight", "lm_head.weight"))
     for a, b in tied if model.config.tie_embeddings else ():
         if a not in weights and b in weights:
             weights[a] = weights[b]
@@ -125,7 +132,8 @@ def load_weights(model: GPT, weights: dict, source: str) -> None:
                        f"{first_line(e)}") from None
 
 
-def usable_config(model_config: dict, source: str, weights: dict | None = None, **overrides) -> GPTConfig:
+def usable_config(model_config: dict, source: str, weights: dict | None = None,
+                  **overrides) -> GPTConfig:
     """The GPTConfig of a checkpoint's model_config, checked before anything is built: its values,
     the memory its weights need, and, given the weights, the shape they actually hold."""
     try:
@@ -144,14 +152,17 @@ def check_shape(config: GPTConfig, weights: dict, source: str) -> None:
     naming each that differs): a config that lies is found before it is built."""
     shapes = {key: tuple(value.shape) for key, value in clean_state_dict(weights).items()}
     embedding = shapes.get("transformer.wte.weight") or shapes.get("lm_head.weight")
-    positions = shapes.get("transformer.wpe.weight", (config.block_size, 0))  # learned by GPT-2 alone
+    # learned by GPT-2 alone
+    positions = shapes.get("transformer.wpe.weight", (config.block_size, 0))
     if embedding is None or len(embedding) != 2 or len(positions) != 2:
         raise CLIError(f"{source} holds no GPT weights (its token embedding is missing)")
-    blocks = {int(key.split(".")[2]) for key in shapes if re.fullmatch(r"transformer\.h\.\d+\..+", key)}
+    blocks = {int(key.split(".")[2]) for key in shapes
+              if re.fullmatch(r"transformer\.h\.\d+\..+", key)}
     held = {"vocab_size": embedding[0], "n_embd": embedding[1], "block_size": positions[0],
-            "n_layer": len(blocks), "arch": "gpt2" if "transformer.wpe.weight" in shapes else "llama"}
-    wrong = [f"{name} {getattr(config, name)} (the weights hold {value})" for name, value in held.items()
-             if getattr(config, name) != value]
+            "n_layer": len(blocks),
+            "arch": "gpt2" if "transformer.wpe.weight" in shapes else "llama"}
+    wrong = [f"{name} {getattr(config, name)} (the weights hold {value})"
+             for name, value in held.items() if getattr(config, name) != value]
     if wrong:
         raise CLIError(f"{source}: its model config disagrees with its weights: {', '.join(wrong)}")
 
@@ -167,7 +178,8 @@ def model_from_checkpoint(checkpoint: dict, source: str = "checkpoint", **overri
     """Build a GPT from a ckpt.pt dict's config and weights."""
     if "model" not in checkpoint:
         raise CLIError(f"{source} holds LoRA adapters, not full weights; read it with "
-                       "toolkit.model_sources.load_model, or merge it first (finetune.py --merge-lora)")
+                       "toolkit.model_sources.load_model, or merge it first "
+                       "(finetune.py --merge-lora)")
     return model_from_weights(checkpoint["model_config"], checkpoint["model"], source, **overrides)
 
 

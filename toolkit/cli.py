@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 
 _at_end: list[Callable[[], None]] = []  # what run() does when main() ends, however it ends
-# progress bars written where stderr is no terminal (a log) start this many seconds in: an error before
-# then stays the one line on stderr
+# progress bars written where stderr is no terminal (a log) start this many seconds in: an error
+# before then stays the one line on stderr
 PROGRESS_DELAY = 2.0
 
 
@@ -41,7 +41,8 @@ class ArgumentParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         args = list(sys.argv[1:] if args is None else args)
         end = args.index("--") if "--" in args else len(args)  # after "--", every word is a value
-        return super().parse_known_args([self.dashed(a) for a in args[:end]] + args[end:], namespace)
+        return super().parse_known_args([self.dashed(a) for a in args[:end]] + args[end:],
+                                         namespace)
 
     def dashed(self, arg: str) -> str:
         """arg with its flag's underscores as dashes, where only the dashed flag is an option here
@@ -53,7 +54,8 @@ class ArgumentParser(argparse.ArgumentParser):
             return arg
         if flag not in known and flag.replace("_", "-") in known:
             flag = flag.replace("_", "-")
-        if isinstance(known.get(flag), argparse.BooleanOptionalAction) and value in ("True", "False"):
+        if (isinstance(known.get(flag), argparse.BooleanOptionalAction)
+                and value in ("True", "False")):
             return flag if value == "True" else "--no-" + flag[2:]
         return flag + equals + value
 
@@ -61,8 +63,8 @@ class ArgumentParser(argparse.ArgumentParser):
 def argument_parser(description: str | None) -> ArgumentParser:
     """A parser that keeps the description's layout and takes no abbreviations: with prefix
     matching, Megatron's --save would be read as a prefix of --save-interval."""
-    return ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                          allow_abbrev=False)
+    return ArgumentParser(description=description,
+                          formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
 
 
 def error_message(error: Exception) -> str:
@@ -83,10 +85,11 @@ def is_out_of_memory(error: BaseException) -> bool:
                                                          and "out of memory" in str(error).lower())
 
 
-OUT_OF_MEMORY = ("out of GPU memory ({}): the model, batch or context did not fit; lower --batch-size (and raise "
-                 "--grad-accum to keep the batch), --block-size or the model's size, use --dtype bfloat16, or "
-                 "train with ZeRO-3 and CPU offload (train_ds.py; its --estimate-memory says what fits); "
-                 "checkpoints already written are as they were")
+OUT_OF_MEMORY = ("out of GPU memory ({}): the model, batch or context did not fit; lower "
+                 "--batch-size (and raise --grad-accum to keep the batch), --block-size or the "
+                 "model's size, use --dtype bfloat16, or train with ZeRO-3 and CPU offload "
+                 "(train_ds.py; its --estimate-memory says what fits); checkpoints already written "
+                 "are as they were")
 
 
 def first_line(error: BaseException) -> str:
@@ -134,8 +137,10 @@ def report_distributed_error(message: str) -> None:
         if store is not None:
             store.set(key, message)
         return
-    if store is None:  # failed before the process group existed: every rank failed the same way, and
-        time.sleep(3)  # rank 0 must print it before the launcher, seeing this rank exit, stops the job
+    # failed before the process group existed: every rank failed the same way, and rank 0 must print
+    # it before the launcher, seeing this rank exit, stops the job
+    if store is None:
+        time.sleep(3)
         return
     try:
         store.wait([key], datetime.timedelta(seconds=3))
@@ -168,10 +173,11 @@ def run_distributed(main: Callable[[], None]) -> None:
         report_distributed_error(error_message(e))
         stop_torchrun_restarts()
         status = 1
-    except RuntimeError as e:  # a peer died or hung: the launcher stops (or restarts) the job anyway
+    except RuntimeError as e:
+        # a peer died or hung: the launcher stops (or restarts) the job anyway
         if is_out_of_memory(e):  # on any rank: each says so, with its rank
-            print(f"error: rank {os.environ.get('RANK', '0')}: {OUT_OF_MEMORY.format(first_line(e))}",
-                  file=sys.stderr, flush=True)
+            print(f"error: rank {os.environ.get('RANK', '0')}: "
+                  f"{OUT_OF_MEMORY.format(first_line(e))}", file=sys.stderr, flush=True)
             stop_torchrun_restarts()
         elif not isinstance(e, dist.DistError) and "gloo" not in str(e):
             raise
@@ -186,11 +192,12 @@ def run_distributed(main: Callable[[], None]) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    # Leave without interpreter finalization. DeepSpeed keeps references to its gloo groups, whose C++
-    # worker threads are then torn down during finalization and can abort a run that has finished and
-    # saved ("terminate called without an active exception", SIGABRT; pytorch/pytorch#190489). Everything
-    # is written and flushed by now. mpirun counts a process that exits without MPI_Finalize as failed
-    # (mpi4py finalizes at interpreter exit, which os._exit skips).
+    # Leave without interpreter finalization. DeepSpeed keeps references to its gloo groups, whose
+    # C++ worker threads are then torn down during finalization and can abort a run that has
+    # finished and saved ("terminate called without an active exception", SIGABRT;
+    # pytorch/pytorch#190489). Everything is written and flushed by now. mpirun counts a process
+    # that exits without MPI_Finalize as failed (mpi4py finalizes at interpreter exit, which
+    # os._exit skips).
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()

@@ -47,7 +47,8 @@ class RunConfig:
                                 "natively, else float32", choices=["auto", *DTYPES])
     seed: int = option(1337, "seed of the new weights, of dropout and of the data order")
 
-    # what TorchEngine.start builds for a config without these options (TrainConfig makes them options)
+    # what TorchEngine.start builds for a config without these options (TrainConfig makes them
+    # options)
     optimizer: ClassVar[str] = "adamw"
     muon_lr: ClassVar[float | None] = None
     compile: ClassVar[bool] = False
@@ -83,4 +84,5 @@ def replicas(data_parallel: int) -> str:
     world = distributed.world_size()
     if data_parallel == world:
         return f"{world} process{'es' * (world > 1)}"
-    return f"{data_parallel} replica{'s' * (data_parallel > 1)} of {world // data_parallel} processes"
+    return (f"{data_parallel} replica{'s' * (data_parallel > 1)} of {world // data_parallel} "
+            "processes")

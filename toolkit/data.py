@@ -7,8 +7,9 @@ Formats:
   * nanoGPT: a folder with train.bin and val.bin (raw token ids, uint16 or uint32, no header) and
     meta.json (tokenizer facts, dtype and token counts).
   * Megatron-LM's MMapIndexedDataset: PREFIX.bin (token ids of all documents) + PREFIX.idx (34-byte
-    header: magic, version 1, dtype code, item count, doc count; then int32 sizes, int64 byte pointers,
-    int64 doc_idx), one item per document; plus this toolkit's PREFIX.json sidecar of tokenizer facts.
+    header: magic, version 1, dtype code, item count, doc count; then int32 sizes, int64 byte
+    pointers, int64 doc_idx), one item per document; plus this toolkit's PREFIX.json sidecar of
+    tokenizer facts.
 
     corpus = load_corpus("data/pydoc_char")            # nanoGPT folder
     corpus = load_corpus("data/oscar_text_document")  # Megatron prefix, split by documents
@@ -30,16 +31,20 @@ from toolkit.gpt2_vocab import GPT2_FACTS
 class Corpus:
     train: np.ndarray  # 1-D memory-mapped token ids
     val: np.ndarray
-    meta: dict  # tokenizer facts (same keys as meta.json: tokenizer, vocab_size, eot_id, chars, ...)
+    # tokenizer facts (same keys as meta.json: tokenizer, vocab_size, eot_id, chars, ...)
+    meta: dict
 
 
 NANOGPT_FILES = ("train.bin", "val.bin", "meta.json")
-DEFAULT_CORPUS_DIR = "data/pydoc_char"  # the embedded corpus, prepared on first use (toolkit/prepare.py)
+# the embedded corpus, prepared on first use (toolkit/prepare.py)
+DEFAULT_CORPUS_DIR = "data/pydoc_char"
 MEGATRON_EXTENSIONS = (".bin", ".idx", ".json")
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, len, doc_count: 34 bytes
-MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}  # integer codes only
-# llm.c's shards (dev/data/data_common.py): a header of 256 int32 (magic, version, token count), then the ids
+# integer codes only
+MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
+# llm.c's shards (dev/data/data_common.py): a header of 256 int32 (magic, version, token count),
+# then the ids
 LLMC_HEADER_INTS, LLMC_MAGIC = 256, 20240520
 LLMC_VERSIONS = {20240520: (1, np.uint16), 20240801: (7, np.uint32)}  # GPT-2's and Llama 3's
 LLMC_SHARD = re.compile(r".+_(val|train)(_\d+)?\.bin")
@@ -73,19 +78,22 @@ def load_corpus(path: str, split: str = "969,30,1") -> Corpus:
         if any(os.path.exists(os.path.join(path, name)) for name in NANOGPT_FILES):
             return load_nanogpt(path)
         prefixes = sorted(name[:-4] for name in os.listdir(path)
-                          if name.endswith(".idx") and os.path.exists(os.path.join(path, name[:-4] + ".bin")))
+                          if name.endswith(".idx")
+                          and os.path.exists(os.path.join(path, name[:-4] + ".bin")))
         if len(prefixes) != 1:
-            found = f"{len(prefixes)} Megatron .bin/.idx pairs ({', '.join(prefixes)})" if prefixes else "neither"
+            found = (f"{len(prefixes)} Megatron .bin/.idx pairs ({', '.join(prefixes)})"
+                     if prefixes else "neither")
             raise CLIError(f"{path} should hold train.bin/val.bin/meta.json or one Megatron "
                            f".bin/.idx pair; found {found}")
         return load_megatron(os.path.join(path, prefixes[0]), split)
     prefix = path[:-4] if path.endswith((".bin", ".idx")) else path
     if os.path.exists(prefix + ".idx") or os.path.exists(prefix + ".bin"):
         return load_megatron(prefix, split)
-    if os.path.exists(megatron_document_prefix(prefix) + ".idx"):  # the --output-prefix given to tokenizer.py
+    # the --output-prefix given to tokenizer.py
+    if os.path.exists(megatron_document_prefix(prefix) + ".idx"):
         return load_megatron(megatron_document_prefix(prefix), split)
-    raise CLIError(f"data not found: {path} (expected a folder with train.bin/val.bin/meta.json or llm.c "
-                   "shards, or a Megatron prefix)")
+    raise CLIError(f"data not found: {path} (expected a folder with train.bin/val.bin/meta.json or "
+                   f"llm.c shards, or a Megatron prefix)")
 
 
 class Shards:
@@ -113,11 +121,14 @@ def read_llmc_shard(path: str) -> np.ndarray:
     """The token ids of one llm.c shard, memory-mapped, after its header is checked."""
     header = np.fromfile(path, np.int32, count=LLMC_HEADER_INTS)
     if len(header) < LLMC_HEADER_INTS or int(header[0]) not in LLMC_VERSIONS:
-        raise CLIError(f"{path} is not an llm.c shard (its magic is not {' or '.join(map(str, LLMC_VERSIONS))})")
+        raise CLIError(f"{path} is not an llm.c shard (its magic is not "
+                       f"{' or '.join(map(str, LLMC_VERSIONS))})")
     version, dtype = LLMC_VERSIONS[int(header[0])]
     if header[1] != version:
-        raise CLIError(f"{path}: llm.c shard version {header[1]}, expected {version} for magic {header[0]}")
-    size, expected = os.path.getsize(path), 4 * LLMC_HEADER_INTS + int(header[2]) * np.dtype(dtype).itemsize
+        raise CLIError(f"{path}: llm.c shard version {header[1]}, expected {version} for magic "
+                       f"{header[0]}")
+    size, expected = (os.path.getsize(path),
+                      4 * LLMC_HEADER_INTS + int(header[2]) * np.dtype(dtype).itemsize)
     if size != expected or header[2] < 1:
         raise CLIError(f"{path} has {size:,} bytes but its header says {int(header[2]):,} tokens, "
                        f"{expected:,} bytes (truncated or corrupt)")
@@ -174,11 +185,13 @@ def load_nanogpt(folder: str) -> Corpus:
     meta = read_meta(os.path.join(folder, "meta.json"))
     dtype = meta.get("dtype", "uint16")
     if dtype not in ("uint16", "uint32"):
-        raise CLIError(f"{os.path.join(folder, 'meta.json')} has an unknown dtype {dtype!r} (uint16 or uint32)")
+        raise CLIError(f"{os.path.join(folder, 'meta.json')} has an unknown dtype {dtype!r} "
+                       f"(uint16 or uint32)")
     splits = {}
     for split in ("train", "val"):
         path = os.path.join(folder, f"{split}.bin")
-        splits[split] = check_token_ids(memmap_tokens(path, np.dtype(dtype)), meta["vocab_size"], path)
+        splits[split] = check_token_ids(memmap_tokens(path, np.dtype(dtype)), meta["vocab_size"],
+                                        path)
         expected = meta.get(f"{split}_tokens")
         if expected is not None and expected != len(splits[split]):
             raise CLIError(f"{path} holds {len(splits[split]):,} tokens but meta.json records "
@@ -189,7 +202,8 @@ def load_nanogpt(folder: str) -> Corpus:
 def check_token_ids(tokens: np.ndarray, vocab_size: int, path: str) -> np.ndarray:
     """Every id below vocab_size (checked once here, not in every forward pass)."""
     largest = max((int(tokens[i:i + 2**26].max()) for i in range(0, len(tokens), 2**26)), default=0)
-    if largest >= vocab_size or (tokens.dtype.kind == "i" and len(tokens) and int(tokens.min()) < 0):
+    if largest >= vocab_size or (tokens.dtype.kind == "i" and len(tokens)
+                                 and int(tokens.min()) < 0):
         raise CLIError(f"{path} holds token ids outside the vocabulary of {vocab_size} (largest "
                        f"{largest}); the data and its metadata do not belong together")
     return tokens
@@ -210,7 +224,8 @@ def read_megatron_index(idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray
         raise CLIError(f"{idx_path}: unsupported token dtype code {code}")
     expected = MEGATRON_HEADER.size + n * 4 + n * 8 + doc_count * 8
     if file_size != expected:
-        raise CLIError(f"{idx_path} has {file_size} bytes, its header implies {expected} (truncated or corrupt)")
+        raise CLIError(f"{idx_path} has {file_size} bytes, its header implies {expected} "
+                       f"(truncated or corrupt)")
 
     def array(dtype: str, offset: int, count: int) -> np.ndarray:
         if not count:
@@ -236,8 +251,8 @@ def megatron_split(n_docs: int, split: str) -> tuple[int, int]:
         raise CLIError(f"split {split!r} needs non-negative weights with a positive sum")
     if n_docs < 2:
         raise CLIError(f"need at least 2 documents to split into train and val, got {n_docs}")
-    # Megatron's get_train_valid_test_split_: rounded cumulative counts, rounding error taken off every
-    # boundary
+    # Megatron's get_train_valid_test_split_: rounded cumulative counts, rounding error taken off
+    # every boundary
     bounds = [0]
     for w in weights:
         bounds.append(bounds[-1] + int(round(w / sum(weights) * n_docs)))
@@ -269,10 +284,12 @@ def load_megatron(prefix: str, split: str) -> Corpus:
         return int(pointers[item]) // dtype.itemsize if item < len(pointers) else n_tokens
 
     if not os.path.exists(prefix + ".json") and dtype != np.uint16:
-        raise CLIError(f"{prefix}.json (tokenizer facts) is missing and {dtype.name} tokens are not GPT-2's")
+        raise CLIError(f"{prefix}.json (tokenizer facts) is missing and {dtype.name} tokens are "
+                       f"not GPT-2's")
     meta = read_meta(prefix + ".json", gpt2_source="Megatron's preprocess_data.py")
     check_token_ids(tokens, meta["vocab_size"], prefix + ".bin")
-    train, val = tokens[: token_offset(train_end)], tokens[token_offset(train_end): token_offset(val_end)]
+    train, val = (tokens[: token_offset(train_end)],
+                  tokens[token_offset(train_end): token_offset(val_end)])
     if len(train) == 0 or len(val) == 0:
         empty = "train" if len(train) == 0 else "val"
         raise CLIError(f"{prefix}: the {empty} documents of split {split!r} hold no tokens")

@@ -3,7 +3,8 @@ flags, the ZeRO / pipeline / AutoTP engine, its checkpoints in OUT_DIR/ds, and j
 group of the deepspeed launcher, torchrun or mpirun.
 
     init_distributed(cfg, args)
-    trainer = pretraining.setup(cfg, given, DeepSpeedEngine(ds, ds_path, cfg.out_dir, keep_checkpoints))
+    trainer = pretraining.setup(cfg, given,
+                                DeepSpeedEngine(ds, ds_path, cfg.out_dir, keep_checkpoints))
     trainer.fit()
 
 Forward, backward and the ZeRO optimizer step go through DeepSpeed; the learning rate comes from the
@@ -32,12 +33,15 @@ from toolkit.distributed import free_port
 from toolkit.ds_checkpoint import (check_deepspeed_files, mark_complete, prune_deepspeed_tags,
                                    read_train_state, to_universal)
 from toolkit.optim import decay_groups
-from toolkit.model_parallel import Layout, autotp_config, check_layout, estimate_memory, pipeline_module
+from toolkit.model_parallel import (Layout, autotp_config, check_layout, estimate_memory,
+                                    pipeline_module)
 from toolkit.megatron import grad_accum_for
 from toolkit.train_config import TrainConfig, apply_preset, family_defaults, settle_optimizer
 
-# DeepSpeed's ZeRO-3 calls collectives that torch renamed; each rank's log would repeat torch's notice
-warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is "
+# DeepSpeed's ZeRO-3 calls collectives that torch renamed; each rank's log would repeat torch's
+# notice
+warnings.filterwarnings("ignore", r"`torch\.distributed\."
+                        r"(all_gather_into_tensor|reduce_scatter_tensor)` is "
                         "deprecated", FutureWarning)
 
 # Values that both the flags and the DeepSpeed config can set: (flags, config key, the config value
@@ -84,8 +88,8 @@ def config_precision(ds: dict) -> str | None:
     return "bfloat16" if bf16_on else "float16" if fp16_on else "float32"
 
 
-def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size: int, device: torch.device,
-              resumed: set[str] = frozenset()) -> tuple[TrainConfig, dict]:
+def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size: int,
+              device: torch.device, resumed: set[str] = frozenset()) -> tuple[TrainConfig, dict]:
     """Settle every value that both the flags and the DeepSpeed config can set.
 
     `given` names the flags set on purpose (command line, --config file, or a resumed checkpoint). A
@@ -118,10 +122,11 @@ def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size
                        f"processes; use a multiple of {world_size}")
     global_batch = cfg.batch_size * (cfg.grad_accum or world_size)
     if ds.get("train_batch_size") is not None and ds["train_batch_size"] != global_batch:
-        raise CLIError(f"{name} sets train_batch_size {ds['train_batch_size']} but the global batch is "
-                       f"{cfg.batch_size} x {cfg.grad_accum or world_size} = {global_batch}; "
-                       f"remove train_batch_size (it is derived)")
-    for _, key, to_config, _ in SHARED_SETTINGS:  # the flags' values, written into the config DeepSpeed gets
+        raise CLIError(f"{name} sets train_batch_size {ds['train_batch_size']} but the global "
+                       f"batch is {cfg.batch_size} x {cfg.grad_accum or world_size} = "
+                       f"{global_batch}; remove train_batch_size (it is derived)")
+    # the flags' values, written into the config DeepSpeed gets
+    for _, key, to_config, _ in SHARED_SETTINGS:
         value = to_config(cfg, world_size)
         set_key(ds, key, int(value) if key == "gradient_accumulation_steps" else value)
 
@@ -130,9 +135,11 @@ def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size
         raise CLIError(f"{name} sets precision {ds_dtype} (its bf16/fp16 sections) but --dtype "
                        f"{cfg.dtype} was given; they must agree: change one of them or drop the "
                        "flag")
-    cfg = replace(cfg, dtype=ds_dtype or str(resolve_dtype(cfg.dtype, device)).removeprefix("torch."))
+    cfg = replace(cfg,
+                  dtype=ds_dtype or str(resolve_dtype(cfg.dtype, device)).removeprefix("torch."))
     resolve_dtype(cfg.dtype, device)  # a clear error where the CPU has no float16
-    ds["bf16"] = {**(ds.pop("bfloat16", None) or ds.get("bf16") or {}), "enabled": cfg.dtype == "bfloat16"}
+    ds["bf16"] = {**(ds.pop("bfloat16", None) or ds.get("bf16") or {}),
+                  "enabled": cfg.dtype == "bfloat16"}
     ds["fp16"] = {**ds.get("fp16", {}), "enabled": cfg.dtype == "float16"}
     ds.setdefault("steps_per_print", 10 ** 9)  # the trainer logs; keep DeepSpeed quiet
     return cfg, ds
@@ -146,9 +153,9 @@ def shape_of(cfg: TrainConfig) -> GPTConfig:
     """The model the flags describe, with GPT-2's vocabulary: what a layout is checked against and
     the memory estimate counts."""
     gpt2 = cfg.arch == "gpt2"
-    return GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                     bias=cfg.bias and gpt2, arch=cfg.arch, n_kv_head=cfg.n_kv_head, qk_norm=cfg.qk_norm,
-                     tie_embeddings=gpt2)
+    return GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_embd=cfg.n_embd, bias=cfg.bias and gpt2, arch=cfg.arch,
+                     n_kv_head=cfg.n_kv_head, qk_norm=cfg.qk_norm, tie_embeddings=gpt2)
 
 
 def memory_estimate(cfg: TrainConfig, given: set[str], ds: dict, nodes: int, gpus: int,
@@ -169,23 +176,26 @@ def memory_estimate(cfg: TrainConfig, given: set[str], ds: dict, nodes: int, gpu
     micro_steps = max(1, (grad_accum or layout.data_parallel) // layout.data_parallel)
     offload_optimizer = (zero.get("offload_optimizer") or {}).get("device") not in (None, "none")
     offload_param = (zero.get("offload_param") or {}).get("device") not in (None, "none")
-    e = estimate_memory(config, layout, stage, dtype, offload_optimizer, offload_param, cfg.batch_size,
-                        micro_steps)
+    e = estimate_memory(config, layout, stage, dtype, offload_optimizer, offload_param,
+                        cfg.batch_size, micro_steps)
     gib = 2 ** 30
-    offloads = [f"{what} offload to cpu" for what, on in (("optimizer", offload_optimizer),
-                                                            ("param", offload_param and stage == 3)) if on]
+    offloads = [f"{what} offload to cpu" for what, on in (
+        ("optimizer", offload_optimizer), ("param", offload_param and stage == 3)) if on]
     device = e.weights + e.gradients + e.optimizer + e.activations
     cpu = f"; CPU memory per process {e.cpu / gib:.2f} GiB" if e.cpu else ""
     lines = [
-        f"model: {cfg.n_layer} layers, width {cfg.n_embd}, {cfg.n_head} heads, block {cfg.block_size}, "
-        f"GPT-2 vocabulary: {e.params:,} parameters ({e.params / 1e9:.2f}B)",
-        f"training FLOPs per token: {e.flops_per_token / 1e9:,.1f} GFLOP (6 x parameters + attention)",
-        f"layout: {layout.world_size} devices ({nodes} nodes x {gpus}) = {layout.describe()}; ZeRO stage "
-        f"{stage}, {dtype}, micro-batch {cfg.batch_size} x {micro_steps} per step"
-        + "".join(", " + offload for offload in offloads),  # ZeRO offloads parameters only at stage 3
-        f"per device (the busiest stage: {e.device_params:,} parameters): weights {e.weights / gib:.2f} "
-        f"GiB, gradients {e.gradients / gib:.2f}, optimizer {e.optimizer / gib:.2f}, activations "
-        f"{e.activations / gib:.2f} = {device / gib:.2f} GiB{cpu}"]
+        f"model: {cfg.n_layer} layers, width {cfg.n_embd}, {cfg.n_head} heads, block "
+        f"{cfg.block_size}, GPT-2 vocabulary: {e.params:,} parameters ({e.params / 1e9:.2f}B)",
+        f"training FLOPs per token: {e.flops_per_token / 1e9:,.1f} GFLOP "
+        "(6 x parameters + attention)",
+        f"layout: {layout.world_size} devices ({nodes} nodes x {gpus}) = {layout.describe()}; "
+        f"ZeRO stage {stage}, {dtype}, micro-batch {cfg.batch_size} x {micro_steps} per step"
+        # ZeRO offloads parameters only at stage 3
+        + "".join(", " + offload for offload in offloads),
+        f"per device (the busiest stage: {e.device_params:,} parameters): weights "
+        f"{e.weights / gib:.2f} GiB, gradients {e.gradients / gib:.2f}, optimizer "
+        f"{e.optimizer / gib:.2f}, activations {e.activations / gib:.2f} = {device / gib:.2f} "
+        f"GiB{cpu}"]
     if stage in (2, 3):  # DeepSpeed's estimators assume 16-bit weights and a 1.5x CPU buffer
         if stage == 2:
             from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
@@ -194,10 +204,11 @@ def memory_estimate(cfg: TrainConfig, given: set[str], ds: dict, nodes: int, gpu
         else:
             from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
             cpu_bytes, gpu_bytes, _ = estimate_zero3_model_states_mem_needs(
-                e.device_params, e.largest_layer, 1, layout.data_parallel, offload_optimizer, offload_param)
+                e.device_params, e.largest_layer, 1, layout.data_parallel, offload_optimizer,
+                offload_param)
         lines.append(f"DeepSpeed's ZeRO-{stage} estimator (16-bit weights, without activations): "
-                     f"{gpu_bytes / gib:.2f} GiB per device, {cpu_bytes / gib:.2f} GiB CPU memory per "
-                     "process")
+                     f"{gpu_bytes / gib:.2f} GiB per device, {cpu_bytes / gib:.2f} GiB CPU memory "
+                     "per process")
     return "\n".join(lines)
 
 
@@ -205,11 +216,12 @@ class DeepSpeedEngine:
     """The Engine of train_ds.py, made from the DeepSpeed config and the layout: it reads the resume
     state, settles the options the config also sets, and runs DeepSpeed's engine on the model."""
 
-    def __init__(self, ds: dict, ds_path: str, out_dir: str, keep_checkpoints: int, pipeline_stages: int = 1,
-                 tp_size: int = 1, world_size: int | None = None):
+    def __init__(self, ds: dict, ds_path: str, out_dir: str, keep_checkpoints: int,
+                 pipeline_stages: int = 1, tp_size: int = 1, world_size: int | None = None):
         self.ds_input, self.ds_path, self.keep_checkpoints = ds, ds_path, keep_checkpoints
         self.path = os.path.join(out_dir, "ds")
-        self.world_size = world_size or distributed.world_size()  # that of the process group, unless told
+        # that of the process group, unless told
+        self.world_size = world_size or distributed.world_size()
         self.master = distributed.rank() == 0
         self.universal = False  # resuming a checkpoint of another number of processes
         try:
@@ -246,9 +258,10 @@ class DeepSpeedEngine:
         return state
 
     def settle_config(self, cfg: TrainConfig, given: set[str], resumed: set[str]) -> TrainConfig:
-        # the DeepSpeed config's AdamW (train_ds.py offers no other) and --lr, which the config may also
-        # set; torch.compile only when asked for (it is not measured under ZeRO)
-        cfg = settle_optimizer(replace(cfg, optimizer="adamw", compile=cfg.compile and "compile" in given))
+        # the DeepSpeed config's AdamW (train_ds.py offers no other) and --lr, which the config may
+        # also set; torch.compile only when asked for (it is not measured under ZeRO)
+        cfg = settle_optimizer(replace(cfg, optimizer="adamw",
+                                       compile=cfg.compile and "compile" in given))
         if cfg.eval_tasks and self.pipelined:
             raise CLIError("--eval-tasks needs the model's logits, which a pipeline keeps on its "
                            "last stage; score an exported checkpoint with eval.py instead (python "
@@ -256,10 +269,11 @@ class DeepSpeedEngine:
         if "dtype" in resumed:  # the checkpoint's precision stands unless the config says otherwise
             given = given - {"dtype"}
         device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
-        cfg, self.ds_config = reconcile(cfg, given, self.ds_input, self.ds_path, self.layout.data_parallel, device,
-                                        resumed)
+        cfg, self.ds_config = reconcile(cfg, given, self.ds_input, self.ds_path,
+                                        self.layout.data_parallel, device, resumed)
         if self.universal:
-            self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}), "load_universal": True}
+            self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}),
+                                            "load_universal": True}
         try:
             check_layout(self.layout, shape_of(cfg), zero_stage(self.ds_config))
         except ValueError as e:
@@ -276,24 +290,26 @@ class DeepSpeedEngine:
     def start(self, model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, loss,
               resume: dict | None) -> None:
         """deepspeed.initialize with the settled config (and the checkpoint's state on resume); as
-        DeepSpeed calls the module itself, the loss is the objective's on the engine (a pipeline's is
-        its last stage's chunked cross-entropy)."""
+        DeepSpeed calls the module itself, the loss is the objective's on the engine (a pipeline's
+        is its last stage's chunked cross-entropy)."""
         self.device, self.dtype, self.loss = device, dtype, loss
         module = pipeline_module(model, self.layout.pipeline_stages) if self.pipelined else model
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, model_parameters=decay_groups(module, cfg.weight_decay), config=self.ds_config)
+            model=module, model_parameters=decay_groups(module, cfg.weight_decay),
+            config=self.ds_config)
         if cfg.compile:
             self.engine.compile()
         if self.master:
             zero = self.ds_config.get("zero_optimization") or {}
             offload = ", ".join(f"{what} offload to {(zero.get(key) or {}).get('device')}"
-                                for what, key in (("optimizer", "offload_optimizer"), ("param", "offload_param"))
+                                for what, key in (("optimizer", "offload_optimizer"),
+                                                  ("param", "offload_param"))
                                 if (zero.get(key) or {}).get("device") not in (None, "none"))
-            print(f"deepspeed {deepspeed.__version__}: {self.layout.describe()}, "
-                  f"ZeRO stage {zero_stage(self.ds_config)}"
-                  f"{', ' + offload if offload else ''}, optimizer "
-                  f"{type(getattr(self.engine, 'basic_optimizer', None) or self.optimizer).__name__}, "
-                  f"config {self.ds_path}", flush=True)
+            print(
+                f"deepspeed {deepspeed.__version__}: {self.layout.describe()}, ZeRO stage "
+                f"{zero_stage(self.ds_config)}{', ' + offload if offload else ''}, optimizer "
+                f"{type(getattr(self.engine, 'basic_optimizer', None) or self.optimizer).__name__}"
+                f", config {self.ds_path}", flush=True)
         if resume is not None:
             self.load(resume["tag"])
 
@@ -315,8 +331,8 @@ class DeepSpeedEngine:
         if path is None:
             raise CLIError(f"cannot resume: no DeepSpeed checkpoint {tag} in {self.path}")
         restore_rng((client_state or {}).get("rng") or {}, self.device)
-        # DeepSpeed's universal loader (ZeRO-3) gives every param group the first one's settings, which would
-        # decay the biases and LayerNorm gains too: each group keeps its own weight decay
+        # DeepSpeed's universal loader (ZeRO-3) gives every param group the first one's settings,
+        # which would decay the biases and LayerNorm gains too: each group keeps its weight decay
         for group, decay in zip(self.engine.optimizer.param_groups, decays):
             group["weight_decay"] = decay
         if self.universal:
@@ -328,15 +344,17 @@ class DeepSpeedEngine:
         """After the run: where its checkpoint is and how to use it; every rank leaves together (a
         rank whose peer, the store's host, already exited can abort in teardown)."""
         if self.master:
-            print(f"DeepSpeed checkpoint: {self.path}; sample with `python test_ds.py --ckpt {self.path}` or "
-                  f"convert with `python test_ds.py --ckpt {self.path} --export-ckpt ckpt.pt`", flush=True)
+            print(f"DeepSpeed checkpoint: {self.path}; sample with "
+                  f"`python test_ds.py --ckpt {self.path}` or convert with "
+                  f"`python test_ds.py --ckpt {self.path} --export-ckpt ckpt.pt`", flush=True)
         dist.barrier()
 
     @property
     def pipelined(self) -> bool:
         return self.layout.pipeline_stages > 1
 
-    def train_step(self, batches: list[tuple[tuple[torch.Tensor, torch.Tensor], float]], lr: float) -> float:
+    def train_step(self, batches: list[tuple[tuple[torch.Tensor, torch.Tensor], float]],
+                   lr: float) -> float:
         """One optimizer step over this process's micro-batches (their weights are equal: DeepSpeed
         divides by gradient_accumulation_steps itself and averages over the data-parallel ranks);
         returns this process's share of the step's loss."""
@@ -352,7 +370,8 @@ class DeepSpeedEngine:
             if self.engine.is_gradient_accumulation_boundary() != (i == len(batches) - 1):
                 raise RuntimeError("DeepSpeed's accumulation boundary is out of step with the "
                                    "micro-batches")
-            self.engine.step()  # the optimizer steps (and zeroes the gradients) only at the boundary
+            # the optimizer steps (and zeroes the gradients) only at the boundary
+            self.engine.step()
             total += loss.detach().float() * weight
         return total.item()
 
@@ -368,8 +387,10 @@ class DeepSpeedEngine:
 
     def weights_finite(self) -> bool:
         """Every process's share of the weights (its ZeRO-3 partition) holds no NaN or inf."""
-        local = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in self.engine.module.parameters())
-        return distributed.all_reduce_sum([float(local)], self.device)[0] == distributed.world_size()
+        local = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all())
+                    for p in self.engine.module.parameters())
+        return (distributed.all_reduce_sum([float(local)], self.device)[0]
+                == distributed.world_size())
 
     def save(self, state: dict, path: str | None = None, resumable: bool | None = None) -> None:
         """A tag folder global_stepN in path (default: OUT_DIR/ds); always resumable."""
@@ -380,7 +401,8 @@ class DeepSpeedEngine:
                  "deepspeed_version": deepspeed.__version__}
         if state["best_val_loss"] == float("inf"):
             state["best_val_loss"] = None  # JSON has no infinity
-        self.engine.save_checkpoint(folder, tag=tag, client_state={**state, "rng": capture_rng(self.device)})
+        self.engine.save_checkpoint(folder, tag=tag,
+                                    client_state={**state, "rng": capture_rng(self.device)})
         dist.barrier()  # every process has written its files
         if self.master:
             mark_complete(folder, tag, state)
@@ -422,21 +444,23 @@ def init_distributed(cfg: TrainConfig, args) -> TrainConfig:
     accelerator = get_accelerator().device_name()  # "cpu" or "cuda": DeepSpeed chose it at import
     device = resolve_device(accelerator if cfg.device == "auto" else cfg.device, local_rank)
     if device.type != accelerator:
-        raise CLIError(f"--device {cfg.device} but DeepSpeed runs on its {accelerator} accelerator; "
-                       f"set DS_ACCELERATOR={device.type} in the environment or drop --device")
+        raise CLIError(f"--device {cfg.device} but DeepSpeed runs on its {accelerator} "
+                       f"accelerator; set DS_ACCELERATOR={device.type} in the environment or drop "
+                       f"--device")
     if device.type == "cuda":
         get_accelerator().set_device(local_rank)
     else:
         set_job_threads()
     if args.timeout <= 0:
         raise CLIError("--timeout must be positive")
-    # On CPU, DeepSpeed compiles a shared-memory all-reduce (shm_comm) at the first launch, a minute on 2
-    # cores, and leaves a /dev/shm buffer per process after each run. Only inference-mode AutoTP layers call
-    # it; training reduces through torch.distributed (gloo), so it stays unbuilt (deepspeed/comm/torch.py
-    # builds what __compatible_ops__ marks compatible).
+    # On CPU, DeepSpeed compiles a shared-memory all-reduce (shm_comm) at the first launch, a minute
+    # on 2 cores, and leaves a /dev/shm buffer per process after each run. Only inference-mode
+    # AutoTP layers call it; training reduces through torch.distributed (gloo), so it stays unbuilt
+    # (deepspeed/comm/torch.py builds what __compatible_ops__ marks compatible).
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    # DeepSpeed's CPU ops ask py-cpuinfo three times per process (compiler flags, SIMD width, CPUAdam),
-    # and each get_cpu_info() starts a Python subprocess of a second or so: the first answer is kept.
+    # DeepSpeed's CPU ops ask py-cpuinfo 3 times per process (compiler flags, SIMD width, CPUAdam),
+    # and each get_cpu_info() starts a Python subprocess of a second or so: the first is kept.
     cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
-    deepspeed.init_distributed(timeout=datetime.timedelta(seconds=args.timeout))  # nccl on CUDA, gloo on CPU
+    # nccl on CUDA, gloo on CPU
+    deepspeed.init_distributed(timeout=datetime.timedelta(seconds=args.timeout))
     return replace(cfg, device=device.type)

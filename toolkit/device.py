@@ -19,13 +19,15 @@ from toolkit.cli import CLIError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # dense bf16 peak TFLOP/s of known GPUs, for MFU
-PEAK_TFLOPS = {"A100": 312, "H100": 989, "H200": 989, "L4": 121, "A10": 125, "V100": 125, "4090": 165}
+PEAK_TFLOPS = {"A100": 312, "H100": 989, "H200": 989, "L4": 121, "A10": 125, "V100": 125,
+               "4090": 165}
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """auto picks cuda, then mps, then cpu; asking for a device that is not there is a CLIError."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        name = ("cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available()
+                else "cpu")
     if name == "cuda":
         name = f"cuda:{local_rank}"
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -64,7 +66,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         native = torch.cuda.is_bf16_supported() if device.type == "cuda" else native_cpu
         name = "bfloat16" if native else "float32"
     if name == "float16" and device.type == "cpu" and not torch.cpu._is_amx_fp16_supported():
-        raise CLIError("--dtype float16 is not supported on this CPU (no AMX-FP16); use bfloat16 or float32")
+        raise CLIError("--dtype float16 is not supported on this CPU (no AMX-FP16); use bfloat16 "
+                       "or float32")
     return DTYPES[name]
 
 
@@ -79,7 +82,8 @@ def run_device(device: str, dtype: str, local_rank: int = 0) -> tuple[torch.devi
 
 @functools.cache
 def runnable_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, ...]:
-    """The attention kernels that run causal attention for these inputs, found by trying each once."""
+    """The attention kernels that run causal attention for these inputs, found by trying each
+    once."""
     q = torch.zeros(1, 1, 2, head_dim, device=device, dtype=dtype)
     runnable = ["auto", "manual"]
     for name, backend in SDPA_KERNELS.items():
@@ -98,20 +102,21 @@ def check_attn_kernel(model: GPT, device: torch.device, dtype: torch.dtype) -> N
     c = model.config
     runnable = runnable_kernels(device, dtype, c.n_embd // c.n_head)
     if c.attn_kernel not in runnable:
-        raise ValueError(f"attn_kernel '{c.attn_kernel}' cannot run on {device.type} ({dtype}, head size "
-                         f"{c.n_embd // c.n_head}); available: {', '.join(runnable)}")
+        raise ValueError(f"attn_kernel '{c.attn_kernel}' cannot run on {device.type} ({dtype}, "
+                         f"head size {c.n_embd // c.n_head}); available: {', '.join(runnable)}")
 
 
 def full_logits_fit(device: torch.device, rows: int, vocab_size: int) -> bool:
-    """Whether the loss of a micro-batch of `rows` tokens builds its full logits (model.py's forward)
-    rather than the chunked loss: never on a CPU, where the chunked loss measured faster and leaner;
-    on a GPU while the logits and their gradients (16 bytes a logit at most) take at most a third of
-    its memory: the 124M preset's 16 x 1024 tokens need 12.3 GiB, full on 40 GB, chunked on 24 GB
-    (docs/performance.md)."""
+    """Whether the loss of a micro-batch of `rows` tokens builds its full logits (model.py's
+    forward) rather than the chunked loss: never on a CPU, where the chunked loss measured faster
+    and leaner; on a GPU while the logits and their gradients (16 bytes a logit at most) take at
+    most a third of its memory: the 124M preset's 16 x 1024 tokens need 12.3 GiB, full on 40 GB,
+    chunked on 24 GB (docs/performance.md)."""
     if device.type == "cpu":
         return False
     padded = vocab_size + -vocab_size % VOCAB_MULTIPLE
-    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+              else None)
     return memory is None or 16 * rows * padded <= memory // 3
 
 
@@ -129,7 +134,8 @@ def set_job_threads() -> None:
     if "OMP_NUM_THREADS" in os.environ:
         threads = int(os.environ["OMP_NUM_THREADS"] or 1)
     else:
-        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+                              or 1)
         threads = (os.cpu_count() or 1) // local_processes
     torch.set_num_threads(max(1, threads))
 

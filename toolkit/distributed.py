@@ -86,12 +86,14 @@ def init_torchrun(device_name: str, backend: str | None, timeout: float) -> torc
     wait = datetime.timedelta(seconds=timeout)
     try:
         store, rank_, size = next(dist.rendezvous("env://", timeout=wait))
-        # torchrun keeps one key-value store for all restarts: without a per-restart prefix, restarted workers
-        # may read their dead predecessors' addresses and fail to connect (pytorch/pytorch#135712)
-        store = dist.PrefixStore(f"toolkit/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        # torchrun keeps one key-value store for all restarts: without a per-restart prefix,
+        # restarted workers may read their dead predecessors' addresses and fail to connect
+        # (pytorch/pytorch#135712)
+        store = dist.PrefixStore("toolkit/restart_"
+                                 f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         dist.init_process_group(backend, store=store, rank=rank_, world_size=size, timeout=wait,
                                 device_id=device if device.type == "cuda" else None)
     except (RuntimeError, ValueError) as e:  # DistStoreError / DistNetworkError on a missing peer
-        raise CLIError(f"rendezvous at {where} failed ({os.environ['WORLD_SIZE']} processes expected): "
-                       f"{first_line(e)}") from None
+        raise CLIError(f"rendezvous at {where} failed ({os.environ['WORLD_SIZE']} processes "
+                       f"expected): {first_line(e)}") from None
     return device

@@ -1,9 +1,9 @@
-"""Reading documents: a plain text file is one document, and so is a JSON line (or an item of a .json
-file that holds one JSON array), or a row of a parquet or arrow file (the text under --json-key);
-folders are walked in a fixed order, and one that HF `datasets` wrote (save_to_disk) is read as its
-arrow files; .gz, .bz2, .xz and .zst files are decompressed on the fly. The same rows give the same
-documents whatever holds them. tokenizer.py streams its input from here (read_documents); embed.py
-reads a corpus of texts with ids (read_corpus).
+"""Reading documents: a plain text file is one document, and so is a JSON line (or an item of a
+.json file that holds one JSON array), or a row of a parquet or arrow file (the text under
+--json-key); folders are walked in a fixed order, and one that HF `datasets` wrote (save_to_disk) is
+read as its arrow files; .gz, .bz2, .xz and .zst files are decompressed on the fly. The same rows
+give the same documents whatever holds them. tokenizer.py streams its input from here
+(read_documents); embed.py reads a corpus of texts with ids (read_corpus).
 """
 import bz2
 import codecs
@@ -29,10 +29,11 @@ from toolkit.tokenizers import CUT
 
 
 class ZstdReader(io.RawIOBase):
-    """A .zst file's bytes, frame after frame, with bounded memory: compressed input goes in STEP bytes
-    at a time, and zstd makes at most ~32,000 bytes of one (a 128 KiB block of one repeated byte takes
-    4), so a step yields at most ~32 MB, however the file was made. One that ends inside a frame raises
-    EOFError, as a truncated .gz does (zstandard's own reader would end there quietly)."""
+    """A .zst file's bytes, frame after frame, with bounded memory: compressed input goes in STEP
+    bytes at a time, and zstd makes at most ~32,000 bytes of one (a 128 KiB block of one repeated
+    byte takes 4), so a step yields at most ~32 MB, however the file was made. One that ends inside
+    a frame raises EOFError, as a truncated .gz does (zstandard's own reader would end there
+    quietly)."""
 
     STEP = 1 << 10
 
@@ -55,8 +56,9 @@ class ZstdReader(io.RawIOBase):
             self.pending, self.at, self.started = self.frame.decompress(data), 0, True
             if self.frame.eof:
                 self.unused = self.frame.unused_data
-        n = min(len(buffer), len(self.pending) - self.at)  # (an offset: slicing off the front would copy
-        buffer[:n] = self.pending[self.at:self.at + n]      # the rest of the block on every read)
+        # (an offset: slicing off the front would copy the rest of the block on every read)
+        n = min(len(buffer), len(self.pending) - self.at)
+        buffer[:n] = self.pending[self.at:self.at + n]
         self.at += n
         return n
 
@@ -70,7 +72,8 @@ COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open,
 TABLES = (".parquet", ".arrow")  # a row a document, the text in one column
 BLOCK = 1 << 24  # a text file is read and decoded 16 MB at a time
 RECORD_LIMIT = 1 << 28  # the bytes of one JSON line (a record, held whole to parse it): 256 MiB
-UNCUT_LIMIT = 1 << 26  # the characters of text with no place where the tokenizers split (CUT): 64 Mi
+# the characters of text with no place where the tokenizers split (CUT): 64 Mi
+UNCUT_LIMIT = 1 << 26
 JSON_SUFFIXES = (".jsonl", ".json")
 BETWEEN_ITEMS = re.compile(r"[\s,]*")  # of a JSON array
 # what reading a (compressed) file raises when it is unreadable, corrupt or cut short
@@ -96,9 +99,11 @@ def input_files(paths: list[str], pattern: str) -> list[str]:
                 dirs.sort()
                 # "a.txt.gz" matches "*.txt": compression is not part of what the file is
                 found += [os.path.join(root, n) for n in sorted(names)
-                          if fnmatch.fnmatch(n, pattern) or fnmatch.fnmatch(without_compression(n), pattern)]
+                          if fnmatch.fnmatch(n, pattern) or
+                          fnmatch.fnmatch(without_compression(n), pattern)]
             if not found:
-                raise CLIError(f"no files matching --glob {pattern!r} under {path}{other_kinds(path)}")
+                raise CLIError(f"no files matching --glob {pattern!r} under "
+                               f"{path}{other_kinds(path)}")
             files += found
         else:
             raise CLIError(f"input not found: {path}")
@@ -108,9 +113,10 @@ def input_files(paths: list[str], pattern: str) -> list[str]:
 def other_kinds(folder: str) -> str:
     """What a folder holds instead, as the --glob that would take it, e.g. " (it holds 2 .parquet
     files: --glob '*.parquet')"; empty when it holds no file of a readable kind."""
-    kinds = Counter(os.path.splitext(without_compression(name))[1] for _, _, names in os.walk(folder)
-                    for name in names)
-    readable = [(kind, n) for kind, n in kinds.most_common() if kind in (".txt", *TABLES, *JSON_SUFFIXES)]
+    kinds = Counter(os.path.splitext(without_compression(name))[1]
+                    for _, _, names in os.walk(folder) for name in names)
+    readable = [(kind, n) for kind, n in kinds.most_common()
+                if kind in (".txt", *TABLES, *JSON_SUFFIXES)]
     if not readable:
         return ""
     kind, n = readable[0]
@@ -121,10 +127,12 @@ def saved_dataset_files(folder: str) -> list[str]:
     """The arrow files of a dataset that HF `datasets` saved (save_to_disk), in its order."""
     state = read_json(os.path.join(folder, "state.json"), "datasets state")
     entries = state.get("_data_files") if isinstance(state, dict) else None
-    names = [entry.get("filename") for entry in entries if isinstance(entry, dict)] if isinstance(entries, list) else []
-    if not names or len(names) != len(entries) or not all(isinstance(n, str) and os.path.basename(n) == n
-                                                          for n in names):
-        raise CLIError(f"{folder}/state.json lists no arrow files as datasets' save_to_disk writes them "
+    names = ([entry.get("filename") for entry in entries if isinstance(entry, dict)]
+             if isinstance(entries, list) else [])
+    if not names or len(names) != len(entries) or \
+            not all(isinstance(n, str) and os.path.basename(n) == n for n in names):
+        raise CLIError(f"{folder}/state.json lists no arrow files as "
+                       "datasets' save_to_disk writes them "
                        '("_data_files": [{"filename": "data-00000-of-00001.arrow"}, ...])')
     return [os.path.join(folder, name) for name in names]
 
@@ -136,9 +144,11 @@ def table_documents(path: str, key: str, skip_bad_lines: bool,
     try:
         if path.endswith(".parquet"):
             table = pq.ParquetFile(path)
-            columns, sizes = table.schema_arrow.names, os.path.getsize(path) / max(1, table.metadata.num_rows)
+            columns, sizes = table.schema_arrow.names, \
+                os.path.getsize(path) / max(1, table.metadata.num_rows)
             # batches of rows, not whole row groups: one group may expand to gigabytes
-            batches = table.iter_batches(batch_size=256, columns=[key])  # (lazily: the key is checked first)
+            # (lazily: the key is checked first)
+            batches = table.iter_batches(batch_size=256, columns=[key])
         else:
             source = pa.memory_map(path)
             try:
@@ -149,7 +159,8 @@ def table_documents(path: str, key: str, skip_bad_lines: bool,
                 batches = iter(reader)
             columns, sizes = reader.schema.names, 0
         if key not in columns:
-            raise CLIError(f"{path} has no column {key!r} (--json-key); its columns: {', '.join(columns)}")
+            raise CLIError(f"{path} has no column {key!r} (--json-key); its columns: "
+                           f"{', '.join(columns)}")
         row = 0
         for batch in batches:
             column = batch.column(batch.schema.get_field_index(key))
@@ -158,7 +169,8 @@ def table_documents(path: str, key: str, skip_bad_lines: bool,
             for text in column.to_pylist():
                 row += 1
                 if text is None and not skip_bad_lines:
-                    raise CLIError(f"{path} row {row}: no text in {key!r}; use --skip-bad-lines to go on")
+                    raise CLIError(f"{path} row {row}: no text in {key!r}; "
+                                   "use --skip-bad-lines to go on")
                 if text is None:
                     stats.bad_lines += 1
                     continue
@@ -182,8 +194,8 @@ def is_json_lines(path: str) -> bool:
 
 def invalid_utf8(path: str, offset: int, where: str = "") -> CLIError:
     compressed = " (after decompression)" if os.path.splitext(path)[1] in COMPRESSED else ""
-    return CLIError(f"{path}{where}: invalid UTF-8 at byte offset {offset}{compressed}; use --errors "
-                    "replace to go on")
+    return CLIError(f"{path}{where}: invalid UTF-8 at byte offset {offset}{compressed}; "
+                    "use --errors replace to go on")
 
 
 def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
@@ -197,8 +209,9 @@ def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
         while line := f.readline(RECORD_LIMIT + 1):
             number += 1
             if len(line) > RECORD_LIMIT:
-                raise CLIError(f"{path} line {number} is longer than {RECORD_LIMIT >> 20} MiB, the most one JSON "
-                               "record may hold here; split the document, or give it as a text file")
+                raise CLIError(f"{path} line {number} is longer than {RECORD_LIMIT >> 20} MiB, "
+                               "the most one JSON record may hold here; split the document, "
+                               "or give it as a text file")
             try:
                 text = line.decode("utf-8", errors=errors)
             except UnicodeDecodeError as e:
@@ -246,10 +259,10 @@ def skip_or_raise(error: CLIError, skip_bad_lines: bool, stats: ReadStats) -> No
 
 
 def text_pieces(f, path: str, errors: str) -> tuple[list[str], int]:
-    """A text file's text as pieces of about BLOCK bytes each, cut where every tokenizer splits anyway
-    (tokenizers.CUT), and its size in bytes. Read and decoded a block at a time, so the file's bytes
-    and its whole text never share memory (a Python string of text with one non-ASCII character takes
-    two bytes a character)."""
+    """A text file's text as pieces of about BLOCK bytes each, cut where every tokenizer splits
+    anyway (tokenizers.CUT), and its size in bytes. Read and decoded a block at a time, so the
+    file's bytes and its whole text never share memory (a Python string of text with one non-ASCII
+    character takes two bytes a character)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors)
     pieces, rest, size = [], "", 0
     while True:
@@ -267,12 +280,14 @@ def text_pieces(f, path: str, errors: str) -> tuple[list[str], int]:
             pieces.append(text[:cuts[-1]])
             text = text[cuts[-1]:]
         if len(text) > UNCUT_LIMIT:
-            raise CLIError(f"{path}: over {UNCUT_LIMIT >> 20} Mi characters without a space or a line break "
-                           f"(byte offset {size}): not text a tokenizer can split; is it binary, or zeros?")
+            raise CLIError(f"{path}: over {UNCUT_LIMIT >> 20} Mi characters without a space or a "
+                           f"line break (byte offset {size}): not text a tokenizer can split; "
+                           "is it binary, or zeros?")
         rest = text
 
 
-def read_documents(files: list[str], key: str = "text", errors: str = "strict", skip_bad_lines: bool = False,
+def read_documents(files: list[str], key: str = "text", errors: str = "strict",
+                   skip_bad_lines: bool = False,
                    stats: ReadStats | None = None) -> Iterator[tuple[list[str], int]]:
     """(a document's text as a list of pieces, its size in input bytes) for every document of every
     file, streaming. A JSON line is one piece, a text file as many as it takes (text_pieces)."""

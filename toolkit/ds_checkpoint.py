@@ -28,16 +28,19 @@ from toolkit.model_parallel import gpt_state_from_universal
 
 TAG = re.compile(r"global_step(\d+)")
 STATE_FILE = "train_state.json"  # in each global_stepN/, written once DeepSpeed's save is complete
-POINTER_FILE = "latest_complete"  # this toolkit's `latest`: the newest complete tag, written atomically
+# this toolkit's `latest`: the newest complete tag, written atomically
+POINTER_FILE = "latest_complete"
 
 
 def is_deepspeed_folder(path: str) -> bool:
-    return os.path.isdir(path) and (os.path.isfile(os.path.join(path, "latest")) or bool(deepspeed_tags(path)))
+    return os.path.isdir(path) and (os.path.isfile(os.path.join(path, "latest")) or
+                                    bool(deepspeed_tags(path)))
 
 
 def deepspeed_tags(ds_dir: str) -> list[str]:
     """The global_stepN folders of a DeepSpeed checkpoint folder, oldest first."""
-    names = [n for n in os.listdir(ds_dir) if TAG.fullmatch(n) and os.path.isdir(os.path.join(ds_dir, n))]
+    names = [n for n in os.listdir(ds_dir)
+             if TAG.fullmatch(n) and os.path.isdir(os.path.join(ds_dir, n))]
     return sorted(names, key=lambda n: int(TAG.fullmatch(n).group(1)))
 
 
@@ -47,9 +50,9 @@ def is_complete(ds_dir: str, tag: str) -> bool:
 
 def latest_tag(ds_dir: str) -> str:
     """The newest complete tag: the one this toolkit's pointer names, else the one DeepSpeed's
-    `latest` names, else (says so on stderr) the newest tag folder with its training state. DeepSpeed
-    rewrites `latest` in place, so a kill during a save can leave it empty or naming a tag whose
-    files are not all written."""
+    `latest` names, else (says so on stderr) the newest tag folder with its training state.
+    DeepSpeed rewrites `latest` in place, so a kill during a save can leave it empty or naming a tag
+    whose files are not all written."""
     for name in (POINTER_FILE, "latest"):
         try:
             with open(os.path.join(ds_dir, name)) as f:
@@ -60,11 +63,11 @@ def latest_tag(ds_dir: str) -> str:
             return tag
     complete = [tag for tag in deepspeed_tags(ds_dir) if is_complete(ds_dir, tag)]
     if not complete:
-        raise CLIError(f"{ds_dir} holds no complete checkpoint of train_ds.py (no global_stepN folder with "
-                       f"its {STATE_FILE})")
+        raise CLIError(f"{ds_dir} holds no complete checkpoint of train_ds.py (no global_stepN "
+                       f"folder with its {STATE_FILE})")
     if os.environ.get("RANK", "0") == "0":
-        print(f"note: {ds_dir}: `latest` is missing, empty or names an incomplete checkpoint; using the "
-              f"newest complete one, {complete[-1]}", file=sys.stderr, flush=True)
+        print(f"note: {ds_dir}: `latest` is missing, empty or names an incomplete checkpoint; "
+              f"using the newest complete one, {complete[-1]}", file=sys.stderr, flush=True)
     return complete[-1]
 
 
@@ -100,7 +103,8 @@ def check_deepspeed_files(ds_dir: str, tag: str) -> None:
     """Refuse (CLIError) a tag folder with any .pt file that holds more than tensors, plain data and
     DeepSpeed's plain types: DeepSpeed loads these files with weights_only=False, so a crafted file
     would otherwise run code. Called before DeepSpeed or zero_to_fp32 is given the folder."""
-    if not torch.cuda.is_available():  # reading needs no accelerator; skips DeepSpeed's detection warning
+    # reading needs no accelerator; skips DeepSpeed's detection warning
+    if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -108,7 +112,8 @@ def check_deepspeed_files(ds_dir: str, tag: str) -> None:
     folder = os.path.join(ds_dir, tag)
     for name in sorted(os.listdir(folder)):
         if name.endswith(".pt"):
-            load_plain(os.path.join(folder, name), allowed=(LossScaler, ZeroStageEnum, fragment_address))
+            load_plain(os.path.join(folder, name),
+                       allowed=(LossScaler, ZeroStageEnum, fragment_address))
 
 
 def to_universal(ds_dir: str, tag: str, out_root: str) -> str:
@@ -119,12 +124,14 @@ def to_universal(ds_dir: str, tag: str, out_root: str) -> str:
     check_deepspeed_files(ds_dir, tag)
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
     out = os.path.join(out_root, tag)
-    args = argparse.Namespace(input_folder=os.path.join(ds_dir, tag), output_folder=out, num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    args = argparse.Namespace(input_folder=os.path.join(ds_dir, tag), output_folder=out,
+                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                              strict=True, inject_missing_state=True)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # its progress lines
             ds_to_universal(args)
-    except (ValueError, FileNotFoundError, AssertionError, KeyError, RuntimeError, NotImplementedError) as e:
+    except (ValueError, FileNotFoundError, AssertionError, KeyError, RuntimeError,
+            NotImplementedError) as e:
         raise CLIError(f"DeepSpeed cannot convert {ds_dir}/{tag} to a universal checkpoint: "
                        f"{first_line(e)}") from None
     return out
@@ -200,7 +207,8 @@ def load_deepspeed_model(path: str, ds_dir: str | None = None, tag: str | None =
         path, tag = parent, name  # one tag folder inside a checkpoint folder
     if is_deepspeed_folder(path):
         state = read_train_state(path, tag)
-        weights = gather_deepspeed_weights(path, state["tag"], state.get("pipeline_stages", 1), state.get("tp_size", 1))
+        weights = gather_deepspeed_weights(path, state["tag"], state.get("pipeline_stages", 1),
+                                           state.get("tp_size", 1))
         label = f"{path} ({state['tag']}, iteration {state['iter_num']})"
     else:
         ds_dir = ds_dir or parent
@@ -216,7 +224,8 @@ def load_deepspeed_model(path: str, ds_dir: str | None = None, tag: str | None =
             label = f"{path} (zero_to_fp32 output older than {newest}, the oldest checkpoint left)"
         elif source != newest and tag is None:
             label += f"; note: {ds_dir} now holds the newer {newest}"
-    return model_from_weights(state["model_config"], weights, path, **{"dropout": 0.0, **overrides}), state, label
+    return model_from_weights(state["model_config"], weights, path,
+                              **{"dropout": 0.0, **overrides}), state, label
 
 
 def default_deepspeed_source(ds_dir: str, converted_name: str) -> str:

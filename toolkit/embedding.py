@@ -182,7 +182,8 @@ def top_k(vectors: np.ndarray, queries: torch.Tensor, k: int,
     best_rows = torch.empty(len(queries), 0, dtype=torch.long)
     for start in range(0, n, block_rows):
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch warns that a read-only memory map is not writable
+            # torch warns that a read-only memory map is not writable
+            warnings.simplefilter("ignore")
             block = torch.from_numpy(vectors[start:start + block_rows])  # its memory, not a copy
         # block @ queries.T reads the row-major block as it lies (faster than queries @ block.T)
         scores = (block @ queries.T).T
@@ -200,20 +201,23 @@ class TuneConfig(RunConfig):
     """embed.py tune's options: the trainers' (RunConfig), with its own defaults for some."""
     ckpt: str = option(None, "the model to tune: a ckpt.pt, or an HF GPT-2, Llama or Qwen3 "
                              "folder / cached name", required=True)
-    input: str | None = option(None, "documents to learn from, read as index's --input: two random spans of "
-                                     "one document are a positive pair, the other documents of the batch its "
-                                     "negatives (Contriever); no labels needed")
+    input: str | None = option(None, "documents to learn from, read as index's --input: two "
+                                     "random spans of one document are a positive pair, the other "
+                                     "documents of the batch its negatives (Contriever); no labels "
+                                     "needed")
     json_key: str = option("text", "field holding the text in --input's JSON lines")
     glob: str = option("*.txt", "file name pattern inside an --input folder")
-    pairs: str | None = option(None, 'labelled pairs, JSON lines {"query": ..., "positive": ...[, "negative": '
-                                     "...]}; with --input or alone")
+    pairs: str | None = option(None, 'labelled pairs, JSON lines {"query": ..., "positive": '
+                                     '...[, "negative": ...]}; with --input or alone')
     out_dir: str = option(None, "where the checkpoint, the loss curve and the TensorBoard logs go",
                           required=True)
-    crop_tokens: int | None = option(None, "the longest span cut from a document (default: the block size); "
-                                           "spans are a quarter of it to all of it", check="positive")
-    val_fraction: float = option(0.1, "documents and pairs held out (10 at least, from 40 examples on; 0: none) "
-                                      "to keep the best checkpoint by their InfoNCE loss, the untuned encoder's "
-                                      "included", check="probability")
+    crop_tokens: int | None = option(None, "the longest span cut from a document (default: the "
+                                           "block size); spans are a quarter of it to all of it",
+                                     check="positive")
+    val_fraction: float = option(0.1, "documents and pairs held out (10 at least, from 40 "
+                                      "examples on; 0: none) to keep the best checkpoint by their "
+                                      "InfoNCE loss, the untuned encoder's included",
+                                 check="probability")
     bias_only: bool = option(False, "train the bias parameters only (SGPT's BitFit)")
     pooling: str = option("weighted-mean", "as encode's", choices=list(POOLINGS))
     temperature: float = option(0.1, "InfoNCE temperature", check="positive-number")
@@ -223,8 +227,9 @@ class TuneConfig(RunConfig):
                                check="non-negative")
     weight_decay: float = option(0.0, "AdamW weight decay (2-D weights only)",
                                  check="non-negative-number")
-    grad_clip: float = option(0.0, "clip gradients at this global norm (0 = off: at 1 recall@10 gained nothing, "
-                                   "docs/performance.md)", check="non-negative-number")
+    grad_clip: float = option(0.0, "clip gradients at this global norm (0 = off: at 1 recall@10 "
+                                   "gained nothing, docs/performance.md)",
+                              check="non-negative-number")
 
 
 def read_tune_pairs(path: str, tokenizer: Tokenizer,
@@ -266,24 +271,31 @@ class Contrastive(Objective):
     so every batch has the same number of in-batch negatives. A held-out share of the examples,
     with crops drawn once, is the evaluation: its InfoNCE loss among themselves."""
 
-    def __init__(self, cfg: TuneConfig, model: GPT, facts: dict, examples: list, dtype: torch.dtype):
+    def __init__(self, cfg: TuneConfig, model: GPT, facts: dict, examples: list,
+                 dtype: torch.dtype):
         self.cfg, self.model, self.facts, self.dtype = cfg, model, facts, dtype
         self.crop_tokens = min(cfg.crop_tokens or model.config.block_size, model.config.block_size)
-        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        # a tenth, 10 at least (fewer say little), from 40 examples on (30 or more left to learn from)
-        held = max(10, int(len(examples) * cfg.val_fraction)) if cfg.val_fraction and len(examples) >= 40 else 0
+        order = torch.randperm(len(examples),
+                               generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        # a tenth, 10 at least (fewer say little), from 40 examples on (30 or more left to learn
+        # from)
+        held = (max(10, int(len(examples) * cfg.val_fraction))
+                if cfg.val_fraction and len(examples) >= 40 else 0)
         self.examples = [examples[i] for i in order[held:]]
         self.val = self.crops([examples[i] for i in order[:held]], np.random.default_rng(cfg.seed))
         self.batch_size = min(cfg.batch_size, len(self.examples))
 
     def crops(self, examples: list, rng: np.random.Generator) -> list[tuple[list[int], ...]]:
-        """Pairs as they are; each document as two spans of crop_tokens / 4 to crop_tokens tokens."""
+        """Pairs as they are; each document as two spans of crop_tokens / 4 to crop_tokens
+        tokens."""
         def span(ids: list[int]) -> list[int]:
-            n = min(len(ids), int(rng.integers(max(1, self.crop_tokens // 4), self.crop_tokens + 1)))
+            n = min(len(ids),
+                    int(rng.integers(max(1, self.crop_tokens // 4), self.crop_tokens + 1)))
             start = int(rng.integers(0, len(ids) - n + 1))
             return ids[start:start + n]
 
-        return [example if isinstance(example, tuple) else (span(example), span(example)) for example in examples]
+        return [example if isinstance(example, tuple) else (span(example), span(example))
+                for example in examples]
 
     def micro_batches(self, step: int) -> list[tuple[list[tuple[list[int], ...]], float]]:
         epoch, index = divmod(step, len(self.examples) // self.batch_size)
@@ -304,7 +316,8 @@ class Contrastive(Objective):
         with torch.autocast(queries.device.type, enabled=False):
             logits = queries @ documents.T / self.cfg.temperature
             labels = torch.arange(len(queries), device=queries.device)
-            return (F.cross_entropy(logits, labels) + F.cross_entropy(logits[:, :len(queries)].T, labels)) / 2
+            return (F.cross_entropy(logits, labels) +
+                    F.cross_entropy(logits[:, :len(queries)].T, labels)) / 2
 
     def throughput(self) -> tuple[int, str, None]:
         return self.batch_size, "pairs", None
@@ -322,7 +335,8 @@ class Contrastive(Objective):
 
     def checkpoint_state(self, best: dict | None) -> dict:
         cfg = self.cfg
-        sources = {"input": cfg.input and os.path.abspath(cfg.input), "pairs": cfg.pairs and os.path.abspath(cfg.pairs)}
+        sources = {"input": cfg.input and os.path.abspath(cfg.input),
+                   "pairs": cfg.pairs and os.path.abspath(cfg.pairs)}
         embedding = {"base": encoder_identity(cfg.ckpt), **sources, "pooling": cfg.pooling,
                      "temperature": cfg.temperature, "bias_only": cfg.bias_only, "val": best}
         return {**run_state(self.model, cfg, self.facts), "embedding": embedding}
@@ -342,10 +356,11 @@ def setup_tune(cfg: TuneConfig) -> Trainer:
     model, tokenizer, facts = load_encoder(cfg.ckpt, device)
     pairs = read_tune_pairs(cfg.pairs, tokenizer, model.config.block_size) if cfg.pairs else []
     documents = [ids for ids in (token_ids(tokenizer, d.text, d.where())
-                                 for d in read_corpus(cfg.input, cfg.json_key, "id", cfg.glob)) if len(ids) > 1
-                 ] if cfg.input else []
+                                 for d in read_corpus(cfg.input, cfg.json_key, "id", cfg.glob))
+                 if len(ids) > 1] if cfg.input else []
     if len(pairs) + len(documents) < 2:
-        raise CLIError("tune needs two documents or pairs at least (each batch's others are the negatives)")
+        raise CLIError("tune needs two documents or pairs at least (each batch's others are the "
+                       "negatives)")
     if cfg.bias_only:
         train_bias_only(model)
     model.train()
@@ -356,10 +371,11 @@ def setup_tune(cfg: TuneConfig) -> Trainer:
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = model.num_params(non_embedding=False)
     held = f", {len(objective.val):,} held out for the best checkpoint" if objective.val else ""
-    print(f"tuning {trained / 1e6:.3f}M of {total / 1e6:.3f}M parameters on {len(pairs):,} pairs and "
-          f"{len(documents):,} documents{held}, batch {objective.batch_size}, {cfg.pooling} pooling, temperature "
-          f"{cfg.temperature}; device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}")
-    loop = LoopConfig(max_iters=cfg.max_iters, eval_interval=max(1, cfg.max_iters // 10), keep_best=bool(objective.val),
-                      hint="a lower --lr or a higher --temperature")
+    print(f"tuning {trained / 1e6:.3f}M of {total / 1e6:.3f}M parameters on {len(pairs):,} "
+          f"pairs and {len(documents):,} documents{held}, batch {objective.batch_size}, "
+          f"{cfg.pooling} pooling, temperature {cfg.temperature}; device {describe(device)}, "
+          f"dtype {str(dtype).removeprefix('torch.')}")
+    loop = LoopConfig(max_iters=cfg.max_iters, eval_interval=max(1, cfg.max_iters // 10),
+                      keep_best=bool(objective.val), hint="a lower --lr or a higher --temperature")
     schedule = Schedule(cfg.lr, cfg.warmup_iters, cfg.max_iters, cfg.lr / 10)
     return Trainer(engine, objective, schedule, loop, cfg, desc="tune")

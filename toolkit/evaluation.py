@@ -35,7 +35,8 @@ from toolkit.cli import CLIError
 from toolkit.device import autocast
 from toolkit.tokenizers import Tokenizer
 
-# logits_at(idx (B, T), rows, cols) -> the (n, V) logits at positions (rows[i], cols[i]) of the batch
+# logits_at(idx (B, T), rows, cols) -> the (n, V) logits at positions (rows[i], cols[i]) of
+# the batch
 LogitsAt = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -44,7 +45,8 @@ def loss_metrics(loss_sum: float, tokens: int, nbytes: int) -> dict[str, float]:
     """The loss in nats per token, its perplexity, and bits per UTF-8 byte of the text (which
     compares models of different tokenizers: docs/data.md)."""
     loss = loss_sum / tokens
-    return {"loss": loss, "ppl": math.exp(min(loss, 50)), "bpb": loss_sum / math.log(2) / max(nbytes, 1)}
+    return {"loss": loss, "ppl": math.exp(min(loss, 50)),
+            "bpb": loss_sum / math.log(2) / max(nbytes, 1)}
 
 
 def window_losses(eval_loss: Callable, tokens: np.ndarray, offsets: np.ndarray, block_size: int,
@@ -58,8 +60,8 @@ def window_losses(eval_loss: Callable, tokens: np.ndarray, offsets: np.ndarray, 
     batches = math.ceil(len(offsets) / batch_size)
     loss_sum, count, nbytes = 0.0, 0, 0
     for i in range(rank, math.ceil(batches / world) * world, world):
-        x, y = get_batch(tokens, offsets[(i if i < batches else 0) * batch_size:][:batch_size], block_size,
-                         device)
+        x, y = get_batch(tokens, offsets[(i if i < batches else 0) * batch_size:][:batch_size],
+                         block_size, device)
         loss = eval_loss(x, y)
         if i < batches:
             loss_sum, count = loss_sum + loss.item() * y.numel(), count + y.numel()
@@ -87,7 +89,8 @@ def choice_item(record, where: str) -> Choice:
     if not isinstance(record, dict):
         raise CLIError(f"{where}: not a JSON object with ctx, endings and label")
     endings = record.get("endings")
-    good_endings = isinstance(endings, list) and len(endings) >= 2 and all(isinstance(e, str) for e in endings)
+    good_endings = isinstance(endings, list) and len(endings) >= 2 and \
+        all(isinstance(e, str) for e in endings)
     if not good_endings:
         raise CLIError(f"{where}: 'endings' must be a list of at least two strings")
     if isinstance(record.get("ctx_a"), str):
@@ -109,8 +112,8 @@ def choice_item(record, where: str) -> Choice:
 
 
 def read_choices(path: str, limit: int | None = None, progress: bool = False) -> list[Choice]:
-    """The items of a HellaSwag-format JSON-lines file (the first `limit` of them); progress: a bar of
-    the lines read, on stderr."""
+    """The items of a HellaSwag-format JSON-lines file (the first `limit` of them); progress: a bar
+    of the lines read, on stderr."""
     from toolkit.documents import json_lines  # a run without choice files never reads documents
     items = []
     lines = tqdm(json_lines(path), desc=f"{os.path.basename(path)}: reading", unit="line",
@@ -128,8 +131,8 @@ def encode_pair(tok: Tokenizer, context: str, continuation: str) -> tuple[list[i
     """(context, continuation) tokens as the harness makes them (see the module's docstring)."""
     if not context:
         ids = tok.with_bos(tok.encode(continuation))
-        start = tok.bos_id if tok.bos_id is not None else tok.eot_id if tok.eot_id is not None else \
-            tok.encode("\n")[0]
+        start = tok.bos_id if tok.bos_id is not None else \
+            tok.eot_id if tok.eot_id is not None else tok.encode("\n")[0]
         return ([start], ids) if ids[:1] != [start] else (ids[:1], ids[1:])
     spaces = len(context) - len(context.rstrip())
     if spaces:
@@ -147,8 +150,9 @@ def gpt_logits_at(model: GPT, device: torch.device, dtype: torch.dtype) -> Logit
 
 
 @torch.no_grad()
-def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int]]], block_size: int,
-                   batch_size: int, device: torch.device, shard: tuple[int, int] | None = None,
+def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int]]],
+                   block_size: int, batch_size: int, device: torch.device,
+                   shard: tuple[int, int] | None = None,
                    progress: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(log-likelihood, greedy) of each continuation given its context: the summed log-probabilities
     of its tokens, and whether each was the likeliest. In a process group every data-parallel rank
@@ -161,7 +165,8 @@ def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int
             raise CLIError(f"a continuation of {len(continuation)} tokens is longer than the block "
                            f"size {block_size}")
     share = math.ceil(len(requests) / world)
-    mine = [i % len(requests) for i in range(rank * share, (rank + 1) * share)]  # the last shares repeat a few
+    # the last shares repeat a few
+    mine = [i % len(requests) for i in range(rank * share, (rank + 1) * share)]
     counted = set(range(rank * share, min((rank + 1) * share, len(requests))))
     inputs = []
     for i in mine:
@@ -182,7 +187,8 @@ def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int
             rows += [row] * n
             cols += range(len(whole) - n, len(whole))
             targets += continuation
-        logits = logits_at(idx.to(device), torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        logits = logits_at(idx.to(device), torch.tensor(rows, device=device),
+                           torch.tensor(cols, device=device))
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         targets = torch.tensor(targets, device=device)
         token_scores = logprobs.gather(1, targets[:, None])[:, 0].double().cpu()
@@ -196,7 +202,8 @@ def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int
             offset += n
         bar.update(len(batch))
     bar.close()
-    if distributed.world_size() > 1:  # model-parallel ranks of one replica hold the same share: count it once
+    # model-parallel ranks of one replica hold the same share: count it once
+    if distributed.world_size() > 1:
         replicas = distributed.world_size() // world
         scores = torch.tensor(distributed.all_reduce_sum(scores.flatten().tolist(), device),
                               dtype=torch.float64).view(2, -1) / replicas
@@ -211,16 +218,18 @@ class ChoiceTask:
         self.items = read_choices(path, limit, progress)
         self.progress = self.name if progress else None  # eval.py's bars, on stderr
         try:
-            items = tqdm(self.items, desc=f"{self.name}: tokenizing", unit="item", delay=cli.PROGRESS_DELAY,
-                         disable=not progress)
-            self.requests = [encode_pair(tok, item.query, " " + choice) for item in items for choice in item.choices]
+            items = tqdm(self.items, desc=f"{self.name}: tokenizing", unit="item",
+                         delay=cli.PROGRESS_DELAY, disable=not progress)
+            self.requests = [encode_pair(tok, item.query, " " + choice)
+                             for item in items for choice in item.choices]
         except ValueError as e:  # a character outside a char vocabulary
             raise CLIError(f"{path}: {e}") from None
 
     def score(self, logits_at: LogitsAt, block_size: int, batch_size: int, device: torch.device,
               shard: tuple[int, int] | None = None) -> dict:
         """acc and acc_norm: items whose likeliest ending (per character for acc_norm) is right."""
-        lls, _ = loglikelihoods(logits_at, self.requests, block_size, batch_size, device, shard, self.progress)
+        lls, _ = loglikelihoods(logits_at, self.requests, block_size, batch_size, device, shard,
+                                self.progress)
         right = right_norm = offset = 0
         for item in self.items:
             scores = lls[offset:offset + len(item.choices)]

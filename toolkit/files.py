@@ -27,7 +27,8 @@ try:
 except ImportError:  # Windows: no advisory locks, no file size limit
     fcntl = resource = None
 
-CODE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the scripts; toolkit/ holds the rest
+# the scripts; toolkit/ holds the rest
+CODE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMPORARY = re.compile(r"\..+\.tmp(\d+)")
 
 
@@ -83,8 +84,10 @@ def write_error(path: str, error: Exception, tmp: str | None = None) -> CLIError
 def _why_write_failed(error: Exception, tmp: str) -> str:
     written = os.path.getsize(tmp) if os.path.isfile(tmp) else 0
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if resource else None
-    too_large = isinstance(error, OSError) and error.errno == errno.EFBIG  # what a write past the limit gets
-    if limit not in (None, getattr(resource, "RLIM_INFINITY", None)) and (too_large or written >= limit):
+    # what a write past the limit gets
+    too_large = isinstance(error, OSError) and error.errno == errno.EFBIG
+    if limit not in (None, getattr(resource, "RLIM_INFINITY", None)) and \
+            (too_large or written >= limit):
         return f"the file size limit of {limit:,} bytes was reached (ulimit -f)"
     folder = os.path.dirname(os.path.abspath(tmp))
     while not os.path.isdir(folder):  # the nearest folder that exists holds the space
@@ -126,8 +129,8 @@ def lock_folder(folder: str, flag: str = "--out-dir") -> None:
         except BlockingIOError:
             other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise CLIError(f"{folder} is in use by another run (PID {other}); wait for it to finish or use "
-                           f"another {flag}") from None
+            raise CLIError(f"{folder} is in use by another run (PID {other}); wait for it to "
+                           f"finish or use another {flag}") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
     _locks[key] = fd
@@ -168,7 +171,8 @@ def check_output(path: str, inputs: list[str], flag: str) -> None:
         source = os.path.realpath(source)
         if target == source or os.path.isdir(source) and target.startswith(source + os.sep):
             raise CLIError(f"{flag} {path} would overwrite the input {source}; choose another path")
-    if os.path.dirname(target) in (CODE_DIR, os.path.join(CODE_DIR, "toolkit")) and target.endswith(".py"):
+    if os.path.dirname(target) in (CODE_DIR, os.path.join(CODE_DIR, "toolkit")) and \
+            target.endswith(".py"):
         raise CLIError(f"{flag} {path} would overwrite this toolkit's {os.path.basename(target)}")
 
 
@@ -180,8 +184,9 @@ def refuse_existing(paths: list[str], overwrite: bool) -> None:
 
 
 def replace_folder(path: str, write: Callable[[str], Any]) -> Any:
-    """Call write(tmp) to fill a new folder beside path, then put it in path's place whole: an old folder
-    there is removed only once the new one is complete, so no file of the old stays mixed in."""
+    """Call write(tmp) to fill a new folder beside path, then put it in path's place whole: an old
+    folder there is removed only once the new one is complete, so no file of the old stays mixed
+    in."""
     tmp, old = temporary_name(path), temporary_name(path) + "-old"
     for leftover in (tmp, old):
         shutil.rmtree(leftover, ignore_errors=True)
@@ -212,7 +217,8 @@ def fingerprint(path: str) -> str:
         files = [(None, path)]
     else:
         files = sorted((os.path.relpath(os.path.join(root, name), path), os.path.join(root, name))
-                       for root, _, names in os.walk(path) for name in names if not name.startswith("."))
+                       for root, _, names in os.walk(path) for name in names
+                       if not name.startswith("."))
     for name, file in files:
         if name is not None:
             digest.update(name.encode() + b"\0")
@@ -253,12 +259,13 @@ def save_array(path: str, array: np.ndarray) -> None:
 
 def parse_json(text: str | bytes, where: str):
     """The JSON value of every file and line the toolkit reads, or one CLIError naming where it came
-    from: `WHERE: invalid JSON (why)`. Python's parser recurses, so nesting too deep to read (a line of
-    10,000 brackets) is invalid JSON here, not a RecursionError."""
+    from: `WHERE: invalid JSON (why)`. Python's parser recurses, so nesting too deep to read (a line
+    of 10,000 brackets) is invalid JSON here, not a RecursionError."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise CLIError(f"{where}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise CLIError(f"{where}: invalid JSON ({e.msg} at line {e.lineno} column "
+                       f"{e.colno})") from None
     except RecursionError:
         raise CLIError(f"{where}: invalid JSON (nested too deeply to read)") from None
     except UnicodeDecodeError as e:

@@ -49,7 +49,8 @@ class FinetuneConfig(RunConfig):
     init_from: str = option("ckpt/ckpt.pt", "pretrained model: a ckpt.pt, a DeepSpeed folder or "
                                             "its zero_to_fp32 output, an HF GPT-2, Llama or Qwen3 "
                                             "folder; resume: continue the interrupted fine-tuning "
-                                            "in OUT_DIR; with --predict alone, a fine-tuned ckpt.pt")
+                                            "in OUT_DIR; with --predict alone, a fine-tuned "
+                                            "ckpt.pt")
     predict: str | None = option(None, "examples to label with the fine-tuned model (JSON lines, "
                                        "labels not needed)")
     out: str | None = option(None, "where --predict writes one JSON line per example")

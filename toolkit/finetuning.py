@@ -28,8 +28,8 @@ from toolkit.cli import CLIError
 from toolkit.config import settle_run
 from toolkit.device import describe, run_device
 from toolkit.files import atomic_open, claim_out_dir
-from toolkit.finetune_config import (EPOCHS, LATEST_FILE, LORA_LR, LR_WIDTH, MIN_STEPS, FinetuneConfig,
-                                     check_outputs)
+from toolkit.finetune_config import (EPOCHS, LATEST_FILE, LORA_LR, LR_WIDTH, MIN_STEPS,
+                                     FinetuneConfig, check_outputs)
 from toolkit.model_sources import load_model
 from toolkit.optim import Schedule
 from toolkit.sft import ChatObjective, chat_objective

@@ -28,19 +28,20 @@ CHECKS = {
     "non-negative-number": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
     "probability": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "share": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "folder-name": (lambda v: bool(v) and os.sep not in v and v not in (".", ".."), "a plain folder name"),
+    "folder-name": (lambda v: bool(v) and os.sep not in v and v not in (".", ".."),
+                    "a plain folder name"),
 }
 MEGATRON_GROUP = ("Megatron-LM's names", "Megatron-LM's options and its spellings of the options "
                                          "above; each sets the same value as the option it names.")
 
 
-def option(default, help: str, *, check: str | None = None, choices: list | None = None, megatron: bool = False,
-           required: bool = False):
+def option(default, help: str, *, check: str | None = None, choices: list | None = None,
+           megatron: bool = False, required: bool = False):
     """A config field with its --help text, the CHECKS rule its value must pass, its choices,
     whether it is a Megatron-LM option (listed in their group), and whether it is required."""
     assert check is None or check in CHECKS, check
-    return field(default=default, metadata={"help": help, "check": check, "choices": choices, "megatron": megatron,
-                                            "required": required})
+    return field(default=default, metadata={"help": help, "check": check, "choices": choices,
+                                            "megatron": megatron, "required": required})
 
 
 def flag(name: str) -> str:
@@ -54,8 +55,9 @@ def base_type(annotation) -> type:
     return args[0] if args else annotation
 
 
-def add_flags(parser: argparse.ArgumentParser, config_class: type, aliases: dict[str, list[str]] | None = None,
-              argument_default=None, overrides: dict[str, dict | None] | None = None) -> None:
+def add_flags(parser: argparse.ArgumentParser, config_class: type,
+              aliases: dict[str, list[str]] | None = None, argument_default=None,
+              overrides: dict[str, dict | None] | None = None) -> None:
     """One flag per field of config_class; Megatron's options and the aliases (other spellings of a
     field, e.g. Megatron's) in the Megatron group. argument_default=argparse.SUPPRESS omits flags
     not given. overrides: a script's own help or choices for a field, or None to omit its flag."""
@@ -76,7 +78,8 @@ def add_flags(parser: argparse.ArgumentParser, config_class: type, aliases: dict
         kwargs["default"] = f.default if argument_default is None else argument_default
         if argument_default is None and f.default is not None and f.type is not bool:
             kwargs["help"] += f" (default: {f.default})"
-        (megatron_group(parser) if f.metadata["megatron"] else parser).add_argument(flag(f.name), **kwargs)
+        (megatron_group(parser) if f.metadata["megatron"] else parser).add_argument(flag(f.name),
+                                                                                    **kwargs)
         for alias in (aliases or {}).get(f.name, []):
             alias_kwargs = {**kwargs, "default": argparse.SUPPRESS, "help": f"= {flag(f.name)}"}
             megatron_group(parser).add_argument(alias, **alias_kwargs)
@@ -94,8 +97,10 @@ def given(config_class: type, argv: list[str] | None, aliases: dict[str, list[st
           overrides: dict[str, dict | None] | None = None) -> set[str]:
     """The fields whose flags (or aliases) appear in argv: the values the user chose, which a
     resumed checkpoint does not override."""
-    parser = ArgumentParser(add_help=False, allow_abbrev=False)  # the same spellings as the script's
-    add_flags(parser, config_class, aliases, argument_default=argparse.SUPPRESS, overrides=overrides)
+    # the same spellings as the script's
+    parser = ArgumentParser(add_help=False, allow_abbrev=False)
+    add_flags(parser, config_class, aliases, argument_default=argparse.SUPPRESS,
+              overrides=overrides)
     return set(vars(parser.parse_known_args(argv)[0]))
 
 

@@ -49,8 +49,8 @@ def install() -> str:
     """The path of GPT-2's vocabulary, put in tiktoken's cache from PyPI's openai-whisper sdist."""
     cache_dir = tiktoken_cache_dir()
     if not cache_dir:
-        raise CLIError("TIKTOKEN_CACHE_DIR is set but empty, which disables tiktoken's cache; unset it or name a "
-                       "folder")
+        raise CLIError("TIKTOKEN_CACHE_DIR is set but empty, which disables tiktoken's cache; "
+                       "unset it or name a folder")
     path = os.path.join(cache_dir, R50K_CACHE_NAME)
     if installed():
         return path

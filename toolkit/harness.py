@@ -28,17 +28,21 @@ from toolkit.documents import read_text
 from toolkit.evaluation import gpt_logits_at, loglikelihoods
 from toolkit.tokenizers import Tokenizer
 
-OPEN_END = "<|toolkit-open-end|>"  # marks where the last message of a history stops, to leave it open
+# marks where the last message of a history stops, to leave it open
+OPEN_END = "<|toolkit-open-end|>"
 
 
 class GPTHarness(TemplateLM):
-    def __init__(self, model: GPT, tok: Tokenizer, batch_size: int, device: torch.device, dtype: torch.dtype,
-                 chat: bool = False, variables: dict | None = None):
+    def __init__(self, model: GPT, tok: Tokenizer, batch_size: int, device: torch.device,
+                 dtype: torch.dtype, chat: bool = False, variables: dict | None = None):
         super().__init__()
-        self.model, self.tok, self.batch_size, self.where, self.dtype = model.eval(), tok, batch_size, device, dtype
+        self.model, self.tok, self.batch_size, self.where, self.dtype = \
+            model.eval(), tok, batch_size, device, dtype
         self.logits_at = gpt_logits_at(model, device, dtype)
-        self.template = export_template(tok.facts()) if chat else None  # (model_scores checked it has one)
-        self.variables = variables  # the template's further ones (lm-eval's hf model: chat_template_args)
+        # (model_scores checked it has one)
+        self.template = export_template(tok.facts()) if chat else None
+        # the template's further ones (lm-eval's hf model: chat_template_args)
+        self.variables = variables
         self.stops = stop_ids(tok)  # (an instruction-tuned model's reply ends at its turn's end)
 
     @property
@@ -53,11 +57,13 @@ class GPTHarness(TemplateLM):
     def max_length(self) -> int:
         return self.model.config.block_size
 
+    # what an empty context is (lm-eval's hf model: BOS, else EOS)
     @property
-    def prefix_token_id(self) -> int:  # what an empty context is (lm-eval's hf model: BOS, else EOS)
+    def prefix_token_id(self) -> int:
         return self.tok.bos_id if self.tok.bos_id is not None else self.eot_token_id
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None,
+                   **kwargs) -> list[int]:
         # a text starts after the BOS (Llama 3's), unless it begins with it, as the hf model encodes
         return self.tok.with_bos(self.tok.encode_with_special_tokens(string) if self.template else
                                  self.tok.encode(string))
@@ -69,25 +75,29 @@ class GPTHarness(TemplateLM):
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         return self.template["jinja"] if self.template else None
 
-    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The history in the model's template. Without a generation prompt, the last message is left
-        open for the continuation, as lm-eval's hf model asks transformers (continue_final_message):
-        rendered with a mark after its content, and cut at the mark."""
+    def apply_chat_template(self, chat_history: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        """The history in the model's template. Without a generation prompt, the last message is
+        left open for the continuation, as lm-eval's hf model asks transformers
+        (continue_final_message): rendered with a mark after its content, and cut at the mark."""
         if add_generation_prompt:
             return render(self.template, chat_history, variables=self.variables)
         last = {**chat_history[-1], "content": chat_history[-1]["content"] + OPEN_END}
-        text = render(self.template, [*chat_history[:-1], last], prompt=False, variables=self.variables)
+        text = render(self.template, [*chat_history[:-1], last], prompt=False,
+                      variables=self.variables)
         if OPEN_END not in text:
-            raise CLIError("the model's chat template drops the end of the last message, so it cannot be "
-                           "continued (a task's gen_prefix)")
+            raise CLIError("the model's chat template drops the end of the last message, so it "
+                           "cannot be continued (a task's gen_prefix)")
         return text[: text.rindex(OPEN_END)]
 
     def tok_decode(self, tokens: list[int], **kwargs) -> str:
         return self.tok.decode(tokens)
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        lls, greedy = loglikelihoods(self.logits_at, [(context, continuation) for _, context, continuation in
-                                                      requests], self.max_length, self.batch_size, self.where)
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False,
+                              **kwargs) -> list[tuple[float, bool]]:
+        lls, greedy = loglikelihoods(self.logits_at, [(context, continuation)
+                                                      for _, context, continuation in requests],
+                                     self.max_length, self.batch_size, self.where)
         return list(zip(lls.tolist(), greedy.tolist()))
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -95,10 +105,12 @@ class GPTHarness(TemplateLM):
         for number, (text,) in enumerate(request.args for request in requests):
             for window in utils.get_rolling_token_windows(token_list=self.tok_encode(text),
                                                           prefix_token=self.prefix_token_id,
-                                                          max_seq_len=self.max_length, context_len=1):
+                                                          max_seq_len=self.max_length,
+                                                          context_len=1):
                 windows.append(utils.make_disjoint_window(window))
                 owners.append(number)
-        lls, _ = loglikelihoods(self.logits_at, windows, self.max_length, self.batch_size, self.where)
+        lls, _ = loglikelihoods(self.logits_at, windows, self.max_length, self.batch_size,
+                                self.where)
         totals = [0.0] * len(requests)
         for owner, ll in zip(owners, lls.tolist()):
             totals[owner] += ll
@@ -115,8 +127,8 @@ class GPTHarness(TemplateLM):
             ids = (self.tok_encode(context) or [self.eot_token_id])[-(self.max_length - 1):]
             tokens, text = [], ""
             with autocast(self.where, self.dtype):
-                stream = self.model.generate_stream(torch.tensor([ids], device=self.where), new_tokens,
-                                                    temperature=temperature)
+                stream = self.model.generate_stream(torch.tensor([ids], device=self.where),
+                                                    new_tokens, temperature=temperature)
                 for step in stream:
                     tokens.append(step[0].item())
                     if tokens[-1] in self.stops:
@@ -145,7 +157,8 @@ def task_name(spec: str) -> tuple[str, str | None]:
         raise CLIError(f"{spec}: invalid YAML ({' '.join(str(e).split())})") from None
     for line in text.splitlines():
         if line.startswith("task:"):
-            return line.split(":", 1)[1].strip().strip("'\""), os.path.dirname(os.path.abspath(spec))
+            return (line.split(":", 1)[1].strip().strip("'\""),
+                    os.path.dirname(os.path.abspath(spec)))
     raise CLIError(f"{spec} has no `task:` line: not an lm-eval task YAML")
 
 
@@ -156,7 +169,8 @@ def task_manager(folders: tuple[str, ...], defaults: bool) -> TaskManager:
     return TaskManager(include_path=list(folders) or None, include_defaults=defaults)
 
 
-def run(specs: list[str], lm: GPTHarness, limit: int | None, system_instruction: str | None = None) -> dict:
+def run(specs: list[str], lm: GPTHarness, limit: int | None,
+        system_instruction: str | None = None) -> dict:
     """lm_eval.simple_evaluate on the tasks (in the model's chat template where lm has one, after
     system_instruction's system turn); a name the harness does not know, or data it cannot reach
     (offline), is one line."""
@@ -170,11 +184,12 @@ def run(specs: list[str], lm: GPTHarness, limit: int | None, system_instruction:
                        (f"; similar: {', '.join(close)}" if close else "") +
                        "; a local file is a .jsonl in HellaSwag's format or a task .yaml")
     try:
-        return simple_evaluate(model=lm, tasks=list(names), task_manager=manager, limit=limit, log_samples=True,
-                               bootstrap_iters=0, apply_chat_template=lm.template is not None,
+        return simple_evaluate(model=lm, tasks=list(names), task_manager=manager, limit=limit,
+                               log_samples=True, bootstrap_iters=0,
+                               apply_chat_template=lm.template is not None,
                                system_instruction=system_instruction)
     except (OSError, ValueError) as e:  # ConnectionError and FileNotFoundError among them
         raise CLIError(f"lm-evaluation-harness cannot load the data of {', '.join(names)} "
-                       f"({first_line(e)[:200]}); without internet, score a local file instead: --tasks "
-                       "FILE.jsonl (HellaSwag's format) or a task YAML over local data "
+                       f"({first_line(e)[:200]}); without internet, score a local file instead: "
+                       "--tasks FILE.jsonl (HellaSwag's format) or a task YAML over local data "
                        "(docs/eval.md)") from None

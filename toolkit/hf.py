@@ -1,7 +1,7 @@
 """Hugging Face GPT-2 folders both ways: config.json + model.safetensors (or pytorch_model.bin).
 
-    model = load_gpt2("path/to/gpt2-dir")   # or "gpt2" ... "gpt2-xl" when in the local HF cache
-    save_gpt2(model, "out-dir")            # transformers' GPT2LMHeadModel loads it as the same model
+    model = load_gpt2("path/to/gpt2-dir") # or "gpt2" ... "gpt2-xl" when in the local HF cache
+    save_gpt2(model, "out-dir")           # transformers' GPT2LMHeadModel loads it as the same model
 
 HF stores the attention and MLP weights as Conv1D, transposed relative to nn.Linear; keys may carry
 a `transformer.` prefix; `lm_head.weight` is tied to the token embedding and may be absent. Nothing
@@ -25,7 +25,8 @@ from toolkit.files import atomic_write, read_json, write_json, write_text
 from toolkit.gpt2_vocab import GPT2_FACTS
 from toolkit.tokenizers import EOT_TEXT, SPELLING, bos_token_id, gpt2_ranks, load_tokenizer
 
-TOKENIZER_FILE = "tokenizer_facts.json"  # this toolkit's tokenizer facts, for folders of other vocabularies
+# this toolkit's tokenizer facts, for folders of other vocabularies
+TOKENIZER_FILE = "tokenizer_facts.json"
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 CONV1D_MODULES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -81,8 +82,9 @@ def read_config(directory: str) -> GPTConfig:
         raise ValueError(f"{path}: layer_norm_epsilon={hf['layer_norm_epsilon']} is not GPT-2's "
                          "1e-5")
     hf.setdefault("n_positions", hf.get("n_ctx", 1024))
-    config = GPTConfig(block_size=hf["n_positions"], vocab_size=hf.get("vocab_size"), n_layer=hf.get("n_layer"),
-                       n_head=hf.get("n_head"), n_embd=hf.get("n_embd"), bias=True)
+    config = GPTConfig(block_size=hf["n_positions"], vocab_size=hf.get("vocab_size"),
+                       n_layer=hf.get("n_layer"), n_head=hf.get("n_head"), n_embd=hf.get("n_embd"),
+                       bias=True)
     try:
         check_config(config)  # before anything is allocated
         check_memory(config)
@@ -98,7 +100,8 @@ def load_gpt2(path: str, **overrides) -> GPT:
     for key, value in overrides.items():
         setattr(config, key, value)
     weights = read_weights(directory)
-    check_shape(config, {"transformer." + k.removeprefix("transformer."): v for k, v in weights.items()},
+    check_shape(config, {"transformer." + k.removeprefix("transformer."): v
+                         for k, v in weights.items()},
                 os.path.join(directory, "config.json"))
     with torch.device("meta"):  # skip the random init; every tensor is replaced below
         model = GPT(config)
@@ -157,7 +160,8 @@ def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> str:
             weight = weight.t()
         tensors[f"{name}.weight"] = weight.contiguous().cpu()
         if not isinstance(module, nn.Embedding):
-            bias = module.bias if module.bias is not None else module.weight.new_zeros(module.weight.size(0))
+            bias = module.bias if module.bias is not None else \
+                module.weight.new_zeros(module.weight.size(0))
             tensors[f"{name}.bias"] = bias.detach().contiguous().cpu()
     atomic_write(os.path.join(out_dir, "model.safetensors"),
                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
@@ -169,14 +173,18 @@ def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> str:
         write_tokenizer_files(out_dir, tokenizer, c.block_size)
         return "an HF GPT-2 folder"
     write_text(os.path.join(out_dir, "README.md"), NO_HF_TOKENIZER.format(**tokenizer))
-    return f"an HF GPT-2 folder (its {tokenizer['tokenizer']} tokenizer has no HF tokenizer: see its README.md)"
+    return (f"an HF GPT-2 folder (its {tokenizer['tokenizer']} tokenizer has no HF tokenizer: "
+            "see its README.md)")
 
 
 NO_HF_TOKENIZER = """# A model with this toolkit's {tokenizer} tokenizer
 
-transformers loads its weights (`AutoModelForCausalLM.from_pretrained` of this folder is the same network), but no
-Hugging Face tokenizer represents a {tokenizer} vocabulary of {vocab_size} ids, so there is no tokenizer file here
-and `AutoTokenizer` cannot load the folder. The vocabulary is described in tokenizer_facts.json; `python test.py
+transformers loads its weights (`AutoModelForCausalLM.from_pretrained` of this folder is the same \
+network), but no
+Hugging Face tokenizer represents a {tokenizer} vocabulary of {vocab_size} ids, so there is no \
+tokenizer file here
+and `AutoTokenizer` cannot load the folder. The vocabulary is described in tokenizer_facts.json; \
+`python test.py
 --ckpt THIS_FOLDER` and every script of the toolkit read it.
 """
 
@@ -185,7 +193,8 @@ def merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
     """The two parts BPE joins into token: merges of lower rank reduce its bytes to exactly two."""
     parts = [bytes([b]) for b in token]
     while len(parts) > 2:
-        pairs = [(ranks.get(a + b, len(ranks)), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+        pairs = [(ranks.get(a + b, len(ranks)), i)
+                 for i, (a, b) in enumerate(zip(parts, parts[1:]))]
         rank, i = min(pairs)
         if rank >= ranks[token]:
             break
@@ -204,13 +213,14 @@ def read_chat_template(folder: str, facts: dict) -> dict | None:
     jinja_path = os.path.join(folder, "chat_template.jinja")
     jinja = read_text(jinja_path) if os.path.isfile(jinja_path) else config.get("chat_template")
     if isinstance(jinja, list):
-        jinja = next((t.get("template") for t in jinja if isinstance(t, dict) and t.get("name") == "default"),
-                     None)
+        jinja = next((t.get("template") for t in jinja
+                      if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(jinja, str):
         return None
     bos, eos = (token_text(config.get(key)) for key in ("bos_token", "eos_token"))
     generation_path = os.path.join(folder, "generation_config.json")
-    stops = read_json(generation_path).get("eos_token_id") if os.path.isfile(generation_path) else None
+    stops = read_json(generation_path).get("eos_token_id") if os.path.isfile(generation_path) \
+        else None
     stops = [stops] if type(stops) is int else stops if isinstance(stops, list) else []
     if not all(type(i) is int and 0 <= i < facts["vocab_size"] for i in stops):
         raise CLIError(f"{generation_path}: eos_token_id must be token ids below the vocabulary's "
@@ -225,7 +235,8 @@ def read_chat_template(folder: str, facts: dict) -> dict | None:
 
 def token_text(token) -> str | None:
     """A token as tokenizer_config.json names it: its text, or an AddedToken's {"content": ...}."""
-    return token.get("content") if isinstance(token, dict) else token if isinstance(token, str) else None
+    return token.get("content") if isinstance(token, dict) else \
+        token if isinstance(token, str) else None
 
 
 def write_generation_config(out_dir: str, facts: dict, block_size: int) -> None:
@@ -234,8 +245,8 @@ def write_generation_config(out_dir: str, facts: dict, block_size: int) -> None:
     <|eot_id|>; a downloaded folder's own)."""
     eot_id, template = facts.get("eot_id"), export_template(facts)
     write_json(os.path.join(out_dir, "generation_config.json"), {
-        "bos_token_id": bos_token_id(facts), "eos_token_id": template["stop_ids"] if template else eot_id,
-        "max_length": block_size})
+        "bos_token_id": bos_token_id(facts),
+        "eos_token_id": template["stop_ids"] if template else eot_id, "max_length": block_size})
 
 
 def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
@@ -244,10 +255,11 @@ def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
     its configuration (with the chat template of an instruction-tuned model or a downloaded
     folder's own, for apply_chat_template), and for GPT-2 also vocab.json and merges.txt rebuilt
     from tiktoken's ranks (the slow GPT2Tokenizer reads those alone)."""
-    special = facts.get("special_tokens") or {}  # GPT-1's start, ...: <|start|>; the chat template's are so named
+    # GPT-1's start, ...: <|start|>; the chat template's are so named
+    special = facts.get("special_tokens") or {}
     tokenizer = load_tokenizer(facts)
-    added = {tokenizer.eot_text: facts["eot_id"], **{name if name.startswith("<|") else f"<|{name}|>": i
-                                                     for name, i in special.items()}}
+    added = {tokenizer.eot_text: facts["eot_id"],
+             **{name if name.startswith("<|") else f"<|{name}|>": i for name, i in special.items()}}
     if facts["tokenizer"] == "bpe":
         bpe, tokenizer_class = HFTokenizer.from_str(facts["json"]), "PreTrainedTokenizerFast"
     else:
@@ -255,18 +267,19 @@ def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
     bpe.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in added])
     moved = [name for name, i in added.items() if bpe.token_to_id(name) != i]
     if moved:
-        raise CLIError(f"the HF tokenizer would give {moved[0]} another id than the model's; the vocabulary "
-                       f"and the model's embedding rows do not line up")
+        raise CLIError(f"the HF tokenizer would give {moved[0]} another id than the model's; the "
+                       f"vocabulary and the model's embedding rows do not line up")
     template = export_template(facts)  # (its bos and eos tokens are the ones it renders)
     eot = tokenizer.eot_text
     named = {"bos_token": tokenizer.bos_text or eot, "eos_token": eot, "unk_token": eot,
              **({key: template.get(key) for key in ("bos_token", "eos_token")} if template else {})}
     write_json(os.path.join(out_dir, "special_tokens_map.json"), named)
     write_json(os.path.join(out_dir, "tokenizer_config.json"), {
-        "tokenizer_class": tokenizer_class, "model_max_length": block_size, "add_prefix_space": False,
-        **named,
-        "added_tokens_decoder": {str(i): {"content": name, "special": True, "lstrip": False, "rstrip": False,
-                                          "normalized": False, "single_word": False} for name, i in added.items()},
+        "tokenizer_class": tokenizer_class, "model_max_length": block_size,
+        "add_prefix_space": False, **named,
+        "added_tokens_decoder": {str(i): {"content": name, "special": True, "lstrip": False,
+                                          "rstrip": False, "normalized": False,
+                                          "single_word": False} for name, i in added.items()},
         **({"chat_template": template["jinja"]} if template else {})})
     atomic_write(os.path.join(out_dir, "tokenizer.json"), bpe.save)
 
@@ -299,8 +312,8 @@ def gpt2_files(out_dir: str, facts: dict) -> HFTokenizer:
 
 
 def read_tokenizer(directory: str, vocab_size: int) -> dict:
-    """An HF folder's tokenizer facts: TOKENIZER_FILE when this toolkit wrote one, else GPT-2's, with
-    the folder's own chat template if it has one."""
+    """An HF folder's tokenizer facts: TOKENIZER_FILE when this toolkit wrote one, else GPT-2's,
+    with the folder's own chat template if it has one."""
     path = os.path.join(directory, TOKENIZER_FILE)
     if os.path.isfile(path):
         facts = read_json(path, "tokenizer facts")

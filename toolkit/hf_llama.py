@@ -1,15 +1,17 @@
-"""Hugging Face folders of the llama family both ways: LlamaForCausalLM and Qwen3ForCausalLM (config.json,
-model.safetensors or indexed shards, tokenizer.json), the layout SmolLM, Qwen3 and Llama are published in.
+"""Hugging Face folders of the llama family both ways: LlamaForCausalLM and Qwen3ForCausalLM
+(config.json, model.safetensors or indexed shards, tokenizer.json), the layout SmolLM, Qwen3 and
+Llama are published in.
 
-    model, facts = load_llama("path/to/SmolLM2-135M")   # a GPT of arch llama, and its tokenizer facts
-    save_llama(model, "out-dir", facts)                # transformers loads it alone: the same logits
+    model, facts = load_llama("path/to/SmolLM2-135M") # a GPT of arch llama, and its tokenizer facts
+    save_llama(model, "out-dir", facts)               # transformers loads it alone: the same logits
 
-Llama 3.1's rope scaling (rope_type "llama3") is read into GPTConfig.rope_scaling and written back; other
-rope scalings are refused.
+Llama 3.1's rope scaling (rope_type "llama3") is read into GPTConfig.rope_scaling and written back;
+other rope scalings are refused.
 
-HF keeps q, k and v (and the MLP's gate and up) as separate matrices, which this toolkit holds as one
-(attn.c_attn, mlp.c_fc): they are concatenated on the way in and split on the way out. Both lay rotary
-pairs out the same way (rotate_half), so no weight is permuted. A tied head has no lm_head.weight.
+HF keeps q, k and v (and the MLP's gate and up) as separate matrices, which this toolkit holds as
+one (attn.c_attn, mlp.c_fc): they are concatenated on the way in and split on the way out. Both lay
+rotary pairs out the same way (rotate_half), so no weight is permuted. A tied head has no
+lm_head.weight.
 """
 import os
 
@@ -22,23 +24,27 @@ from toolkit.device import check_memory
 from toolkit.documents import read_text
 from toolkit.files import atomic_write, read_json, write_json, write_text
 from toolkit.gpt2_vocab import GPT2_FACTS
-from toolkit.hf import (NO_HF_TOKENIZER, TOKENIZER_FILE, read_chat_template, write_generation_config,
-                        write_tokenizer_files)
+from toolkit.hf import (NO_HF_TOKENIZER, TOKENIZER_FILE, read_chat_template,
+                        write_generation_config, write_tokenizer_files)
 from toolkit.tokenizers import Tokenizer, bos_token_id
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # Qwen3: Llama with QK-norm
+# Qwen3: Llama with QK-norm
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # HF's names of one block's tensors -> ours; q/k/v and gate/up are concatenated into one of ours
-BLOCK = {"input_layernorm": "ln_1", "post_attention_layernorm": "ln_2", "self_attn.o_proj": "attn.c_proj",
-         "mlp.down_proj": "mlp.c_proj", "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm"}
+BLOCK = {"input_layernorm": "ln_1", "post_attention_layernorm": "ln_2",
+         "self_attn.o_proj": "attn.c_proj", "mlp.down_proj": "mlp.c_proj",
+         "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm"}
 FUSED = {"attn.c_attn": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.c_fc": ("mlp.gate_proj", "mlp.up_proj")}
-TOP = {"model.embed_tokens": "transformer.wte", "model.norm": "transformer.ln_f", "lm_head": "lm_head"}
+TOP = {"model.embed_tokens": "transformer.wte", "model.norm": "transformer.ln_f",
+       "lm_head": "lm_head"}
 
 
 def is_llama_folder(path: str) -> bool:
     """Whether path is an HF folder of a Llama or Qwen3 model."""
     config = os.path.join(path, "config.json")
-    return os.path.isfile(config) and read_json(config, "HF config").get("model_type") in ARCHITECTURES
+    return os.path.isfile(config) and \
+        read_json(config, "HF config").get("model_type") in ARCHITECTURES
 
 
 def read_config(directory: str) -> GPTConfig:
@@ -46,21 +52,29 @@ def read_config(directory: str) -> GPTConfig:
     path = os.path.join(directory, "config.json")
     hf = read_json(path, "HF config")
     # transformers 5 keeps the rotary settings in rope_parameters, 4 in rope_theta and rope_scaling
-    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
+    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0),
+                                         **(hf.get("rope_scaling") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    scaling = {"original_max_position_embeddings": hf.get("max_position_embeddings"), **rope}  # (HF's fallback)
-    unsupported = {"hidden_act": hf.get("hidden_act", "silu") != "silu", "attention_bias": hf.get("attention_bias"),
-                   "mlp_bias": hf.get("mlp_bias"), f"rope_type {rope_type}": rope_type not in ("default", "llama3"),
+    # (HF's fallback)
+    scaling = {"original_max_position_embeddings": hf.get("max_position_embeddings"), **rope}
+    unsupported = {"hidden_act": hf.get("hidden_act", "silu") != "silu",
+                   "attention_bias": hf.get("attention_bias"), "mlp_bias": hf.get("mlp_bias"),
+                   f"rope_type {rope_type}": rope_type not in ("default", "llama3"),
                    "use_sliding_window": hf.get("use_sliding_window")}
     if any(unsupported.values()):
-        raise CLIError(f"{path}: {', '.join(k for k, v in unsupported.items() if v)} is not supported here")
-    config = GPTConfig(arch="llama", bias=False, vocab_size=hf.get("vocab_size"), n_embd=hf.get("hidden_size"),
-                       n_layer=hf.get("num_hidden_layers"), n_head=hf.get("num_attention_heads"),
+        raise CLIError(f"{path}: {', '.join(k for k, v in unsupported.items() if v)} is not "
+                       "supported here")
+    config = GPTConfig(arch="llama", bias=False, vocab_size=hf.get("vocab_size"),
+                       n_embd=hf.get("hidden_size"), n_layer=hf.get("num_hidden_layers"),
+                       n_head=hf.get("num_attention_heads"),
                        n_kv_head=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim"),
-                       mlp_hidden=hf.get("intermediate_size"), block_size=hf.get("max_position_embeddings"),
-                       qk_norm=hf["model_type"] == "qwen3", rope_theta=float(rope.get("rope_theta", 10000.0)),
+                       mlp_hidden=hf.get("intermediate_size"),
+                       block_size=hf.get("max_position_embeddings"),
+                       qk_norm=hf["model_type"] == "qwen3",
+                       rope_theta=float(rope.get("rope_theta", 10000.0)),
                        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                       rope_scaling={key: scaling.get(key) for key in ROPE_SCALING} if rope_type == "llama3" else None,
+                       rope_scaling={key: scaling.get(key) for key in ROPE_SCALING}
+                                    if rope_type == "llama3" else None,
                        tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
     try:
         check_config(config)  # before anything is allocated
@@ -85,7 +99,8 @@ def ours(hf: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tens
                 state[f"transformer.h.{i}.{ours_name}.weight"] = torch.cat(parts)
     if config.tie_embeddings:
         state["lm_head.weight"] = state.get("transformer.wte.weight")
-    return {name: tensor.float().contiguous() for name, tensor in state.items() if tensor is not None}
+    return {name: tensor.float().contiguous() for name, tensor in state.items()
+            if tensor is not None}
 
 
 def load_llama(path: str, **overrides) -> tuple[GPT, dict]:
@@ -102,7 +117,8 @@ def load_llama(path: str, **overrides) -> tuple[GPT, dict]:
     wrong = [f"{k} {tuple(state[k].shape)} (the config implies {tuple(expected[k].shape)})"
              for k in sorted(set(expected) & set(state)) if state[k].shape != expected[k].shape]
     if missing or wrong:
-        raise CLIError(f"{path}: the weights do not fit its config.json: missing {missing[:3]}, {wrong[:2]}")
+        raise CLIError(f"{path}: the weights do not fit its config.json: missing {missing[:3]}, "
+                       f"{wrong[:2]}")
     model.load_state_dict(state, assign=True)
     if config.tie_embeddings:  # assign=True replaced the tied parameter
         model.lm_head.weight = model.transformer.wte.weight
@@ -112,12 +128,14 @@ def load_llama(path: str, **overrides) -> tuple[GPT, dict]:
 def read_tokenizer(directory: str) -> dict:
     """An HF folder's tokenizer facts: TOKENIZER_FILE when this toolkit wrote one, else its
     tokenizer.json as a BPE, with the folder's own chat template if it has one."""
-    facts_path, json_path = os.path.join(directory, TOKENIZER_FILE), os.path.join(directory, "tokenizer.json")
+    facts_path, json_path = (os.path.join(directory, TOKENIZER_FILE),
+                             os.path.join(directory, "tokenizer.json"))
     if os.path.isfile(facts_path):
         return read_json(facts_path, "tokenizer facts")
     if not os.path.isfile(json_path):
         raise CLIError(f"{directory} has no tokenizer.json: the model's text cannot be tokenized")
-    facts = Tokenizer("bpe", tokenizer_json=read_text(json_path, "tokenizer.json"), source=json_path).facts()
+    facts = Tokenizer("bpe", tokenizer_json=read_text(json_path, "tokenizer.json"),
+                      source=json_path).facts()
     template = read_chat_template(directory, facts)
     return {**facts, "chat_template": template} if template else facts
 
@@ -135,7 +153,8 @@ def hf_tensors(model: GPT) -> dict[str, torch.Tensor]:
             if block + ours_name + ".weight" in state:
                 tensors[f"model.layers.{i}.{name}.weight"] = state[block + ours_name + ".weight"]
         for ours_name, names in FUSED.items():
-            for name, part in zip(names, state[block + ours_name + ".weight"].split(splits[ours_name])):
+            for name, part in zip(names,
+                                  state[block + ours_name + ".weight"].split(splits[ours_name])):
                 tensors[f"model.layers.{i}.{name}.weight"] = part
     return {name: tensor.detach().float().contiguous().cpu() for name, tensor in tensors.items()}
 
@@ -152,9 +171,10 @@ def save_llama(model: GPT, out_dir: str, tokenizer: dict) -> str:
     model_type = "qwen3" if c.qk_norm else "llama"
     eot_id = tokenizer.get("eot_id")
     scaling = {"rope_type": "llama3", **c.rope_scaling} if c.rope_scaling else None
-    hf = {"model_type": model_type, "architectures": [ARCHITECTURES[model_type]], "vocab_size": c.vocab_size,
-          "hidden_size": c.n_embd, "intermediate_size": c.mlp_width, "num_hidden_layers": c.n_layer,
-          "num_attention_heads": c.n_head, "num_key_value_heads": c.kv_heads, "head_dim": c.head_size,
+    hf = {"model_type": model_type, "architectures": [ARCHITECTURES[model_type]],
+          "vocab_size": c.vocab_size, "hidden_size": c.n_embd, "intermediate_size": c.mlp_width,
+          "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
+          "num_key_value_heads": c.kv_heads, "head_dim": c.head_size,
           "max_position_embeddings": c.block_size, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
           "rope_theta": c.rope_theta, "rope_scaling": scaling,  # transformers 4's keys, then 5's
           "rope_parameters": {"rope_theta": c.rope_theta, **(scaling or {"rope_type": "default"})},
@@ -169,7 +189,8 @@ def save_llama(model: GPT, out_dir: str, tokenizer: dict) -> str:
     write_json(os.path.join(out_dir, "config.json"), hf)
     write_generation_config(out_dir, tokenizer, c.block_size)
     name = f"an HF {ARCHITECTURES[model_type]} folder"
-    # read back as they are: special tokens (tokenizer.json's added tokens do not say which), char, byte
+    # read back as they are: special tokens (tokenizer.json's added tokens do not say
+    # which), char, byte
     if tokenizer != GPT2_FACTS:
         write_json(os.path.join(out_dir, TOKENIZER_FILE), tokenizer)
     if tokenizer.get("tokenizer") in ("gpt2", "bpe"):

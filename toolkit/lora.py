@@ -9,9 +9,9 @@ rows, for the input embedding and the LM head alike. Nothing else trains but a t
 
 The adapter checkpoint is a ckpt.pt without `model`: `lora` (rank, alpha, dropout, targets, and the
 base's path and sha256), `adapters` (each A, B and the new rows), plus the usual config, tokenizer,
-task facts and head. toolkit/model_sources.py reads it by loading its base, checking the sha256, and merging:
-merge() writes W + (alpha/r) B A. merged_checkpoint() turns the whole checkpoint into a full one
-(finetune.py --merge-lora).
+task facts and head. toolkit/model_sources.py reads it by loading its base, checking the sha256, and
+merging: merge() writes W + (alpha/r) B A. merged_checkpoint() turns the whole checkpoint into a
+full one (finetune.py --merge-lora).
 """
 import math
 import os
@@ -94,8 +94,8 @@ def adapter_state(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def new_rows_of(model: GPT) -> dict[str, nn.Module]:
-    """The modules whose new rows train, by adapter key: the head (a tied embedding shares them), and
-    an untied embedding."""
+    """The modules whose new rows train, by adapter key: the head (a tied embedding shares them),
+    and an untied embedding."""
     owners = {NEW_ROWS: model.lm_head, NEW_INPUT_ROWS: model.transformer.wte}
     if model.config.tie_embeddings:
         del owners[NEW_INPUT_ROWS]
@@ -133,7 +133,8 @@ def merge(model: GPT) -> GPT:
             merged[f"{name}.weight"] = module.merged_weight()
             if module.base.bias is not None:
                 merged[f"{name}.bias"] = module.base.bias
-    merged["lm_head.weight"], merged["transformer.wte.weight"] = model.lm_head.weight, model.transformer.wte.weight
+    merged["lm_head.weight"], merged["transformer.wte.weight"] = model.lm_head.weight, \
+        model.transformer.wte.weight
     for name, tensor in model.state_dict().items():
         adapted = any(part in name for part in (".base.", "parametrizations", "lora_"))
         if not adapted:
@@ -145,8 +146,8 @@ def merge(model: GPT) -> GPT:
 
 def merged_checkpoint(checkpoint: dict, merged: GPT, source: str) -> dict:
     """A LoRA checkpoint (read from source) as a full one: its entries, the weights of merged (the
-    model it stands for, as toolkit.model_sources.load_model reads it) in place of the adapters, and the
-    merge recorded in `finetune`."""
+    model it stands for, as toolkit.model_sources.load_model reads it) in place of the adapters, and
+    the merge recorded in `finetune`."""
     full = {k: v for k, v in checkpoint.items() if k not in ("lora", "adapters")}
     full["model"] = merged.state_dict()
     full["finetune"] = {**checkpoint.get("finetune", {}), "merged_from": source,

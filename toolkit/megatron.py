@@ -18,8 +18,8 @@ from toolkit.flags import flag, option
 ALIASES = {"lr": ["--learning-rate"], "n_layer": ["--num-layers"], "n_embd": ["--hidden-size"],
            "n_head": ["--num-attention-heads"], "block_size": ["--seq-length"],
            "batch_size": ["--micro-batch-size"], "data_dir": ["--data-path"], "out_dir": ["--save"],
-           "max_iters": ["--train-iters"], "warmup_iters": ["--lr-warmup-iters"], "grad_clip": ["--clip-grad"],
-           "beta1": ["--adam-beta1"], "beta2": ["--adam-beta2"]}
+           "max_iters": ["--train-iters"], "warmup_iters": ["--lr-warmup-iters"],
+           "grad_clip": ["--clip-grad"], "beta1": ["--adam-beta1"], "beta2": ["--adam-beta2"]}
 # sample counts -> the step counts they set, through the global batch
 SAMPLE_FLAGS = {"train_samples": "max_iters", "lr_warmup_samples": "warmup_iters",
                 "lr_decay_samples": "lr_decay_iters"}
@@ -37,15 +37,16 @@ class MegatronOptions:
     train_samples: int | None = option(None, "train on this many sequences instead; sets "
                                              "--max-iters", check="positive", megatron=True)
     lr_warmup_samples: int | None = option(None, "warm up over this many sequences instead; sets "
-                                                 "--warmup-iters", check="non-negative", megatron=True)
+                                                 "--warmup-iters",
+                                           check="non-negative", megatron=True)
     lr_decay_samples: int | None = option(None, "decay over this many sequences instead; sets "
                                                 "--lr-decay-iters", check="positive", megatron=True)
     codecarbon_dir: str | None = option(None, "record energy and CO2 with codecarbon's offline "
                                               "tracker (rank 0) in DIR/emissions.csv, one row per "
                                               "run (needs: pip install codecarbon)", megatron=True)
-    codecarbon_country: str = option("USA", "ISO 3166 alpha-3 code of the country whose electricity mix "
-                                            "converts the energy to CO2 (offline: nothing is looked up)",
-                                     megatron=True)
+    codecarbon_country: str = option("USA", "ISO 3166 alpha-3 code of the country whose "
+                                            "electricity mix converts the energy to CO2 (offline: "
+                                            "nothing is looked up)", megatron=True)
 
 
 def check_options(cfg: MegatronOptions, given: set[str]) -> None:
@@ -66,8 +67,9 @@ def load_folder(cfg, given: set[str]) -> str:
     """--load DIR: DIR is the run's folder, --out-dir (here, checkpoints are read and written in one
     place)."""
     if "out_dir" in given and os.path.abspath(cfg.out_dir) != os.path.abspath(cfg.load):
-        raise CLIError(f"--load {cfg.load} and --save/--out-dir {cfg.out_dir} differ; a run resumes and saves "
-                       f"in one folder here: give the same folder or only one of them")
+        raise CLIError(f"--load {cfg.load} and --save/--out-dir {cfg.out_dir} differ; a run "
+                       f"resumes and saves in one folder here: give the same folder or only "
+                       f"one of them")
     if "init_from" in given and cfg.init_from != "resume":
         raise CLIError(f"--load resumes from {cfg.load}; it cannot be combined with --init-from "
                        f"{cfg.init_from}")
@@ -81,8 +83,9 @@ def grad_accum_for(cfg, given: set[str]) -> int:
         raise CLIError(f"--global-batch-size {cfg.global_batch_size} is not a multiple of "
                        f"--micro-batch-size/--batch-size {cfg.batch_size}")
     if "grad_accum" in given and cfg.grad_accum not in (None, accum):
-        raise CLIError(f"--global-batch-size {cfg.global_batch_size} / --batch-size {cfg.batch_size} = "
-                       f"{accum} micro-batches but --grad-accum {cfg.grad_accum} was given; drop one of them")
+        raise CLIError(f"--global-batch-size {cfg.global_batch_size} / --batch-size "
+                       f"{cfg.batch_size} = {accum} micro-batches but --grad-accum "
+                       f"{cfg.grad_accum} was given; drop one of them")
     return accum
 
 

@@ -35,7 +35,8 @@ TP_RULES = [
 
 def tp_rules(config: GPTConfig) -> list[tuple[str, str, int]]:
     """TP_RULES for this family: the gated MLP's c_fc is two matrices, each split by columns."""
-    return [(p, kind, 2 if config.arch != "gpt2" and ".c_fc" in p else parts) for p, kind, parts in TP_RULES]
+    return [(p, kind, 2 if config.arch != "gpt2" and ".c_fc" in p else parts)
+            for p, kind, parts in TP_RULES]
 
 
 @dataclass
@@ -49,9 +50,9 @@ class Layout:
         if self.pipeline_stages < 1 or self.tp_size < 1:
             raise ValueError("--pipeline-stages and --tp-size must be at least 1")
         if self.world_size % self.model_parallel:
-            raise ValueError(f"{self.world_size} processes cannot hold {self.tp_size} tensor-parallel shards x "
-                             f"{self.pipeline_stages} pipeline stages; use a world size that is a multiple of "
-                             f"{self.model_parallel}")
+            raise ValueError(f"{self.world_size} processes cannot hold {self.tp_size} "
+                             f"tensor-parallel shards x {self.pipeline_stages} pipeline stages; "
+                             f"use a world size that is a multiple of {self.model_parallel}")
 
     @property
     def model_parallel(self) -> int:
@@ -86,22 +87,24 @@ def check_layout(layout: Layout, config: GPTConfig, zero_stage: int, training: b
         raise ValueError(f"--pipeline-stages {layout.pipeline_stages} is more than the model's "
                          f"{config.n_layer} blocks; each stage needs at least one")
     if layout.tp_size > 1 and config.qk_norm:
-        raise ValueError("--tp-size with QK-norm: each shard would train the norms' weights on its own heads "
-                         "alone; add --no-qk-norm (Llama's layout) or lay the model out in --pipeline-stages")
+        raise ValueError("--tp-size with QK-norm: each shard would train the norms' weights on "
+                         "its own heads alone; add --no-qk-norm (Llama's layout) or lay the model "
+                         "out in --pipeline-stages")
     if layout.tp_size > 1 and config.kv_heads != config.n_head:
-        raise ValueError(f"--tp-size splits q, k and v as equal thirds: --n-kv-head {config.kv_heads} below "
-                         f"--n-head {config.n_head} (grouped-query attention) trains with ZeRO or a pipeline")
+        raise ValueError(f"--tp-size splits q, k and v as equal thirds: --n-kv-head "
+                         f"{config.kv_heads} below --n-head {config.n_head} (grouped-query "
+                         "attention) trains with ZeRO or a pipeline")
     if config.n_head % layout.tp_size or config.n_embd % layout.tp_size:
-        raise ValueError(f"--tp-size {layout.tp_size} must divide the {config.n_head} heads and the width "
-                         f"{config.n_embd}")
+        raise ValueError(f"--tp-size {layout.tp_size} must divide the {config.n_head} heads and "
+                         f"the width {config.n_embd}")
 
 
 # ----- tensor parallel (AutoTP) -----
 
 def autotp_config(tp_size: int, config: GPTConfig) -> dict:
     """The "tensor_parallel" section of a DeepSpeed config that shards this model tp_size ways."""
-    specs = [{"patterns": [pattern], "partition_type": kind, **({"shape": [parts, -1], "partition_dim": 0}
-                                                                 if parts > 1 else {})}
+    specs = [{"patterns": [pattern], "partition_type": kind,
+              **({"shape": [parts, -1], "partition_dim": 0} if parts > 1 else {})}
              for pattern, kind, parts in tp_rules(config)]
     return {"autotp_size": tp_size, "vocab_parallel_lm_head": False,
             "partition_config": {"use_default_specs": False, "layer_specs": specs}}
@@ -179,13 +182,15 @@ def pipeline_module(model: GPT, stages: int):
     loss = lambda outputs, targets: chunked_cross_entropy(*outputs, targets)
     if model.config.tie_embeddings:
         first = TiedLayerSpec("wte", TokenEmbedding, model, tied_weight_attr=["wte.weight"])
-        last = TiedLayerSpec("wte", TokenEmbedding, model, forward_fn=head, tied_weight_attr=["wte.weight"])
+        last = TiedLayerSpec("wte", TokenEmbedding, model, forward_fn=head,
+                             tied_weight_attr=["wte.weight"])
     else:
         first, last = LayerSpec(TokenEmbedding, model), LayerSpec(Head, model)
     layers = [first, LayerSpec(PositionEmbedding, model),
               *[LayerSpec(BlockPipe, model, i) for i in range(model.config.n_layer)],
               LayerSpec(FinalNorm, model), last]
-    return PipelineModule(layers, num_stages=stages, loss_fn=loss, partition_method="type:BlockPipe")
+    return PipelineModule(layers, num_stages=stages, loss_fn=loss,
+                          partition_method="type:BlockPipe")
 
 
 def gpt_state_from_universal(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -232,8 +237,9 @@ class MemoryEstimate:
     cpu: float  # bytes per process offloaded to CPU memory
 
 
-def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: str, offload_optimizer: bool,
-                    offload_param: bool, micro_batch: int, micro_steps: int) -> MemoryEstimate:
+def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: str,
+                    offload_optimizer: bool, offload_param: bool, micro_batch: int,
+                    micro_steps: int) -> MemoryEstimate:
     """Training memory per device for this layout, from a GPT built on the meta device (nothing is
     allocated).
 
@@ -249,13 +255,16 @@ def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: s
                     for n, p in model.transformer.h[0].named_parameters(prefix="transformer.h.0"))
     blocks = math.ceil(config.n_layer / layout.pipeline_stages)
     wte = model.transformer.wte.weight.numel()
-    wpe = model.transformer.wpe.weight.numel() if "wpe" in model.transformer else 0  # GPT-2's positions
+    # GPT-2's positions
+    wpe = model.transformer.wpe.weight.numel() if "wpe" in model.transformer else 0
     ln_f = sum(p.numel() for p in model.transformer.ln_f.parameters())
     if layout.pipeline_stages == 1:  # (an untied head is as big as the embedding)
         device_params = wte * (2 - config.tie_embeddings) + wpe + ln_f + config.n_layer * per_block
-    else:  # the first stage holds the embeddings, the last the final norm and the head (a tied one copied)
+    else:  # the first stage holds the embeddings, the last the final norm and the head
+        # (a tied one copied)
         device_params = max(wte + wpe, wte + ln_f) + blocks * per_block
-    largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False))
+                        for m in model.modules())
 
     width = 2 if dtype != "float32" else 4  # bytes per weight, gradient or activation
     dp = layout.data_parallel
@@ -265,11 +274,12 @@ def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: s
     cpu = 0.0
     if offload_optimizer:
         cpu, optimizer = cpu + optimizer, 0.0
-    if offload_param and zero_stage == 3:  # parameters wait in CPU memory; one layer at a time is gathered
+    # parameters wait in CPU memory; one layer at a time is gathered
+    if offload_param and zero_stage == 3:
         cpu, weights = cpu + weights, largest_layer * width
     in_flight = min(layout.pipeline_stages, micro_steps)
-    per_block_activations = (config.block_size * micro_batch * config.n_embd * (10 + 24 / layout.tp_size)
-                             * width / 2)
+    per_block_activations = (config.block_size * micro_batch * config.n_embd
+                             * (10 + 24 / layout.tp_size) * width / 2)
     activations = per_block_activations * blocks * in_flight
     return MemoryEstimate(config.num_params(non_embedding=False), device_params, largest_layer,
                           model.flops_per_token(), weights, gradients, optimizer, activations, cpu)

@@ -31,23 +31,25 @@ def score_model(args: argparse.Namespace) -> tuple[dict, dict]:
     model.to(device).eval()
     tok = load_tokenizer(facts)
     if args.apply_chat_template and not can_chat(tok):
-        raise CLIError(f"--apply-chat-template: {args.ckpt} was never instruction-tuned, so it has no chat "
-                       "template (finetune.py --task sft gives it one)")
+        raise CLIError(f"--apply-chat-template: {args.ckpt} was never instruction-tuned, so it has "
+                       "no chat template (finetune.py --task sft gives it one)")
     if args.chat_template_kwargs is not None and not tok.chat_template:
-        raise CLIError(f"--chat-template-kwargs: {args.ckpt} has no chat template of its own that takes variables")
+        raise CLIError(f"--chat-template-kwargs: {args.ckpt} has no chat template of its own that "
+                       "takes variables")
     results, full = {}, {}
     if args.data_dir:
-        results["val"] = val_scores(model, tok, facts, args.data_dir, args.ckpt, args.batch_size, args.limit,
-                                    device, dtype)
+        results["val"] = val_scores(model, tok, facts, args.data_dir, args.ckpt, args.batch_size,
+                                    args.limit, device, dtype)
         full["val"] = {"data_dir": os.path.abspath(args.data_dir), **results["val"]}
     local = [task for task in args.tasks if task.endswith(".jsonl")]
     for path in local:
         task = ChoiceTask(path, tok, args.limit, progress=True)
         if task.name in results:
             raise CLIError(f"two --tasks files are named {task.name}; rename one")
-        results[task.name] = task.score(gpt_logits_at(model, device, dtype), model.config.block_size,
-                                        args.batch_size, device)
-        full[task.name] = {"path": os.path.abspath(path), "items": len(task.items), **results[task.name]}
+        results[task.name] = task.score(gpt_logits_at(model, device, dtype),
+                                        model.config.block_size, args.batch_size, device)
+        full[task.name] = {"path": os.path.abspath(path), "items": len(task.items),
+                           **results[task.name]}
     others = [task for task in args.tasks if task not in local]
     if others:
         metrics, out = harness_results(others, model, tok, args, device, dtype)
@@ -56,19 +58,21 @@ def score_model(args: argparse.Namespace) -> tuple[dict, dict]:
     return results, full
 
 
-def val_scores(model: GPT, tokenizer: Tokenizer, facts: dict, data_dir: str, source: str, batch_size: int,
-               limit: int | None, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+def val_scores(model: GPT, tokenizer: Tokenizer, facts: dict, data_dir: str, source: str,
+               batch_size: int, limit: int | None, device: torch.device,
+               dtype: torch.dtype) -> dict[str, float]:
     """data_dir's val split in non-overlapping windows of the model's block size: the loss in nats
     per token, its perplexity, bits per UTF-8 byte of the text, and the tokens and bytes scored."""
     corpus = load_corpus(data_dir)
     if not same_vocabulary(corpus.meta, facts):
         raise CLIError(f"{data_dir} uses tokenizer {corpus.meta.get('tokenizer')} (vocab "
-                       f"{corpus.meta.get('vocab_size')}) but {source} was trained with {facts.get('tokenizer')} "
-                       f"(vocab {facts.get('vocab_size')}); score data prepared with the model's own tokenizer")
+                       f"{corpus.meta.get('vocab_size')}) but {source} was trained with "
+                       f"{facts.get('tokenizer')} (vocab {facts.get('vocab_size')}); score data "
+                       "prepared with the model's own tokenizer")
     block = model.config.block_size
     if len(corpus.val) < block + 1:
-        raise CLIError(f"the val split of {data_dir} holds {len(corpus.val):,} tokens, fewer than one "
-                       f"window of the model's block size + 1 = {block + 1}")
+        raise CLIError(f"the val split of {data_dir} holds {len(corpus.val):,} tokens, fewer than "
+                       f"one window of the model's block size + 1 = {block + 1}")
     offsets = np.arange((len(corpus.val) - 1) // block, dtype=np.int64)[:limit] * block
     chunked = not full_logits_fit(device, batch_size * block, model.config.vocab_size)
 
@@ -77,7 +81,8 @@ def val_scores(model: GPT, tokenizer: Tokenizer, facts: dict, data_dir: str, sou
             return model(x, y, chunked_loss=chunked)[1]
 
     token_bytes = torch.from_numpy(tokenizer.token_bytes()).to(device)
-    loss_sum, count, nbytes = window_losses(eval_loss, corpus.val, offsets, block, batch_size, device, token_bytes)
+    loss_sum, count, nbytes = window_losses(eval_loss, corpus.val, offsets, block, batch_size,
+                                            device, token_bytes)
     return {**loss_metrics(loss_sum, count, nbytes), "tokens": int(count), "bytes": int(nbytes)}
 
 
@@ -87,7 +92,8 @@ def hub_out_of_reach() -> bool:
     if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return False
     try:
-        socket.getaddrinfo(urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname, 443)
+        socket.getaddrinfo(
+            urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname, 443)
     except OSError:
         return True
     return False
@@ -102,9 +108,10 @@ def harness_results(specs: list[str], model: GPT, tok: Tokenizer, args: argparse
     try:
         from toolkit import harness
     except ImportError:
-        raise CLIError(f"--tasks {','.join(specs)} needs lm-evaluation-harness: pip install lm_eval (a local .jsonl "
-                       f"in HellaSwag's format needs nothing)") from None
-    lm = harness.GPTHarness(model, tok, args.batch_size, device, dtype, chat=args.apply_chat_template,
+        raise CLIError(f"--tasks {','.join(specs)} needs lm-evaluation-harness: pip install "
+                       f"lm_eval (a local .jsonl in HellaSwag's format needs nothing)") from None
+    lm = harness.GPTHarness(model, tok, args.batch_size, device, dtype,
+                            chat=args.apply_chat_template,
                             variables=template_variables(args.chat_template_kwargs))
     out = harness.run(specs, lm, args.limit, args.system_instruction)
     metrics = {task: {key.split(",")[0]: value for key, value in values.items()

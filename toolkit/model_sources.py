@@ -1,19 +1,20 @@
-"""Every model a script can start from, read by one function: a ckpt.pt (pretrained or fine-tuned, or
-the --out-dir that holds it), a DeepSpeed checkpoint folder (OUT_DIR, OUT_DIR/ds, a global_stepN
+"""Every model a script can start from, read by one function: a ckpt.pt (pretrained or fine-tuned,
+or the --out-dir that holds it), a DeepSpeed checkpoint folder (OUT_DIR, OUT_DIR/ds, a global_stepN
 folder, or the zero_to_fp32 output inside it), an HF folder of GPT-2, Llama or Qwen3, or a GPT-2 hub
 name found in the local Hugging Face cache; a LoRA checkpoint is read as its base with the adapters
 merged in. And the exports the scripts share: an HF folder, for either family, and a GGUF file
 (toolkit/gguf_export.py).
 
-    model, facts = load_model("ckpt/ckpt.pt")     # the GPT and its tokenizer facts (load_tokenizer(facts))
-    save_hf(model, "out-dir", facts)              # GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM
+    model, facts = load_model("ckpt/ckpt.pt")  # the GPT and its tokenizer facts (load_tokenizer)
+    save_hf(model, "out-dir", facts)  # GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM
 """
 import argparse
 import os
 
 from model import GPT
 from toolkit import gguf_export, hf, hf_llama, lora
-from toolkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, model_from_checkpoint, usable_config
+from toolkit.checkpoint import (CHECKPOINT_FILE, load_checkpoint, model_from_checkpoint,
+                                usable_config)
 from toolkit.cli import CLIError
 from toolkit.files import check_output, replace_folder
 from toolkit.ds_checkpoint import is_deepspeed_folder, load_deepspeed_model
@@ -39,7 +40,8 @@ def load_model(path: str, **overrides) -> tuple[GPT, dict]:
     if is_deepspeed_source(path):
         model, state, _ = load_deepspeed_model(path, **overrides)
         return model, state["tokenizer"]
-    if os.path.isfile(os.path.join(path, CHECKPOINT_FILE)):  # a run's --out-dir, as nanoGPT samples
+    # a run's --out-dir, as nanoGPT samples
+    if os.path.isfile(os.path.join(path, CHECKPOINT_FILE)):
         path = os.path.join(path, CHECKPOINT_FILE)
     if is_hf_source(path) and hf_llama.is_llama_folder(path):
         return hf_llama.load_llama(path, **overrides)
@@ -49,26 +51,27 @@ def load_model(path: str, **overrides) -> tuple[GPT, dict]:
     checkpoint = load_checkpoint(path)
     if "adapters" in checkpoint:
         return load_adapted(checkpoint, path, **overrides), checkpoint["tokenizer"]
-    return model_from_checkpoint(checkpoint, path, **overrides), checkpoint.get("tokenizer", GPT2_FACTS)
+    return (model_from_checkpoint(checkpoint, path, **overrides),
+            checkpoint.get("tokenizer", GPT2_FACTS))
 
 
 def save_hf(model: GPT, out_dir: str, facts: dict) -> str:
-    """An HF folder of the model's family that transformers loads alone, in place of any folder there
-    (whole: nothing of an old model stays mixed in); a line saying what it wrote."""
+    """An HF folder of the model's family that transformers loads alone, in place of any folder
+    there (whole: nothing of an old model stays mixed in); a line saying what it wrote."""
     writer = hf.save_gpt2 if model.config.arch == "gpt2" else hf_llama.save_llama
     return f"wrote {replace_folder(out_dir, lambda tmp: writer(model, tmp, facts))} to {out_dir}"
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export-hf", metavar="DIR",
-                        help="write the model as an HF folder of its family (weights, config, tokenizer "
-                             "files) and exit")
+                        help="write the model as an HF folder of its family (weights, config, "
+                             "tokenizer files) and exit")
     parser.add_argument("--export-gguf", metavar="FILE",
-                        help="write the model and its tokenizer as one GGUF file for llama.cpp, ollama or "
-                             "LM Studio, and exit")
+                        help="write the model and its tokenizer as one GGUF file for llama.cpp, "
+                             "ollama or LM Studio, and exit")
     parser.add_argument("--outtype", choices=gguf_export.WEIGHT_TYPES, default="f16",
-                        help="the GGUF's weight type, as llama.cpp's converter names it (default: f16; "
-                             "vectors stay f32)")
+                        help="the GGUF's weight type, as llama.cpp's converter names it (default: "
+                             "f16; vectors stay f32)")
 
 
 def check_exports(outputs: dict[str, str | None], inputs: list[str], overwrite: bool) -> None:
@@ -79,7 +82,8 @@ def check_exports(outputs: dict[str, str | None], inputs: list[str], overwrite: 
             check_output(path, inputs, flag)
             holds_files = os.path.isdir(path) and bool(os.listdir(path))
             if (holds_files or os.path.isfile(path)) and not overwrite:
-                raise CLIError(f"{flag} {path} already holds {'files' if holds_files else 'a file'}; use "
+                raise CLIError(f"{flag} {path} already holds "
+                               f"{'files' if holds_files else 'a file'}; use "
                                "--overwrite to replace it whole")
 
 
@@ -98,12 +102,13 @@ def load_adapted(checkpoint: dict, path: str, **overrides) -> GPT:
     new_rows = checkpoint["adapters"].get(lora.NEW_ROWS)
     added = 0 if new_rows is None else len(new_rows)
     if usable_config(config, path).vocab_size != settings["base_vocab"] + added:
-        raise CLIError(f"{path}: its model config says vocab_size {config['vocab_size']}, but its base has "
-                       f"{settings['base_vocab']} tokens and its adapters add {added}")
+        raise CLIError(f"{path}: its model config says vocab_size {config['vocab_size']}, but its "
+                       f"base has {settings['base_vocab']} tokens and its adapters add {added}")
     model, _ = load_model(lora.check_base(settings, path), **overrides)
     if config["block_size"] < model.config.block_size:
         model.crop_block_size(config["block_size"])
     model.resize_token_embeddings(config["vocab_size"])
-    lora.add_lora(model, settings["rank"], settings["alpha"], 0.0, settings["targets"], settings["base_vocab"])
+    lora.add_lora(model, settings["rank"], settings["alpha"], 0.0, settings["targets"],
+                  settings["base_vocab"])
     lora.load_adapters(model, checkpoint["adapters"], path)
     return lora.merge(model).eval()

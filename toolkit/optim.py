@@ -1,7 +1,8 @@
 """The optimizers: AdamW (with weight decay on matrices only), and Muon for the transformer's
 matrices with AdamW for everything else, in one torch optimizer.
 
-    optimizer = make_optimizer(model, "muon", lr=4e-3, muon_lr=0.03, weight_decay=0.1, betas=(0.9, 0.99))
+    optimizer = make_optimizer(model, "muon", lr=4e-3, muon_lr=0.03, weight_decay=0.1,
+                               betas=(0.9, 0.99))
 
 Muon (Keller Jordan, 2024; kellerjordan.github.io/posts/muon) replaces each 2-D weight's update by
 the orthogonalised Nesterov momentum: a few Newton-Schulz iterations push the singular values of the
@@ -27,7 +28,8 @@ EMBEDDING_LR_SCALE = 30
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
-def orthogonalize(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def orthogonalize(update: torch.Tensor, steps: int = 5,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Approximately U V^T of update's SVD U S V^T (of each matrix of a stack), by Newton-Schulz
     iterations in dtype (the write-up runs them in bfloat16: the iteration only pushes singular
     values towards 1, so rounding errors do not accumulate)."""
@@ -47,9 +49,11 @@ class Muon(torch.optim.Optimizer):
     """Muon on groups with muon=True, AdamW on the other groups. The element-wise work of a step is
     a few foreach kernels over all of a group's tensors, not a loop of small kernels per tensor."""
 
-    def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.99),
-                 momentum: float = 0.95, eps: float = 1e-8, ns_dtype: torch.dtype = torch.float32):
-        defaults = dict(lr=lr, betas=betas, momentum=momentum, eps=eps, weight_decay=0.0, muon=False)
+    def __init__(self, param_groups: list[dict], lr: float,
+                 betas: tuple[float, float] = (0.9, 0.99), momentum: float = 0.95,
+                 eps: float = 1e-8, ns_dtype: torch.dtype = torch.float32):
+        defaults = dict(lr=lr, betas=betas, momentum=momentum, eps=eps, weight_decay=0.0,
+                        muon=False)
         super().__init__(param_groups, defaults)
         self.ns_dtype = ns_dtype
 
@@ -65,12 +69,14 @@ class Muon(torch.optim.Optimizer):
         for p in params:
             by_shape.setdefault(p.shape, []).append(p)
         for shape, same in by_shape.items():
-            buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in same]
+            buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                       for p in same]
             grads = [p.grad for p in same]
             torch._foreach_mul_(buffers, group["momentum"])
             torch._foreach_add_(buffers, grads)
             nesterov = torch._foreach_add(grads, buffers, alpha=group["momentum"])
-            if same[0].is_cuda:  # one batched Newton-Schulz: a GPU runs a small model's step launch-bound
+            # one batched Newton-Schulz: a GPU runs a small model's step launch-bound
+            if same[0].is_cuda:
                 updates = orthogonalize(torch.stack(nesterov), dtype=self.ns_dtype).unbind(0)
             else:  # a CPU's batched products of large matrices measured slower than a loop of them
                 updates = [orthogonalize(u, dtype=self.ns_dtype) for u in nesterov]
@@ -84,7 +90,8 @@ class Muon(torch.optim.Optimizer):
         states = [self.state[p] for p in params]
         for p, state in zip(params, states):
             if not state:
-                state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p),
+                             exp_avg_sq=torch.zeros_like(p))
             state["step"] += 1
         steps = [state["step"].item() for state in states]  # CPU tensors: no device sync
         exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
@@ -110,8 +117,9 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def make_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, betas: tuple[float, float],
-                   muon_lr: float | None = None, device_type: str = "cpu",
+def make_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
+                   betas: tuple[float, float], muon_lr: float | None = None,
+                   device_type: str = "cpu",
                    dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
     """adamw: torch's AdamW over decay_groups (fused on CUDA). muon: Muon at muon_lr without weight
     decay (its updates have a fixed size) for the 2-D weights of the transformer blocks (of the GPT
@@ -128,7 +136,8 @@ def make_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, 
     chosen = set(matrices) | set(untied)
     rest = [g | {"params": [p for p in g["params"] if p not in chosen]}
             for g in decay_groups(model, weight_decay)]
-    muon = {"params": matrices, "muon": True, "weight_decay": 0.0, "lr": muon_lr, "lr_scale": muon_lr / lr}
+    muon = {"params": matrices, "muon": True, "weight_decay": 0.0, "lr": muon_lr,
+            "lr_scale": muon_lr / lr}
     # an untied input embedding takes far larger steps than the head that reads the same tokens (as
     # nanochat and modded-nanogpt): each of its rows learns only where its token occurs
     fast = [{"params": untied, "weight_decay": weight_decay, "lr": lr * EMBEDDING_LR_SCALE,
@@ -153,5 +162,6 @@ class Schedule:
         if step >= self.decay_iters:
             return self.min_lr
         progress = (step - self.warmup_iters) / max(1, self.decay_iters - self.warmup_iters)
-        fall = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.shape == "cosine" else 1.0 - progress
+        fall = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.shape == "cosine" else \
+            1.0 - progress
         return self.min_lr + fall * (self.lr - self.min_lr)

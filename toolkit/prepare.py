@@ -3,8 +3,8 @@ parallel, in order and with bounded memory, by the tokenizer chosen (or trained 
 the format chosen; and the embedded default corpus (Python's own documentation, shipped with every
 CPython) is prepared on first use.
 
-    prepare(args)                      # tokenizer.py's flags, checked: the files written, their metadata
-    ensure_default_corpus()            # data/pydoc_char: train.bin, val.bin, meta.json (char level)
+    prepare(args)                 # tokenizer.py's flags, checked: the files written, their metadata
+    ensure_default_corpus()       # data/pydoc_char: train.bin, val.bin, meta.json (char level)
 """
 import argparse
 import multiprocessing
@@ -39,7 +39,8 @@ def encode_document(tokenizer: Tokenizer, pieces: list[str], dtype: np.dtype) ->
             cut = CUT.search(text[end:end + PIECE_CHARS])
             if cut is None:  # nowhere to cut within reach: the rest goes whole
                 break
-            arrays.append(tokenizer.encode_array(text[start:end + cut.start()]).astype(dtype, copy=False))
+            arrays.append(
+                tokenizer.encode_array(text[start:end + cut.start()]).astype(dtype, copy=False))
             start = end + cut.start()
         arrays.append(tokenizer.encode_array(text[start:]).astype(dtype, copy=False))
     return arrays
@@ -49,7 +50,8 @@ def encode_chunk(tokenizer: Tokenizer, documents: list[list[str]], eod: str | No
                  dtype: np.dtype) -> tuple[list[np.ndarray], np.ndarray]:
     """The documents' tokens back to back, end-of-text after each non-empty one (eod "append",
     Megatron's --append-eod) or before it ("prepend", llm.c's shards), each after the tokenizer's
-    BOS if it has one (Llama 3's), as arrays to write one after the other, and each document's length."""
+    BOS if it has one (Llama 3's), as arrays to write one after the other, and each document's
+    length."""
     # one thread per process: processes outrun tiktoken's own threads (docs/performance.md)
     encoded = [encode_document(tokenizer, pieces, dtype) for pieces in documents]
     lengths = np.array([sum(map(len, arrays)) for arrays in encoded], dtype=np.int64)
@@ -80,8 +82,10 @@ _worker_job = None  # (tokenizer, eod, dtype), set once per worker process
 
 def _init_worker(facts: dict, eod: str | None, dtype: str) -> None:
     global _worker_job
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle (it ends the pool)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool ends its workers with SIGTERM: die, no cleanup to run
+    # Ctrl-C is the main process's to handle (it ends the pool)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the pool ends its workers with SIGTERM: die, no cleanup to run
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_job = (load_tokenizer(facts), eod, np.dtype(dtype))
 
 
@@ -109,7 +113,8 @@ def encode_in_order(chunks: Iterator[tuple[list[list[str]], int]], tokenizer: To
         while pending:
             result, size = pending.popleft()
             yield *result.get(), size
-        pool.close()  # let the workers finish on their own; leaving the block terminates them only on an error
+        # let the workers finish on their own; leaving the block terminates them only on an error
+        pool.close()
         pool.join()
 
 
@@ -121,8 +126,10 @@ def default_corpus_documents() -> list[str]:
 def prepare_default_corpus(data_dir: str = DEFAULT_CORPUS_DIR) -> dict:
     """pydoc topics, char-level as nanoGPT's shakespeare_char: the last 10% of characters is val."""
     documents = default_corpus_documents()
-    text = "\n\n".join(documents) + "\n"  # a blank line between documents reads naturally; no EOT in it
-    tokenizer = Tokenizer("char", chars="".join(sorted(set(text))), char_eot=True)  # (its id, as every vocabulary)
+    # a blank line between documents reads naturally; no EOT in it
+    text = "\n\n".join(documents) + "\n"
+    # (its id, as every vocabulary)
+    tokenizer = Tokenizer("char", chars="".join(sorted(set(text))), char_eot=True)
     ids = tokenizer.encode_array(text).astype(np.uint16)
     n_train = int(len(ids) * 0.9)
     meta = {**tokenizer.facts(), "documents": len(documents), "source": "pydoc_data.topics"}
@@ -149,13 +156,15 @@ def outputs(args: argparse.Namespace) -> list[str]:
     if args.format == "megatron":
         prefix = megatron_document_prefix(args.output_prefix, args.json_key)
         return [prefix + ext for ext in (".bin", ".idx", ".json", *[".tokenizer.json"] * trained)]
-    names = [*NANOGPT_FILES] if args.format == "nanogpt" else ["meta.json", *llmc_shards(args.output_dir)]
+    names = [*NANOGPT_FILES] if args.format == "nanogpt" else \
+        ["meta.json", *llmc_shards(args.output_dir)]
     return [os.path.join(args.output_dir, name) for name in (*names, *["tokenizer.json"] * trained)]
 
 
 def texts(files: list[str], args: argparse.Namespace):
     """Every piece of text of the input, streaming: one extra pass for what the vocabulary needs."""
-    return (text for pieces, _ in read_documents(files, args.json_key, args.errors, args.skip_bad_lines)
+    return (text for pieces, _ in read_documents(files, args.json_key, args.errors,
+                                                 args.skip_bad_lines)
             for text in pieces)
 
 
@@ -176,21 +185,22 @@ def build_tokenizer(args: argparse.Namespace, files: list[str]) -> Tokenizer:
         chars.update(text)
     if not chars:
         raise CLIError(f"no text in the input ({len(files)} file(s)); nothing to tokenize")
-    # an end-of-text id past the characters, as every vocabulary here has, used or not (--append-eod);
-    # it ends generation in llama.cpp (toolkit/gguf_export.py)
+    # an end-of-text id past the characters, as every vocabulary here has, used or not
+    # (--append-eod); it ends generation in llama.cpp (toolkit/gguf_export.py)
     return Tokenizer("char", chars="".join(sorted(chars)), char_eot=True)
 
 
 def make_writer(args: argparse.Namespace, tokenizer: Tokenizer):
-    """The writer of the chosen format, and where a trained tokenizer's tokenizer.json goes beside it."""
+    """The writer of the chosen format, and where a trained tokenizer's tokenizer.json goes beside
+    it."""
     if args.format == "megatron":
         prefix = megatron_document_prefix(args.output_prefix, args.json_key)
         dtype = output_dtype(tokenizer.vocab_size, args.dtype, args.format)
         return MegatronWriter(prefix, dtype), prefix + ".tokenizer.json"
     if args.format == "llmc":
         if tokenizer.vocab_size > 2**16:
-            raise CLIError(f"llm.c's shards hold uint16 ids; a vocabulary of {tokenizer.vocab_size:,} does not fit: "
-                           f"use --format nanogpt")
+            raise CLIError("llm.c's shards hold uint16 ids; a vocabulary of "
+                           f"{tokenizer.vocab_size:,} does not fit: use --format nanogpt")
         return LlmcWriter(args.output_dir, args.shard_tokens, args.val_fraction), None
     dtype = output_dtype(tokenizer.vocab_size, args.dtype, args.format)
     return NanoGPTWriter(args.output_dir, dtype, args.val_fraction, args.seed), None
@@ -224,23 +234,28 @@ def prepare(args: argparse.Namespace) -> dict | None:
     try:  # from the first file the writer opens: a signal may land anywhere after that
         writer, tokenizer_file = make_writer(args, tokenizer)
         tokenizer_file = tokenizer_file or os.path.join(args.output_dir, "tokenizer.json")
-        documents_read = read_documents(files, args.json_key, args.errors, args.skip_bad_lines, stats)
+        documents_read = read_documents(files, args.json_key, args.errors, args.skip_bad_lines,
+                                        stats)
         quiet = args.quiet or not sys.stderr.isatty()
         known_size = not any(path != without_compression(path) for path in files)
         total = sum(os.path.getsize(path) for path in files) if known_size else None
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet,
                   desc="tokenizing") as bar:
             chunks = chunks_of(documents_read, int(args.chunk_mb * 2**20))
-            for arrays, lengths, size in encode_in_order(chunks, tokenizer, eod, writer.dtype, args.workers):
+            for arrays, lengths, size in encode_in_order(chunks, tokenizer, eod, writer.dtype,
+                                                         args.workers):
                 writer.add(arrays, lengths)
                 documents += int((lengths > 0).sum())
                 tokens += int(lengths.sum())
                 nbytes += size
                 bar.update(size)
-                bar.set_postfix_str(f"{documents / max(time.time() - start, 1e-9):,.0f} docs/s", refresh=False)
+                bar.set_postfix_str(f"{documents / max(time.time() - start, 1e-9):,.0f} docs/s",
+                                    refresh=False)
         if documents == 0:
-            raise CLIError(f"no non-empty documents in the input ({len(files)} file(s)); nothing to write")
-        if tokenizer.name == "bpe":  # beside the token files, for HF's tools (the facts hold it too)
+            raise CLIError(f"no non-empty documents in the input ({len(files)} file(s)); nothing "
+                           "to write")
+        # beside the token files, for HF's tools (the facts hold it too)
+        if tokenizer.name == "bpe":
             write_text(tokenizer_file, tokenizer.tokenizer_json)
         meta = writer.finish({**tokenizer.facts(), "append_eod": args.append_eod})
     except OSError as e:  # reading errors are CLIErrors already: this is the output failing
@@ -250,7 +265,7 @@ def prepare(args: argparse.Namespace) -> dict | None:
         remove_own_temporaries(folder)
         raise
     seconds = max(time.time() - start, 1e-9)
-    print(f"{documents:,} documents, {tokens:,} tokens in {seconds:.1f} s ({nbytes / 2**20 / seconds:.1f} MB/s, "
-          f"{tokens / seconds:,.0f} tokens/s)" + (f", {stats.bad_lines:,} bad lines skipped" if stats.bad_lines
-                                                   else ""))
+    print(f"{documents:,} documents, {tokens:,} tokens in {seconds:.1f} s "
+          f"({nbytes / 2**20 / seconds:.1f} MB/s, {tokens / seconds:,.0f} tokens/s)" +
+          (f", {stats.bad_lines:,} bad lines skipped" if stats.bad_lines else ""))
     return meta

@@ -1,6 +1,6 @@
-"""Pretraining a GPT on token data, as train.py, train_ddp.py and train_ds.py do: the language-modelling
-objective, the model, the checks of data against model, and the setup that hands the loop an engine
-and the objective.
+"""Pretraining a GPT on token data, as train.py, train_ddp.py and train_ds.py do: the
+language-modelling objective, the model, the checks of data against model, and the setup that hands
+the loop an engine and the objective.
 
     cfg, given, args = parse_config(argv)                       # toolkit/train_config.py
     trainer = setup(cfg, given, TorchEngine(os.path.join(cfg.out_dir, CHECKPOINT_FILE)))
@@ -68,7 +68,8 @@ class LanguageModeling(Objective):
         return [(get_batch(self.corpus.train, o, cfg.block_size, self.device), 1 / cfg.grad_accum)
                 for o in np.split(mine, self.micro_steps)]
 
-    def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def loss(self, model: torch.nn.Module,
+             batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         return model(x, y, chunked_loss=self.chunked)[1]
 
@@ -87,8 +88,9 @@ class LanguageModeling(Objective):
             tokens = getattr(self.corpus, split)
             most = cfg.eval_iters * cfg.batch_size
             offsets = evaluation_windows(len(tokens), cfg.block_size, most, cfg.seed, stream)
-            scored[split] = window_losses(engine.eval_loss, tokens, offsets, cfg.block_size, cfg.batch_size,
-                                          self.device, self.token_bytes, (self.dp_rank, self.dp_size))
+            scored[split] = window_losses(engine.eval_loss, tokens, offsets, cfg.block_size,
+                                          cfg.batch_size, self.device, self.token_bytes,
+                                          (self.dp_rank, self.dp_size))
         train_sum, train_count, _ = scored["train"]
         metrics = {"train_loss": train_sum / train_count,
                    **{f"val_{name}": value for name, value in loss_metrics(*scored["val"]).items()}}
@@ -137,20 +139,23 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT, dict | None]:
     from toolkit.model_sources import load_model  # only a run from pretrained weights reads them
     model, facts = load_model(cfg.init_from, attn_kernel=cfg.attn_kernel, dropout=cfg.dropout)
     if cfg.block_size > model.config.block_size:
-        raise CLIError(f"--block-size {cfg.block_size} is longer than the {model.config.block_size} positions "
-                       f"of {cfg.init_from}; use --block-size {model.config.block_size} or less")
+        raise CLIError(f"--block-size {cfg.block_size} is longer than the "
+                       f"{model.config.block_size} positions of {cfg.init_from}; use --block-size "
+                       f"{model.config.block_size} or less")
     if cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)
     return model, facts
 
 
-def check_data(cfg: TrainConfig, corpus, model: GPT, resume: dict | None, pretrained: dict | None) -> None:
+def check_data(cfg: TrainConfig, corpus, model: GPT, resume: dict | None,
+               pretrained: dict | None) -> None:
     """Each split holds a window; the data, model and a resumed checkpoint or pretrained weights
     (their tokenizer facts) share one tokenizer."""
     for split in ("train", "val"):  # fail now, not at the first evaluation
         tokens = len(getattr(corpus, split))
         if tokens < cfg.block_size + 1:
-            more = " or give val more data (tokenizer.py --val-fraction, or --split for a Megatron prefix)"
+            more = (" or give val more data (tokenizer.py --val-fraction, or --split for a "
+                    "Megatron prefix)")
             raise CLIError(f"the {split} split of {cfg.data_dir} has {tokens:,} tokens, fewer than "
                            f"one window of --block-size + 1 = {cfg.block_size + 1}; use a smaller "
                            "--block-size"
@@ -164,9 +169,9 @@ def check_data(cfg: TrainConfig, corpus, model: GPT, resume: dict | None, pretra
     if pretrained is not None and not same_vocabulary(facts, pretrained):
         hint = ("--tokenizer gpt2" if pretrained.get("tokenizer") == "gpt2" else
                 f"--tokenizer-file {cfg.init_from}/tokenizer.json")
-        raise CLIError(f"the weights of {cfg.init_from} need data tokenized with their {pretrained.get('tokenizer')} "
-                       f"tokenizer, but {cfg.data_dir} uses {facts.get('tokenizer')}; prepare it with "
-                       f"tokenizer.py {hint}")
+        raise CLIError(f"the weights of {cfg.init_from} need data tokenized with their "
+                       f"{pretrained.get('tokenizer')} tokenizer, but {cfg.data_dir} uses "
+                       f"{facts.get('tokenizer')}; prepare it with tokenizer.py {hint}")
     # pretrained open models may hold more embedding rows than their tokenizer has ids (Qwen3's)
     unused_rows = pretrained is not None and facts["vocab_size"] < model.config.vocab_size
     if facts["vocab_size"] != model.config.vocab_size and not unused_rows:
@@ -185,7 +190,8 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
     if master:
         claim_out_dir(cfg.out_dir, engine.path, resume is not None, cfg.overwrite)
     if cfg.data_dir == DEFAULT_CORPUS_DIR and master and not is_prepared(DEFAULT_CORPUS_DIR):
-        from toolkit.prepare import ensure_default_corpus  # tokenizing is only needed the first time
+        # tokenizing is only needed the first time
+        from toolkit.prepare import ensure_default_corpus
         ensure_default_corpus(DEFAULT_CORPUS_DIR)
     distributed.barrier()
     corpus = load_corpus(cfg.data_dir, cfg.split)
@@ -193,7 +199,8 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
     torch.manual_seed(cfg.seed)  # identical initial weights in every rank
     vocab_size = corpus.meta["vocab_size"]
     if resume is not None:  # the shape its weights hold, checked before anything is built
-        vocab_size = usable_config(resume["model_config"], engine.path, resume.get("model")).vocab_size
+        vocab_size = usable_config(resume["model_config"], engine.path,
+                                   resume.get("model")).vocab_size
     model, pretrained = build_model(cfg, vocab_size)
     model = model.to(device)
     check_attn_kernel(model, device, dtype)
@@ -208,11 +215,13 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
     if cfg.eval_tasks:
         from toolkit.evaluation import ChoiceTask
         tasks = [ChoiceTask(path, tokenizer) for path in cfg.eval_tasks.split(",") if path]
-    objective = LanguageModeling(cfg, corpus, model, device, dp_rank, dp_size, tokenizer.token_bytes(), tasks)
+    objective = LanguageModeling(cfg, corpus, model, device, dp_rank, dp_size,
+                                 tokenizer.token_bytes(), tasks)
     engine.start(model, cfg, device, dtype, objective.loss, resume)
     if master:
         if resume is not None:
-            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun restarted the job
+            # torchrun restarted the job
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             print(f"resumed from {engine.path} at iteration {step}"
                   + (f" after restart {restart}" if restart else ""))
         tokens = objective.global_batch * cfg.block_size
@@ -222,7 +231,8 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
               f"step; device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}, loss "
               f"{'chunked' if objective.chunked else 'from full logits'}", flush=True)
     best_val_loss = (resume or {}).get("best_val_loss")
-    loop = LoopConfig(max_iters=cfg.max_iters, eval_interval=cfg.eval_interval, save_interval=cfg.save_interval,
-                      peak_tflops=cfg.peak_tflops)
-    return Trainer(engine, objective, schedule(cfg), loop, cfg, step=step, history=(resume or {}).get("history"),
+    loop = LoopConfig(max_iters=cfg.max_iters, eval_interval=cfg.eval_interval,
+                      save_interval=cfg.save_interval, peak_tflops=cfg.peak_tflops)
+    return Trainer(engine, objective, schedule(cfg), loop, cfg, step=step,
+                   history=(resume or {}).get("history"),
                    best=None if best_val_loss is None else {"val_loss": best_val_loss})

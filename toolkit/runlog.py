@@ -1,5 +1,5 @@
-"""What a run reports besides its checkpoints: the log line of a step and of an evaluation, TensorBoard
-scalars, the history a checkpoint keeps, and OUT_DIR/loss.png at the end.
+"""What a run reports besides its checkpoints: the log line of a step and of an evaluation,
+TensorBoard scalars, the history a checkpoint keeps, and OUT_DIR/loss.png at the end.
 
     log = RunLog(cfg, history, master=rank == 0)
     log.step(step, loss, lr, seconds, throughput, mfu, bar)   # every --log-interval steps
@@ -15,24 +15,26 @@ from toolkit.files import atomic_write
 
 
 class RunLog:
-    """What a run reports besides checkpoints: the log line of a step and of an evaluation, TensorBoard
-    scalars (`loss/train`, `lr`, `perf/*`, `eval/<metric>`), the history a checkpoint keeps, and
-    OUT_DIR/loss.png at the end. Only rank 0 prints and writes; every rank keeps the evaluations."""
+    """What a run reports besides checkpoints: the log line of a step and of an evaluation,
+    TensorBoard scalars (`loss/train`, `lr`, `perf/*`, `eval/<metric>`), the history a checkpoint
+    keeps, and OUT_DIR/loss.png at the end. Only rank 0 prints and writes; every rank keeps the
+    evaluations."""
 
     def __init__(self, cfg: RunConfig, history: dict | None, master: bool):
         self.cfg, self.master, self.writer = cfg, master, None
-        self.history = {"iter": [], "loss": [], "eval_iter": [], "val": [], "metrics": [], **(history or {})}
+        self.history = {"iter": [], "loss": [], "eval_iter": [], "val": [], "metrics": [],
+                        **(history or {})}
 
-    def step(self, step: int, loss: float, lr: float, dt: float, throughput: tuple, mfu: float | None,
-             bar) -> None:
+    def step(self, step: int, loss: float, lr: float, dt: float, throughput: tuple,
+             mfu: float | None, bar) -> None:
         if not self.master:
             return
         count, unit, _ = throughput
         self.history["iter"].append(step)
         self.history["loss"].append(loss)
         bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        bar.write(f"iter {step}: loss {loss:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms, {count / dt:,.0f} {unit}/s"
-                  + (f", mfu {mfu * 100:.1f}%" if mfu else ""))
+        bar.write(f"iter {step}: loss {loss:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms, "
+                  f"{count / dt:,.0f} {unit}/s" + (f", mfu {mfu * 100:.1f}%" if mfu else ""))
         scalars = {"loss/train": loss, "lr": lr, f"perf/{unit}_per_s": count / dt, "perf/mfu": mfu}
         for tag, value in scalars.items():
             if value is not None:
@@ -44,13 +46,15 @@ class RunLog:
         self.history["metrics"].append(metrics)
         if not self.master:
             return
-        shown = ", ".join(f"{name.replace('_', ' ')} {value:.4f}" for name, value in metrics.items())
+        shown = ", ".join(f"{name.replace('_', ' ')} {value:.4f}"
+                          for name, value in metrics.items())
         tqdm.write(f"step {step}: {shown}" + (f"; saved {saved}" if saved else ""))
         for name, value in metrics.items():
             self.tensorboard().add_scalar(f"eval/{name}", value, step)
 
     def tensorboard(self):
-        """A SummaryWriter for this run: TENSORBOARD_DIR (default OUT_DIR/tensorboard) / RUN_NAME."""
+        """A SummaryWriter for this run: TENSORBOARD_DIR (default OUT_DIR/tensorboard)
+        / RUN_NAME."""
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter
             folder = self.cfg.tensorboard_dir or os.path.join(self.cfg.out_dir, "tensorboard")
@@ -84,5 +88,6 @@ def plot_losses(history: dict, out_dir: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    atomic_write(os.path.join(out_dir, "loss.png"), lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    atomic_write(os.path.join(out_dir, "loss.png"),
+                 lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)

@@ -19,7 +19,8 @@ import torch
 from tqdm import tqdm
 
 from model import ATTN_KERNELS, GPT, check_sampling
-from toolkit.chat import can_chat, chat_prompt, fit_history, is_chat_tokenizer, stop_ids, template_variables
+from toolkit.chat import (can_chat, chat_prompt, fit_history, is_chat_tokenizer, stop_ids,
+                          template_variables)
 from toolkit import cli
 from toolkit.cli import CLIError
 from toolkit.device import autocast, check_attn_kernel, resolve_device, resolve_dtype
@@ -32,45 +33,59 @@ PROMPT_FILE = "FILE:"
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", "--start", default="", help=f"start text, or {PROMPT_FILE}path to read it "
-                        "from a file (--start: nanoGPT's sample.py name; default: unconditional, starting "
-                        "from the end-of-text token)")
+    parser.add_argument("--prompt", "--start", default="",
+                        help=f"start text, or {PROMPT_FILE}path to read it from a file (--start: "
+                             "nanoGPT's sample.py name; default: unconditional, starting from the "
+                             "end-of-text token)")
     parser.add_argument("--num-samples", type=int, default=3, help="samples to draw (default: 3)")
-    parser.add_argument("--max-new-tokens", type=int, default=500, help="tokens to generate per sample (default: 500)")
+    parser.add_argument("--max-new-tokens", type=int, default=500,
+                        help="tokens to generate per sample (default: 500)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
-    parser.add_argument("--top-k", type=int, default=200, help="sample from the k likeliest tokens (default: 200)")
-    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold, e.g. 0.9")
+    parser.add_argument("--top-k", type=int, default=200,
+                        help="sample from the k likeliest tokens (default: 200)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="nucleus sampling threshold, e.g. 0.9")
     parser.add_argument("--batch-size", type=int, default=1,
                         help="samples generated together in each process, when not streaming "
                              "(default: 1)")
     parser.add_argument("--seed", type=int, default=1337, help="seed of the draws (default: 1337)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    parser.add_argument("--device", default="auto",
+                        help="auto, cpu, cuda, cuda:N or mps (default: auto)")
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16"],
                         help="autocast dtype; auto = bfloat16 where the hardware computes it "
                              "natively, else float32 (default: auto)")
-    parser.add_argument("--attn-kernel", default="auto", choices=ATTN_KERNELS, help="attention implementation")
-    parser.add_argument("--genfile", help="write samples as JSONL lines {text, length, finished} (Megatron)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --genfile or export")
+    parser.add_argument("--attn-kernel", default="auto", choices=ATTN_KERNELS,
+                        help="attention implementation")
+    parser.add_argument("--genfile",
+                        help="write samples as JSONL lines {text, length, finished} (Megatron)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --genfile or export")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="print tokens as they come (default: when stdout is a terminal)")
-    parser.add_argument("--interactive", action="store_true", help="read prompts from stdin in a loop")
+    parser.add_argument("--interactive", action="store_true",
+                        help="read prompts from stdin in a loop")
     parser.add_argument("--chat", action="store_true",
                         help="talk to an instruction-tuned model turn by turn (finetune.py --task "
                              "sft's, or an HF folder in the chat template it ships)")
-    parser.add_argument("--system", help="with an instruction-tuned model: the system turn that opens the talk")
+    parser.add_argument("--system",
+                        help="with an instruction-tuned model: the system turn that opens the talk")
     parser.add_argument("--chat-template-kwargs", metavar="JSON",
-                        help="further variables for an HF folder's own chat template, as llama-server takes "
-                             "them: '{\"enable_thinking\": false}' answers at once with Qwen3")
-    megatron = parser.add_argument_group("Megatron-LM's names", "its spellings of the options above")
-    megatron.add_argument("--out-seq-length", dest="max_new_tokens", type=int, default=argparse.SUPPRESS,
-                          help="= --max-new-tokens")
-    megatron.add_argument("--micro-batch-size", dest="batch_size", type=int, default=argparse.SUPPRESS,
-                          help="= --batch-size")
+                        help="further variables for an HF folder's own chat template, as "
+                             "llama-server takes them: '{\"enable_thinking\": false}' answers at "
+                             "once with Qwen3")
+    megatron = parser.add_argument_group("Megatron-LM's names",
+                                         "its spellings of the options above")
+    megatron.add_argument("--out-seq-length", dest="max_new_tokens", type=int,
+                          default=argparse.SUPPRESS, help="= --max-new-tokens")
+    megatron.add_argument("--micro-batch-size", dest="batch_size", type=int,
+                          default=argparse.SUPPRESS, help="= --batch-size")
 
 
 def prompt_ids(text: str, tok: Tokenizer) -> list[int]:
-    """The prompt's ids after the tokenizer's BOS if it has one (Llama 3's); unconditional generation
-    starts from the BOS, else the end-of-text token (GPT-2's convention), else a newline, else token 0."""
+    """The prompt's ids after the tokenizer's BOS if it has one (Llama 3's); unconditional
+    generation starts from the BOS, else the end-of-text token (GPT-2's convention), else a newline,
+    else token 0."""
     ids = tok.with_bos(tok.encode(text) if text else [])
     if ids:
         return ids
@@ -93,21 +108,24 @@ class Sampler:
         check_attn_kernel(model, self.device, dtype)
         self.ctx = autocast(self.device, dtype)
         self.stream = sys.stdout.isatty() if args.stream is None else args.stream
-        self.template = is_chat_tokenizer(tok)  # instruction-tuned here: a --prompt is the user's turn
+        # instruction-tuned here: a --prompt is the user's turn
+        self.template = is_chat_tokenizer(tok)
         self.variables = template_variables(args.chat_template_kwargs)
-        # samples printed whole (not streamed) show the tokens so far, their rate and the time left on stderr,
-        # terminal or not, from the first tokens on: a request of a billion tokens is seen to be one
+        # samples printed whole (not streamed) show the tokens so far, their rate and the time left
+        # on stderr, terminal or not, from the first tokens on: a request of a billion tokens is
+        # seen to be one
         total = args.num_samples * args.max_new_tokens
         terminal = sys.stderr.isatty()  # (in a log: every 5 s, from cli.PROGRESS_DELAY on)
-        self.progress = tqdm(total=total, unit="tok", desc="sampling", disable=self.stream, dynamic_ncols=True,
-                             mininterval=0.5 if terminal else 5.0, delay=0 if terminal else cli.PROGRESS_DELAY)
+        self.progress = tqdm(total=total, unit="tok", desc="sampling", disable=self.stream,
+                             dynamic_ncols=True, mininterval=0.5 if terminal else 5.0,
+                             delay=0 if terminal else cli.PROGRESS_DELAY)
         self.stops = stop_ids(tok)  # (a downloaded chat model may list several, as Qwen3's does)
         self.eos = self.stops[0] if self.stops else None  # what ends a batch's sequence early
 
     def generation_kwargs(self, max_new_tokens: int | None = None) -> dict:
         a = self.args
-        return dict(max_new_tokens=max_new_tokens or a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                    top_p=a.top_p, eos_token=self.eos)
+        return dict(max_new_tokens=max_new_tokens or a.max_new_tokens, temperature=a.temperature,
+                    top_k=a.top_k, top_p=a.top_p, eos_token=self.eos)
 
     def prompt(self, text: str) -> tuple[list[int], str]:
         """The tokens of a prompt, and the text printed before a sample: an instruction-tuned model
@@ -115,15 +133,16 @@ class Sampler:
         """
         if self.template and text:
             history = [{"role": "system", "content": self.args.system}] if self.args.system else []
-            return chat_prompt(history + [{"role": "user", "content": text}], self.tok, self.variables), ""
+            return chat_prompt(history + [{"role": "user", "content": text}], self.tok,
+                               self.variables), ""
         return prompt_ids(text, self.tok), text
 
     def sample(self, text: str) -> None:
         """num_samples completions of text, printed (streamed or whole), written to the genfile."""
         ids, shown = self.prompt(text)
         done = 0
-        # a signal sets a flag that steps() checks: the KeyboardInterrupt Python's own handler raises is
-        # lost when it lands in a finalizer
+        # a signal sets a flag that steps() checks: the KeyboardInterrupt Python's own handler
+        # raises is lost when it lands in a finalizer
         with StopRequest() as self.stop:
             while done < self.args.num_samples:
                 n = 1 if self.stream else min(self.args.batch_size, self.args.num_samples - done)
@@ -131,7 +150,8 @@ class Sampler:
                 with torch.no_grad(), self.ctx:
                     new = [self.stream_one(idx, shown)] if self.stream else self.batch(idx, shown)
                 for tokens in new:
-                    self.record(shown, tokens)  # an instruction-tuned model's answer alone, as printed
+                    # an instruction-tuned model's answer alone, as printed
+                    self.record(shown, tokens)
                 done += n
                 if self.stream:
                     print("-" * 40, flush=True)
@@ -144,7 +164,8 @@ class Sampler:
                 raise KeyboardInterrupt
             yield step
 
-    def stream_one(self, idx: torch.Tensor, text: str, max_new_tokens: int | None = None) -> list[int]:
+    def stream_one(self, idx: torch.Tensor, text: str,
+                   max_new_tokens: int | None = None) -> list[int]:
         """Typewriter output: print each piece of text as soon as it decodes to whole characters."""
         tokens, printed = [], ""
         print(text, end="", flush=True)
@@ -163,7 +184,8 @@ class Sampler:
         for step in self.steps(idx):
             steps.append(step)
             self.progress.update(len(step))
-        self.progress.update((self.args.max_new_tokens - len(steps)) * len(idx))  # samples ended early
+        # samples ended early
+        self.progress.update((self.args.max_new_tokens - len(steps)) * len(idx))
         out = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in range(len(idx))]
         for tokens in out:
             print(text + self.tok.decode(self.strip_eot(tokens)[0]) + "\n" + "-" * 40, flush=True)
@@ -187,7 +209,8 @@ class Sampler:
     def record(self, prompt: str, tokens: list[int]) -> None:
         if self.genfile:
             body, finished = self.strip_eot(tokens)
-            line = {"text": prompt + self.tok.decode(body), "length": len(body), "finished": finished}
+            line = {"text": prompt + self.tok.decode(body), "length": len(body),
+                    "finished": finished}
             self.genfile.write(json.dumps(line, ensure_ascii=False) + "\n")
 
 
@@ -200,7 +223,8 @@ def check_sampling_args(args: argparse.Namespace, inputs: list[str]) -> None:
     check_sampling(args.temperature, args.top_k, args.top_p)
     template_variables(args.chat_template_kwargs)
     if args.genfile:
-        prompt_file = [args.prompt[len(PROMPT_FILE):]] if args.prompt.startswith(PROMPT_FILE) else []
+        prompt_file = ([args.prompt[len(PROMPT_FILE):]] if args.prompt.startswith(PROMPT_FILE)
+                       else [])
         check_output(args.genfile, inputs + prompt_file, "--genfile")
         if os.path.exists(args.genfile) and not args.overwrite:
             raise CLIError(f"--genfile {args.genfile} already exists; pass --overwrite to replace "
@@ -219,8 +243,9 @@ def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: s
         raise CLIError(f"{source} chats in its own template, which frames --system only in a chat: "
                        "add --chat (a --prompt continues text as it is)")
     if args.chat_template_kwargs and not (args.chat and tok.chat_template):
-        raise CLIError("--chat-template-kwargs sets variables of an HF folder's own chat template, in a --chat"
-                       if tok.chat_template else f"{source} has no chat template of its own that takes variables"
+        raise CLIError("--chat-template-kwargs sets variables of an HF folder's own chat template, "
+                       "in a --chat" if tok.chat_template else
+                       f"{source} has no chat template of its own that takes variables"
                        " (--chat-template-kwargs)")
     torch.manual_seed(args.seed)
     if args.chat:
@@ -239,7 +264,8 @@ def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: s
         sampler.progress.close()
     if interrupted:
         if args.genfile:
-            print(f"{args.genfile} holds the samples finished before the interrupt", file=sys.stderr)
+            print(f"{args.genfile} holds the samples finished before the interrupt",
+                  file=sys.stderr)
         raise KeyboardInterrupt
 
 
@@ -248,9 +274,11 @@ def chat(sampler: Sampler) -> None:
     dropped, said once), is the prompt of each reply. Ctrl-D or Ctrl-C ends it."""
     args, block_size = sampler.args, sampler.model.config.block_size
     history = [{"role": "system", "content": args.system}] if args.system else []
-    room = block_size - min(args.max_new_tokens, block_size // 2)  # the prompt leaves the reply this much
+    # the prompt leaves the reply this much
+    room = block_size - min(args.max_new_tokens, block_size // 2)
     told = False
-    chat_prompt(history + [{"role": "user", "content": "?"}], sampler.tok, sampler.variables)  # (fails now, or never)
+    # (fails now, or never)
+    chat_prompt(history + [{"role": "user", "content": "?"}], sampler.tok, sampler.variables)
     print("Chat: type a message and press Enter (Ctrl-D or Ctrl-C to leave).", file=sys.stderr)
     try:
         while True:
@@ -260,8 +288,8 @@ def chat(sampler: Sampler) -> None:
                 break
             if not line.strip():
                 continue
-            history, dropped = fit_history(history + [{"role": "user", "content": line}], sampler.tok, room,
-                                           sampler.variables)
+            history, dropped = fit_history(history + [{"role": "user", "content": line}],
+                                           sampler.tok, room, sampler.variables)
             if dropped and not told:
                 print(f"(the oldest turns no longer fit the model's {block_size}-token context and "
                       "are dropped)", file=sys.stderr)

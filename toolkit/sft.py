@@ -18,8 +18,8 @@ from toolkit.training import Engine, Objective
 
 class ChatObjective(Objective):
     """What the loop learns in instruction tuning: the LM loss on the assistant turns' tokens alone
-    (toolkit/chat.py's mask), averaged over all of a global batch's learnt tokens; evaluated by the same
-    loss on the held-out conversations. cfg: finetune.py's options (FinetuneConfig)."""
+    (toolkit/chat.py's mask), averaged over all of a global batch's learnt tokens; evaluated by the
+    same loss on the held-out conversations. cfg: finetune.py's options (FinetuneConfig)."""
 
     def __init__(self, cfg: RunConfig, model: GPT, facts: dict, train_set: list[Conversation],
                  val_set: list[Conversation], device: torch.device, dtype: torch.dtype):

@@ -1,5 +1,5 @@
-"""Stopping a run on request: SIGINT or SIGTERM (Ctrl-C, a launcher's or a scheduler's stop) asks the
-loop to finish its step, save and exit 0, in every rank.
+"""Stopping a run on request: SIGINT or SIGTERM (Ctrl-C, a launcher's or a scheduler's stop) asks
+the loop to finish its step, save and exit 0, in every rank.
 
     with StopRequest() as stop_request:
         while training:

@@ -31,66 +31,77 @@ if TYPE_CHECKING:  # data preparation imports this module and never needs torch
 
 EOT_TEXT = "<|endoftext|>"
 EOT_TEXTS = (EOT_TEXT, "<|end_of_text|>")  # GPT-2's, Qwen's and SmolLM's; Llama 3's
-# Places where every tokenizer here splits a text anyway (GPT-2's pre-tokenizing pattern, and the byte-level
-# BPEs that use it; char and byte split everywhere): before a single space between two other characters, after
-# a newline between two, after Chinese punctuation followed by a letter or a digit. A long text cut there has
-# the tokens of the whole, a piece at a time.
+# Places where every tokenizer here splits a text anyway (GPT-2's pre-tokenizing pattern, and the
+# byte-level BPEs that use it; char and byte split everywhere): before a single space between two
+# other characters, after a newline between two, after Chinese punctuation followed by a letter or a
+# digit. A long text cut there has the tokens of the whole, a piece at a time.
 CUT = re.compile(r"(?<=\S)(?= \S)|(?<=\S\n)(?=\S)|(?<=[，。！？；：、])(?=[^\W_])")
 KINDS = ("gpt2", "bpe", "char", "byte")
 MAX_BPE_VOCAB = 1 << 20  # the largest BPE trained here
-# GPT-2's byte-level alphabet: the printable stand-in of each byte in its tokens (encoder.py of openai/gpt-2)
-PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+# GPT-2's byte-level alphabet: the printable stand-in of each byte in its tokens
+# (encoder.py of openai/gpt-2)
+PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+             *range(ord("®"), ord("ÿ") + 1)]
 SPELLING = {**{b: chr(b) for b in PRINTABLE},
             **{b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in PRINTABLE)}}
 BYTE_OF = {char: b for b, char in SPELLING.items()}
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> str:
-    """A byte-level BPE of vocab_size entries (the 256 bytes, the merges and <|endoftext|>, a special
-    token) trained on texts, streamed, by HF `tokenizers` on its own threads; as tokenizer.json
-    text. GPT-2's pre-tokenizing pattern and byte alphabet, as its own BPE was trained."""
+    """A byte-level BPE of vocab_size entries (the 256 bytes, the merges and <|endoftext|>, a
+    special token) trained on texts, streamed, by HF `tokenizers` on its own threads; as
+    tokenizer.json text. GPT-2's pre-tokenizing pattern and byte alphabet, as its own BPE was
+    trained."""
     if vocab_size < 257:
-        raise CLIError(f"--vocab-size {vocab_size} is too small: a byte-level BPE holds the 256 bytes and "
-                       f"{EOT_TEXT}, 257 at least")
+        raise CLIError(f"--vocab-size {vocab_size} is too small: a byte-level BPE holds the 256 "
+                       f"bytes and {EOT_TEXT}, 257 at least")
     if vocab_size > MAX_BPE_VOCAB:
-        raise CLIError(f"--vocab-size {vocab_size} is more than {MAX_BPE_VOCAB:,}: larger than any BPE in use "
-                       "(Qwen3's has 151,669 tokens) and than HF tokenizers can train in memory")
+        raise CLIError(f"--vocab-size {vocab_size} is more than {MAX_BPE_VOCAB:,}: larger than any "
+                       "BPE in use (Qwen3's has 151,669 tokens) and than HF tokenizers can train "
+                       "in memory")
     bpe = HFTokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TEXT], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TEXT],
+                                  show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(texts, trainer=trainer)
     return bpe.to_str()
 
 
 def read_bpe(tokenizer_json: str, source: str) -> HFTokenizer:
-    """The HF tokenizer of a tokenizer.json: a BPE model with the end-of-text token, or a CLIError."""
+    """The HF tokenizer of a tokenizer.json: a BPE model with the end-of-text token, or a
+    CLIError."""
     spec = parse_json(tokenizer_json, source)
     model_type = spec.get("model", {}).get("type") if isinstance(spec, dict) else None
     if model_type != "BPE" or not isinstance(spec.get("model", {}).get("vocab"), dict):
-        raise CLIError(f"{source} is not the tokenizer.json of a BPE model (its model is {model_type!r})")
+        raise CLIError(f"{source} is not the tokenizer.json of a BPE model (its model is "
+                       f"{model_type!r})")
     try:
         bpe = HFTokenizer.from_str(tokenizer_json)
     except Exception as e:  # tokenizers raises its own plain Exception
-        raise CLIError(f"{source}: HF tokenizers cannot read it ({' '.join(str(e).split())[:200]})") from None
+        raise CLIError(f"{source}: HF tokenizers cannot read it "
+                       f"({' '.join(str(e).split())[:200]})") from None
     if all(bpe.token_to_id(name) is None for name in EOT_TEXTS):
-        raise CLIError(f"{source} has no end-of-text token ({' or '.join(EOT_TEXTS)}), which separates documents; "
-                       f"add {EOT_TEXT} as a special token, or train one here (tokenizer.py --tokenizer bpe)")
-    bpe.encode_special_tokens = True  # special-token text in the data is text, as with the other tokenizers
+        raise CLIError(f"{source} has no end-of-text token ({' or '.join(EOT_TEXTS)}), which "
+                       f"separates documents; add {EOT_TEXT} as a special token, or train one here "
+                       "(tokenizer.py --tokenizer bpe)")
+    # special-token text in the data is text, as with the other tokenizers
+    bpe.encode_special_tokens = True
     return bpe
 
 
 def bos_of(bpe: HFTokenizer) -> int | None:
-    """The token a tokenizer.json's post-processor puts before every text (Llama 3's <|begin_of_text|>),
-    or None."""
+    """The token a tokenizer.json's post-processor puts before every text (Llama 3's
+    <|begin_of_text|>), or None."""
     plain, processed = (bpe.encode("a", add_special_tokens=flag).ids for flag in (False, True))
-    return processed[0] if processed[1:1 + len(plain)] == plain and len(processed) > len(plain) else None
+    return processed[0] if processed[1:1 + len(plain)] == plain and len(processed) > len(plain) \
+        else None
 
 
 def bos_token_id(facts: dict) -> int | None:
-    """HF's bos_token_id of the tokenizer facts describe, without building it: a tokenizer.json's BOS
-    (Llama 3's), else end-of-text, as GPT-2's config.json names it."""
+    """HF's bos_token_id of the tokenizer facts describe, without building it: a tokenizer.json's
+    BOS (Llama 3's), else end-of-text, as GPT-2's config.json names it."""
     bos = bos_of(HFTokenizer.from_str(facts["json"])) if facts.get("tokenizer") == "bpe" else None
     return facts.get("eot_id") if bos is None else bos
 
@@ -106,7 +117,8 @@ def load_local_ranks(vocab_file: str, merge_file: str | None) -> dict[bytes, int
     try:
         if merge_file is None:
             return tiktoken.load.load_tiktoken_bpe(vocab_file)
-        return tiktoken.load.data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=merge_file, encoder_json_file=vocab_file)
+        return tiktoken.load.data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=merge_file,
+                                                             encoder_json_file=vocab_file)
     except (AssertionError, KeyError, json.JSONDecodeError, ValueError, RecursionError) as e:
         raise CLIError("cannot read the vocabulary from "
                        f"{vocab_file}{' + ' + merge_file if merge_file else ''}: {e!r}") from None
@@ -124,10 +136,12 @@ def gpt2_ranks(vocab_file: str | None = None, merge_file: str | None = None) -> 
     if not gpt2_vocab.installed():
         raise CLIError("the GPT-2 vocabulary is not in tiktoken's cache "
                        f"({gpt2_vocab.tiktoken_cache_dir()}); run: {gpt2_vocab.INSTALL_HINT}")
-    return tiktoken.load.load_tiktoken_bpe(os.path.join(gpt2_vocab.tiktoken_cache_dir(), gpt2_vocab.R50K_CACHE_NAME))
+    return tiktoken.load.load_tiktoken_bpe(os.path.join(gpt2_vocab.tiktoken_cache_dir(),
+                                                        gpt2_vocab.R50K_CACHE_NAME))
 
 
-def gpt2_encoding(vocab_file: str | None = None, merge_file: str | None = None) -> tiktoken.Encoding:
+def gpt2_encoding(vocab_file: str | None = None,
+                  merge_file: str | None = None) -> tiktoken.Encoding:
     """GPT-2's BPE: r50k_base, or its split pattern and <|endoftext|> over ranks from files."""
     if vocab_file is None:
         if not gpt2_vocab.installed():
@@ -152,8 +166,10 @@ class Tokenizer:
         self.merge_file = os.path.abspath(merge_file) if merge_file else None
         self.special_tokens: dict[str, int] = {}
         self.chat_template: dict | None = None  # a downloaded HF folder's own (toolkit/chat.py)
-        self.bos_id: int | None = None  # what starts every sequence: a tokenizer.json's BOS (Llama 3's)
-        self.eot_text, self.bos_text = EOT_TEXT, None  # the two tokens' text (an HF or GGUF export names them)
+        # what starts every sequence: a tokenizer.json's BOS (Llama 3's)
+        self.bos_id: int | None = None
+        # the two tokens' text (an HF or GGUF export names them)
+        self.eot_text, self.bos_text = EOT_TEXT, None
         if name == "gpt2":
             self.encoding = gpt2_encoding(self.vocab_file, self.merge_file)
             self.vocab_size, self.eot_id = self.encoding.n_vocab, self.encoding.eot_token
@@ -161,7 +177,8 @@ class Tokenizer:
             self.bpe, self.tokenizer_json = read_bpe(tokenizer_json, source), tokenizer_json
             # the largest id + 1, not the number of entries: a tokenizer.json may leave ids out
             self.vocab_size = max(self.bpe.get_vocab(with_added_tokens=True).values()) + 1
-            self.eot_text = next(name for name in EOT_TEXTS if self.bpe.token_to_id(name) is not None)
+            self.eot_text = next(name for name in EOT_TEXTS
+                                 if self.bpe.token_to_id(name) is not None)
             self.eot_id, self.bos_id = self.bpe.token_to_id(self.eot_text), bos_of(self.bpe)
             self.bos_text = None if self.bos_id is None else self.bpe.id_to_token(self.bos_id)
             self.byte_level = isinstance(self.bpe.decoder, decoders.ByteLevel)
@@ -169,7 +186,8 @@ class Tokenizer:
             if not chars or len(set(chars)) != len(chars):
                 raise CLIError("a char tokenizer needs its table of distinct characters")
             codepoints = [ord(c) for c in chars]
-            self.char_ids = np.full(max(codepoints) + 2, -1, dtype=np.int64)  # code point -> id; the last is -1
+            # code point -> id; the last is -1
+            self.char_ids = np.full(max(codepoints) + 2, -1, dtype=np.int64)
             self.char_ids[codepoints] = np.arange(len(chars))
             self.eot_id = len(chars) if char_eot else None
             self.vocab_size = len(chars) + int(char_eot)
@@ -184,13 +202,15 @@ class Tokenizer:
             try:
                 text.encode("utf-8")  # HF tokenizers take valid Unicode only
             except UnicodeEncodeError as e:
-                raise ValueError(f"the text holds a lone surrogate (U+{ord(text[e.start]):04X}) at character "
-                                 f"{e.start}, which is not Unicode text; encode it properly first") from None
+                raise ValueError(f"the text holds a lone surrogate (U+{ord(text[e.start]):04X}) "
+                                 f"at character {e.start}, which is not Unicode text; encode it "
+                                 "properly first") from None
             return np.array(self.bpe.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
         if self.name == "gpt2":
             try:
                 return self.encoding.encode_to_numpy(text, disallowed_special=())
-            except UnicodeEncodeError:  # lone surrogates (JSON allows them): replace them, as tiktoken does
+            # lone surrogates (JSON allows them): replace them, as tiktoken does
+            except UnicodeEncodeError:
                 text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
                 return self.encoding.encode_to_numpy(text, disallowed_special=())
         if self.name == "byte":
@@ -206,20 +226,23 @@ class Tokenizer:
         return self.encode_array(text).tolist()
 
     def with_bos(self, ids: list[int]) -> list[int]:
-        """ids as a sequence's start: after the BOS token where the tokenizer has one and they do not
-        begin with it, as HF's tokenizer(text) adds Llama 3's <|begin_of_text|>."""
+        """ids as a sequence's start: after the BOS token where the tokenizer has one and they do
+        not begin with it, as HF's tokenizer(text) adds Llama 3's <|begin_of_text|>."""
         return [self.bos_id, *ids] if self.bos_id is not None and ids[:1] != [self.bos_id] else ids
 
     def encode_with_special_tokens(self, text: str) -> list[int]:
         """Token ids of text where special-token text is that token, as HF tokenizes a rendered chat
         template: the vocabulary's own (<|im_start|>, <|endoftext|>) and those a fine-tuning added
         (<|user|>); the other text as encode does."""
-        if self.special_tokens:  # the added ones are not in the vocabulary's tokenizer: split at them
-            added = {name if name.startswith("<|") else f"<|{name}|>": i  # (as the HF export names them)
+        # the added ones are not in the vocabulary's tokenizer: split at them
+        if self.special_tokens:
+            # (as the HF export names them)
+            added = {name if name.startswith("<|") else f"<|{name}|>": i
                      for name, i in self.special_tokens.items()}
             names = "|".join(map(re.escape, sorted(added, key=len, reverse=True)))
             return [i for part in re.split(f"({names})", text) if part
-                    for i in ([added[part]] if part in added else self.encode_with_vocabulary_special_tokens(part))]
+                    for i in ([added[part]] if part in added
+                              else self.encode_with_vocabulary_special_tokens(part))]
         return self.encode_with_vocabulary_special_tokens(text)
 
     def encode_with_vocabulary_special_tokens(self, text: str) -> list[int]:
@@ -244,9 +267,10 @@ class Tokenizer:
         self.vocab_size = max(ids, default=self.vocab_size - 1) + 1
 
     def decode(self, ids: list[int]) -> str:
-        """Text of ids; never fails and never shows half a character: special tokens are skipped (EOT
-        too for char and byte), invalid bytes and unknown ids become U+FFFD, and a character whose
-        bytes are cut at the end (a sample stopped mid-character, or still streaming) is left out."""
+        """Text of ids; never fails and never shows half a character: special tokens are skipped
+        (EOT too for char and byte), invalid bytes and unknown ids become U+FFFD, and a character
+        whose bytes are cut at the end (a sample stopped mid-character, or still streaming) is left
+        out."""
         special = set(self.special_tokens.values())
         ids = [i for i in ids if i not in special]
         if self.name == "char":
@@ -254,7 +278,8 @@ class Tokenizer:
                            if i != self.eot_id)
         if self.name == "bpe" and not self.byte_level:  # another kind of BPE: its own decoder
             return self.bpe.decode(ids, skip_special_tokens=False)
-        return codecs.getincrementaldecoder("utf-8")("replace").decode(self.decode_bytes(ids), final=False)
+        return codecs.getincrementaldecoder("utf-8")("replace").decode(self.decode_bytes(ids),
+                                                                       final=False)
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         """The UTF-8 bytes of ids (not special tokens; end-of-text as its text for the BPEs)."""
@@ -263,14 +288,16 @@ class Tokenizer:
         if self.name == "byte":
             return bytes(i for i in ids if 0 <= i < 256)
         tokens = (self.bpe.id_to_token(i) for i in ids if 0 <= i < self.vocab_size)
-        return bytes(BYTE_OF.get(c, 0x3F) for token in tokens if token for c in token)  # (not the alphabet: "?")
+        # (not the alphabet: "?")
+        return bytes(BYTE_OF.get(c, 0x3F) for token in tokens if token for c in token)
 
     def token_bytes(self) -> np.ndarray:
         """The UTF-8 bytes each token id stands for, 0 for end-of-text and special tokens: what bits
         per byte divide by (training.LanguageModeling)."""
         lengths = np.zeros(self.vocab_size, dtype=np.int64)
         if self.name == "char":
-            lengths[:len(self.chars)] = [len(c.encode("utf-8", "surrogatepass")) for c in self.chars]
+            lengths[:len(self.chars)] = [len(c.encode("utf-8", "surrogatepass"))
+                                         for c in self.chars]
         elif self.name == "byte":
             lengths[:256] = 1
         elif self.name == "gpt2":
@@ -280,8 +307,8 @@ class Tokenizer:
             added = {token.content for token in self.bpe.get_added_tokens_decoder().values()}
             for i in range(self.vocab_size):
                 token = self.bpe.id_to_token(i)  # (None for an id a tokenizer.json leaves out)
-                lengths[i] = 0 if token is None or token in added else len(token) if self.byte_level else \
-                    len(self.bpe.decode([i]).encode("utf-8"))
+                lengths[i] = 0 if token is None or token in added else len(token) \
+                    if self.byte_level else len(self.bpe.decode([i]).encode("utf-8"))
         if self.eot_id is not None:
             lengths[self.eot_id] = 0
         return lengths
@@ -326,10 +353,11 @@ def same_vocabulary(a: dict, b: dict) -> bool:
 
 
 def check_facts(facts) -> None:
-    """Tokenizer facts as a file or a checkpoint holds them, checked before they are used: each value
-    of the type and range it must have, or one CLIError naming what is wrong."""
+    """Tokenizer facts as a file or a checkpoint holds them, checked before they are used: each
+    value of the type and range it must have, or one CLIError naming what is wrong."""
     def refuse(key: str, wanted: str) -> CLIError:
-        return CLIError(f"the tokenizer facts say {key} {facts.get(key)!r:.60}; it must be {wanted}")
+        return CLIError(f"the tokenizer facts say {key} {facts.get(key)!r:.60}; it must be "
+                        f"{wanted}")
 
     if not isinstance(facts, dict):
         raise CLIError(f"the tokenizer facts must be a JSON object, got {type(facts).__name__}")

@@ -24,8 +24,8 @@ from toolkit.flags import flag, option
 MODEL_SHAPE = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "qk_norm")
 PRESET_SHAPE = ("n_layer", "n_head", "n_embd")  # what --preset sets
 LLAMA_DEFAULTS = dict(bias=False, qk_norm=True)  # --arch llama's own defaults
-# `python train.py` on a CUDA GPU: nanoGPT's shakespeare_char shape, compiled, a model that uses the GPU
-# in about the wall time two CPU cores take for the 4 x 128 default (docs/performance.md)
+# `python train.py` on a CUDA GPU: nanoGPT's shakespeare_char shape, compiled, a model that uses
+# the GPU in about the wall time two CPU cores take for the 4 x 128 default (docs/performance.md)
 CUDA_DEFAULTS = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, dropout=0.2,
                      max_iters=2000, eval_interval=250, compile=True)
 
@@ -33,15 +33,17 @@ CUDA_DEFAULTS = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size
 @dataclass(frozen=True)
 class TrainConfig(RunConfig, megatron.MegatronOptions):
     # data
-    data_dir: str = option(DEFAULT_CORPUS_DIR, "nanoGPT data dir (train.bin, val.bin, meta.json) or "
-                                               "Megatron prefix")
-    init_from: str = option("scratch", "scratch, resume (from OUT_DIR/ckpt.pt), or pretrained weights: an "
-                                       "HF GPT-2, Llama or Qwen3 folder, a GPT-2 name, a checkpoint")
+    data_dir: str = option(DEFAULT_CORPUS_DIR, "nanoGPT data dir (train.bin, val.bin, meta.json) "
+                                               "or Megatron prefix")
+    init_from: str = option("scratch", "scratch, resume (from OUT_DIR/ckpt.pt), or pretrained "
+                                       "weights: an HF GPT-2, Llama or Qwen3 folder, a GPT-2 name, "
+                                       "a checkpoint")
     # model
-    arch: str = option("llama", "the model family from scratch: llama, rotary positions, RMSNorm, QK-norm, a "
-                                "gated SiLU MLP, no biases, an untied head (Llama, Qwen3, SmolLM: better per "
-                                "minute, docs/performance.md); gpt2, GPT-2 exactly (--preset's family). "
-                                "--init-from and resume keep the family of the weights", choices=list(ARCHS))
+    arch: str = option("llama", "the model family from scratch: llama, rotary positions, RMSNorm, "
+                                "QK-norm, a gated SiLU MLP, no biases, an untied head (Llama, "
+                                "Qwen3, SmolLM: better per minute, docs/performance.md); gpt2, "
+                                "GPT-2 exactly (--preset's family). --init-from and resume keep "
+                                "the family of the weights", choices=list(ARCHS))
     preset: str | None = option(None, "model size preset (sets n_layer, n_head, "
                                       "n_embd)", choices=sorted(PRESETS))
     n_layer: int = option(4, "transformer blocks (default: 6 on a CUDA GPU)", check="positive")
@@ -53,8 +55,8 @@ class TrainConfig(RunConfig, megatron.MegatronOptions):
                                  "CUDA GPU)", check="probability")
     n_kv_head: int | None = option(None, "key/value heads, --arch llama's grouped-query attention "
                                          "(default: --n-head)", check="positive")
-    qk_norm: bool = option(False, "RMSNorm of each head's queries and keys, as Qwen3 (--arch llama: on; "
-                                  "--no-qk-norm for Llama's layout)")
+    qk_norm: bool = option(False, "RMSNorm of each head's queries and keys, as Qwen3 (--arch "
+                                  "llama: on; --no-qk-norm for Llama's layout)")
     bias: bool = option(True, "biases in Linear and LayerNorm layers, as GPT-2 (--arch llama: off)")
     attn_kernel: str = option("auto", "attention: manual (written out; auto's pick for bfloat16 "
                                       "on CPU up to 512 keys) or an SDPA kernel (may change on "
@@ -98,8 +100,8 @@ class TrainConfig(RunConfig, megatron.MegatronOptions):
 CONFIG_FIELDS = {f.name for f in fields(TrainConfig)}
 
 
-def parse_config(argv: list[str] | None = None, description: str = "Train a GPT.", extra_arguments=None,
-                 overrides: dict[str, dict | None] | None = None
+def parse_config(argv: list[str] | None = None, description: str = "Train a GPT.",
+                 extra_arguments=None, overrides: dict[str, dict | None] | None = None
                  ) -> tuple[TrainConfig, set[str], argparse.Namespace]:
     """Flags into a TrainConfig as given: (config, the fields the user set, all parsed args).
     Precedence: defaults < --config JSON < command-line flags; Megatron's --load DIR is --out-dir
@@ -153,7 +155,8 @@ def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict
     if resuming(cfg, engine.path, device):
         resume = engine.read_resume()
         cfg = merge_resumed_config(cfg, given, resume, engine.path)
-        resumed = set(resume.get("train_config", {})) & CONFIG_FIELDS - given - {"init_from", "out_dir"}
+        resumed = set(resume.get("train_config", {})) & CONFIG_FIELDS - given - \
+            {"init_from", "out_dir"}
     else:
         cfg = family_defaults(apply_preset(device_defaults(cfg, given, device), given), given)
     given = given | resumed
@@ -172,7 +175,8 @@ def family_defaults(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     docs/performance.md)."""
     if cfg.arch != "llama" or cfg.init_from != "scratch":
         return cfg
-    return replace(cfg, **{name: value for name, value in LLAMA_DEFAULTS.items() if name not in given})
+    return replace(cfg, **{name: value for name, value in LLAMA_DEFAULTS.items()
+                           if name not in given})
 
 
 def resuming(cfg: TrainConfig, checkpoint: str, device: torch.device) -> bool:
@@ -191,9 +195,11 @@ def resuming(cfg: TrainConfig, checkpoint: str, device: torch.device) -> bool:
     return seen > 0
 
 
-def merge_resumed_config(cfg: TrainConfig, given: set[str], saved: dict, source: str) -> TrainConfig:
+def merge_resumed_config(cfg: TrainConfig, given: set[str], saved: dict,
+                         source: str) -> TrainConfig:
     """The checkpoint's settings, but flags given now win; a different model shape is an error."""
-    known = {"optimizer": "adamw"}  # checkpoints from before the optimizer option were trained with AdamW
+    # checkpoints from before the optimizer option were trained with AdamW
+    known = {"optimizer": "adamw"}
     known.update((k, v) for k, v in saved.get("train_config", {}).items() if k in CONFIG_FIELDS)
     values = {**asdict(TrainConfig()), **known, **{k: getattr(cfg, k) for k in given},
               "init_from": "resume", "out_dir": cfg.out_dir}
@@ -224,8 +230,8 @@ def device_defaults(cfg: TrainConfig, given: set[str], device: torch.device) -> 
     if taken and distributed.rank() == 0:
         shown = ", ".join(flag(name) if value is True else f"{flag(name)} {value}"
                           for name, value in taken.items())
-        print(f"defaults for a CUDA GPU, where no flag set them: {shown} (a model that uses the GPU; "
-              f"the CPU's: 4 x 128, block 64, batch 32, 300 steps)", flush=True)
+        print(f"defaults for a CUDA GPU, where no flag set them: {shown} (a model that uses the "
+              f"GPU; the CPU's: 4 x 128, block 64, batch 32, 300 steps)", flush=True)
     return replace(cfg, **taken)
 
 

@@ -82,8 +82,9 @@ class Engine(Protocol):
 
 
 class Objective(Protocol):
-    """What is learnt: LanguageModeling (toolkit/pretraining.py), TaskObjective (toolkit/finetuning.py), ChatObjective
-    (toolkit/sft.py), Contrastive (toolkit/embedding.py); each declares it as its base."""
+    """What is learnt: LanguageModeling (toolkit/pretraining.py), TaskObjective
+    (toolkit/finetuning.py), ChatObjective (toolkit/sft.py), Contrastive (toolkit/embedding.py);
+    each declares it as its base."""
 
     def micro_batches(self, step: int) -> list[tuple[Batch, float]]:
         """This rank's micro-batches of a step, each with its share of the global batch's loss."""
@@ -280,7 +281,8 @@ class Trainer:
             self.evaluate()
         if not loop.keep_best:
             self.save()
-        elif not loop.latest_path:  # no resumable state kept (embed.py tune): the best is the checkpoint
+        # no resumable state kept (embed.py tune): the best is the checkpoint
+        elif not loop.latest_path:
             return
         elif self.stopped:
             self.save(latest=True)

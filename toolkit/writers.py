@@ -10,15 +10,16 @@ import os
 import numpy as np
 
 from toolkit.cli import CLIError
-from toolkit.data import (LLMC_HEADER_INTS, LLMC_MAGIC, LLMC_SHARD, MEGATRON_DTYPES, MEGATRON_EXTENSIONS,
-                          MEGATRON_HEADER, MEGATRON_MAGIC, NANOGPT_FILES)
+from toolkit.data import (LLMC_HEADER_INTS, LLMC_MAGIC, LLMC_SHARD, MEGATRON_DTYPES,
+                          MEGATRON_EXTENSIONS, MEGATRON_HEADER, MEGATRON_MAGIC, NANOGPT_FILES)
 from toolkit.files import atomic_write, make_folder, temporary_name, write_json
 
 
 def write_nanogpt(folder: str, train: np.ndarray, val: np.ndarray, meta: dict) -> dict:
     """A nanoGPT folder from two token arrays (already split); returns the meta.json written."""
     make_folder(folder)
-    meta = {"format": "nanogpt", **meta, "dtype": train.dtype.name, "train_tokens": len(train), "val_tokens": len(val)}
+    meta = {"format": "nanogpt", **meta, "dtype": train.dtype.name, "train_tokens": len(train),
+            "val_tokens": len(val)}
     for name, ids in (("train.bin", train), ("val.bin", val)):
         atomic_write(os.path.join(folder, name), ids.tofile)
     write_json(os.path.join(folder, "meta.json"), meta)  # last: its presence means complete
@@ -66,7 +67,8 @@ class NanoGPTWriter:
         for split, mine in (("train", ~is_val), ("val", is_val)):
             if not mine.any():
                 continue
-            if mine.all():  # a chunk all of one split (as a huge document is): written as it is, no copy
+            # a chunk all of one split (as a huge document is): written as it is, no copy
+            if mine.all():
                 for tokens in arrays:
                     self.files[split].write(tokens)
             else:
@@ -89,12 +91,15 @@ class NanoGPTWriter:
 
     def finish(self, meta: dict) -> dict:
         total = self.documents["train"] + self.documents["val"]
-        if total == 1:  # one text file (e.g. shakespeare's input.txt): its last val_fraction becomes val
+        # one text file (e.g. shakespeare's input.txt): its last val_fraction becomes val
+        if total == 1:
             if self.documents["val"]:  # it was drawn for val: swap the files so it is train's
                 for d in (self.files, self.documents, self.tokens):
                     d["train"], d["val"] = d["val"], d["train"]
-                self.tmp["train.bin"], self.tmp["val.bin"] = self.tmp["val.bin"], self.tmp["train.bin"]
-            self.move_tail("train", "val", max(1, int(self.tokens["train"] * self.val_fraction)), documents=0)
+                self.tmp["train.bin"], self.tmp["val.bin"] = \
+                    self.tmp["val.bin"], self.tmp["train.bin"]
+            self.move_tail("train", "val", max(1, int(self.tokens["train"] * self.val_fraction)),
+                           documents=0)
         else:
             for empty, full in (("val", "train"), ("train", "val")):
                 if self.documents[empty] == 0:  # give the empty split one whole document
@@ -148,7 +153,8 @@ class MegatronWriter:
     def finish(self, meta: dict) -> dict:
         sizes = np.concatenate(self.sizes) if self.sizes else np.zeros(0, np.int32)
         self.file.close()
-        meta = {"format": "megatron", **meta, "dtype": self.dtype.name, "documents": len(sizes), "tokens": self.tokens}
+        meta = {"format": "megatron", **meta, "dtype": self.dtype.name, "documents": len(sizes),
+                "tokens": self.tokens}
         write_megatron_index(self.tmp[".idx"], self.dtype, sizes)
         for ext in (".bin", ".idx"):
             os.replace(self.tmp[ext], self.final[ext])
@@ -158,7 +164,8 @@ class MegatronWriter:
 
 def llmc_shards(folder: str) -> list[str]:
     """The names of the llm.c shards in a folder (none when it does not exist)."""
-    return sorted(n for n in os.listdir(folder) if LLMC_SHARD.fullmatch(n)) if os.path.isdir(folder) else []
+    return (sorted(n for n in os.listdir(folder) if LLMC_SHARD.fullmatch(n))
+            if os.path.isdir(folder) else [])
 
 
 class LlmcWriter:
@@ -177,7 +184,8 @@ class LlmcWriter:
         self.file, self.filled, self.documents = None, 0, 0
 
     def shard_path(self, index: int) -> str:
-        return os.path.join(self.folder, f"{self.name}_{'val' if index == 0 else 'train'}_{index:06d}.bin")
+        return os.path.join(self.folder,
+                            f"{self.name}_{'val' if index == 0 else 'train'}_{index:06d}.bin")
 
     def add(self, arrays: list[np.ndarray], lengths: np.ndarray) -> None:
         """The documents of arrays (their tokens back to back, each starting with end-of-text)."""
@@ -186,8 +194,10 @@ class LlmcWriter:
             while len(tokens):
                 if self.file is None:
                     self.file = open(temporary_name(self.shard_path(len(self.written))), "wb+")
-                    self.file.write(np.zeros(LLMC_HEADER_INTS, np.int32))  # the count is known at the end
-                part, tokens = tokens[:self.shard_tokens - self.filled], tokens[self.shard_tokens - self.filled:]
+                    # the count is known at the end
+                    self.file.write(np.zeros(LLMC_HEADER_INTS, np.int32))
+                part, tokens = (tokens[:self.shard_tokens - self.filled],
+                                tokens[self.shard_tokens - self.filled:])
                 self.file.write(np.asarray(part, np.uint16))
                 self.filled += len(part)
                 if self.filled == self.shard_tokens:
@@ -225,7 +235,9 @@ class LlmcWriter:
             os.remove(os.path.join(self.folder, stale))
         for index, (path, _) in enumerate(self.written):
             os.replace(path, self.shard_path(index))
-        meta = {"format": "llmc", **meta, "dtype": "uint16", "documents": self.documents, "shards": names,
-                "val_tokens": self.written[0][1], "train_tokens": sum(n for _, n in self.written[1:])}
-        write_json(os.path.join(self.folder, "meta.json"), meta)  # last: its presence means complete
+        meta = {"format": "llmc", **meta, "dtype": "uint16", "documents": self.documents,
+                "shards": names, "val_tokens": self.written[0][1],
+                "train_tokens": sum(n for _, n in self.written[1:])}
+        # last: its presence means complete
+        write_json(os.path.join(self.folder, "meta.json"), meta)
         return meta
