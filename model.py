@@ -421,10 +421,11 @@ class GPT(nn.Module):
 
     def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                         top_k: int | None = None, top_p: float | None = None,
-                        eos_token: int | None = None,
+                        eos_token: int | list[int] | None = None,
                         use_cache: bool = True) -> Iterator[torch.Tensor]:
         """Yield the (B,) next tokens after the prompts idx (B, T): greedy at temperature 0, else
-        sampled (top_k, top_p nucleus); a sequence that emitted eos_token repeats it until all have.
+        sampled (top_k, top_p nucleus); a sequence that emitted eos_token (or one of a list, as HF's
+        eos_token_id) repeats the first until all have.
         Learned positions keep a KV cache from sliding: a full context keeps its last half, refilled
         by one prefill (nanoGPT recomputes all a step). use_cache=False gives the same tokens."""
         if idx.dim() != 2 or idx.size(1) == 0:
@@ -438,13 +439,15 @@ class GPT(nn.Module):
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         check_sampling(temperature, top_k, top_p)
-        if eos_token is not None and not 0 <= eos_token < vocab:
+        stops = [eos_token] if isinstance(eos_token, int) else list(eos_token or [])
+        if not all(0 <= i < vocab for i in stops):
             raise ValueError(f"eos_token must be in [0, {vocab}), got {eos_token}")
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-        return self._stream(idx, max_new_tokens, sampling, eos_token, use_cache)
+        stops = torch.tensor(stops, dtype=torch.long, device=idx.device) if stops else None
+        return self._stream(idx, max_new_tokens, sampling, stops, use_cache)
 
     @torch.no_grad()
-    def _stream(self, idx, max_new_tokens, sampling, eos_token, use_cache):
+    def _stream(self, idx, max_new_tokens, sampling, stops, use_cache):
         """The generation loop; the context is cut (and the cache rebuilt) when full."""
         was_training = self.training
         self.eval()
@@ -458,11 +461,11 @@ class GPT(nn.Module):
                     length = min(block_size, ctx.size(1) + max_new_tokens - step)
                     caches = [KVCache(length) for _ in self.transformer.h]
                 tok = self._next_token(ctx, caches, use_cache and caches[0].len > 0, **sampling)
-                if eos_token is not None:
-                    tok = tok.masked_fill(finished, eos_token)
-                    finished |= tok == eos_token
+                if stops is not None:
+                    tok = tok.masked_fill(finished, stops[0])
+                    finished |= torch.isin(tok, stops)
                 yield tok
-                if eos_token is not None and finished.all():
+                if stops is not None and finished.all():
                     return
                 ctx = torch.cat([ctx, tok[:, None]], dim=1)
                 if ctx.size(1) > block_size:

@@ -151,6 +151,18 @@ def test_eos_stops_each_sequence():
     for row, first in zip(range(2), (f0, f1)):
         assert torch.equal(out[row, : first + 1], new[row, : first + 1])
         assert (out[row, first:] == eos).all()
+    # several stop ids, as HF's eos_token_id lists them: a row ends at the first of any (here one
+    # row ends sooner, at the second id), then repeats the first id
+    rows = new.tolist()
+    other = next(t for t in sorted(set(rows[0] + rows[1]) - {eos})
+                 if any(t in r[: r.index(eos)] for r in rows))
+    ends = [next(i for i, t in enumerate(r) if t in (eos, other)) for r in rows]
+    assert ends != [f0, f1]
+    out = m.generate(idx, 30, temperature=0, eos_token=[eos, other])[:, 3:]
+    assert out.size(1) == max(ends) + 1
+    for row, end in enumerate(ends):
+        assert torch.equal(out[row, : end + 1], new[row, : end + 1])
+        assert (out[row, end + 1:] == eos).all()
 
 
 def test_generate_stream_matches_generate_and_restores_mode():

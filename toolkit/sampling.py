@@ -120,12 +120,11 @@ class Sampler:
                              dynamic_ncols=True, mininterval=0.5 if terminal else 5.0,
                              delay=0 if terminal else cli.PROGRESS_DELAY)
         self.stops = stop_ids(tok)  # (a downloaded chat model may list several, as Qwen3's does)
-        self.eos = self.stops[0] if self.stops else None  # what ends a batch's sequence early
 
     def generation_kwargs(self, max_new_tokens: int | None = None) -> dict:
         a = self.args
         return dict(max_new_tokens=max_new_tokens or a.max_new_tokens, temperature=a.temperature,
-                    top_k=a.top_k, top_p=a.top_p, eos_token=self.eos)
+                    top_k=a.top_k, top_p=a.top_p, eos_token=self.stops or None)
 
     def prompt(self, text: str) -> tuple[list[int], str]:
         """The tokens of a prompt, and the text printed before a sample: an instruction-tuned model
