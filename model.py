@@ -439,7 +439,7 @@ class GPT(nn.Module):
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         check_sampling(temperature, top_k, top_p)
-        stops = [eos_token] if isinstance(eos_token, int) else list(eos_token or [])
+        stops = [] if eos_token is None else torch.as_tensor(eos_token).flatten().tolist()
         if not all(0 <= i < vocab for i in stops):
             raise ValueError(f"eos_token must be in [0, {vocab}), got {eos_token}")
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)

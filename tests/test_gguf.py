@@ -144,6 +144,15 @@ def test_a_llama_3_folder_runs_in_llama_cpp_with_its_rope_scaling_and_bos(tmp_pa
     model.config.rope_scaling = None
     assert rel_err(theirs, ours(model, ids)) > 1e-2
     llm.close()
+    # an instruct folder: its eos token <|eot_id|> (one of its stop ids) is llama.cpp's eos, as its
+    # converter writes it, rather than the first stop id <|end_of_text|>
+    model, facts = load_model(llama3_folder(tmp_path / "instruct", instruct=True))
+    save_gguf(model, tmp_path / "instruct.gguf", facts, "f16")
+    llm = Llama(model_path=str(tmp_path / "instruct.gguf"), n_ctx=64, verbose=False, n_threads=1)
+    eot_id = load_tokenizer(facts).encode_with_special_tokens("<|eot_id|>")
+    assert facts["chat_template"]["stop_ids"] == [tok.eot_id, *eot_id]
+    assert [llm.token_eos()] == eot_id
+    llm.close()
 
 
 def test_an_instruction_tuned_model_carries_its_chat_template(tmp_path):

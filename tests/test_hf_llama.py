@@ -91,6 +91,10 @@ def test_a_folder_this_toolkit_cannot_run_is_one_line(tmp_path, tokenizer_json):
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     assert_one_line_error(run_main("test.py", "--ckpt", folder, "--max-new-tokens", "3"),
                           "rope_scaling must be")
+    config["rope_scaling"] = ["llama3", 8.0]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(run_main("test.py", "--ckpt", folder, "--max-new-tokens", "3"),
+                          "rope_scaling must be an object")
     config.pop("rope_scaling")
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     os.remove(tmp_path / "hf" / "tokenizer.json")
@@ -510,6 +514,16 @@ def test_a_llama_3_folder_runs_samples_prepares_data_and_exports_as_transformers
     tokens = np.fromfile(tmp_path / "data" / "docs_text_document.bin", dtype=dtype)
     expected = [theirs(t)["input_ids"] + [tok.eot_id] for t in documents]
     assert tokens[:sizes[0] + sizes[1]].tolist() == expected[0] + expected[1]
+    # trained on it from the folder, then resumed: the run keeps the folder's rope scaling
+    options = ("--data-dir", tmp_path / "data" / "docs_text_document", "--out-dir",
+               tmp_path / "run", "--device", "cpu", "--dtype", "float32", "--eval-interval", "2",
+               "--eval-iters", "1")
+    for start, steps in ((folder, "2"), ("resume", "4")):
+        trained = run_main("train.py", "--init-from", start, "--max-iters", steps, "--block-size",
+                           "16", "--batch-size", "2", *options)
+        assert trained.returncode == 0, trained.stderr[-2000:]
+    resumed = load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
+    assert resumed["iter_num"] == 4 and resumed["model_config"]["rope_scaling"] == scaling
 
     save_hf(model, str(tmp_path / "out"), facts)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -539,7 +553,8 @@ def test_a_llama_3_folder_scores_and_chats_as_lm_eval_and_transformers_do(tmp_pa
                                        ensure_ascii=False) + "\n"
                             for q, c in [("hello", [" world", " 12345"]),
                                          ("中文的", ["句子", "模型"]),
-                                         ("def f(x):", ["\n    return x", " pass"])]))
+                                         ("def f(x):", ["\n    return x", " pass"]),
+                                         ("", ["hello", "模型"])]))  # (an empty context)
     (tmp_path / "pick.yaml").write_text(
         f"task: pick\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    validation: {data}\n"
         "validation_split: validation\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
@@ -555,7 +570,7 @@ def test_a_llama_3_folder_scores_and_chats_as_lm_eval_and_transformers_do(tmp_pa
                              log_samples=True, bootstrap_iters=0)["samples"]["pick"]
     lls = [(float(a[0][0]), float(b[0][0])) for s, t in zip(ours, theirs)
            for a, b in zip(s["resps"], t["resps"])]
-    assert len(lls) == 6 and max(abs(a - b) for a, b in lls) < 1e-4
+    assert len(lls) == 8 and max(abs(a - b) for a, b in lls) < 1e-4
     # the toolkit's own scoring of .jsonl files splits the same way
     tok = load_tokenizer(load_model(folder)[1])
     for context, continuation in [("hello", " world"), ("中文的", "句子"), ("", "hello")]:

@@ -130,7 +130,7 @@ def read_choices(path: str, limit: int | None = None, progress: bool = False) ->
 def encode_pair(tok: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context, continuation) tokens as the harness makes them (see the module's docstring)."""
     if not context:
-        ids = tok.with_bos(tok.encode(continuation))
+        ids = tok.encode(continuation)
         start = tok.bos_id if tok.bos_id is not None else \
             tok.eot_id if tok.eot_id is not None else tok.encode("\n")[0]
         return ([start], ids) if ids[:1] != [start] else (ids[:1], ids[1:])

@@ -30,7 +30,7 @@ from toolkit.cli import CLIError
 from toolkit.files import atomic_write
 from toolkit.hf import gpt2_vocab_merges
 from toolkit.hf_llama import hf_tensors
-from toolkit.tokenizers import EOT_TEXT, SPELLING, bos_token_id
+from toolkit.tokenizers import EOT_TEXT, SPELLING, Tokenizer, bos_token_id, load_tokenizer
 
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0")
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp's token types (gguf.TokenType)
@@ -205,6 +205,20 @@ def add_hyperparameters(writer, model: GPT, arch: str) -> None:
     writer.add_value_length(c.head_size)
 
 
+def end_of_generation(template: dict | None, tokenizer: Tokenizer) -> int:
+    """llama.cpp's eos id, as its converter takes it: a chat template's eos token where it is one of
+    the stop ids (Qwen3's <|im_end|>, Llama 3's <|eot_id|>), else its first stop id, else
+    end-of-text."""
+    stops = template["stop_ids"] if template else []
+    if not stops:
+        return tokenizer.eot_id
+    try:
+        named = tokenizer.encode_with_special_tokens(template.get("eos_token") or "")
+    except ValueError:  # (text a char vocabulary cannot spell: this toolkit's <|endoftext|>)
+        named = []
+    return named[0] if len(named) == 1 and named[0] in stops else stops[0]
+
+
 def add_vocabulary(writer, facts: dict) -> None:
     tokens, types, merges, pre = vocabulary(facts)
     writer.add_tokenizer_model("gpt2")
@@ -214,13 +228,11 @@ def add_vocabulary(writer, facts: dict) -> None:
     # llama.cpp's BPE needs a merge list, and GGUF has no empty array: a vocabulary without merges
     # (bytes, ASCII characters) gets one that never applies, since no merge makes its left part
     writer.add_token_merges(merges or [f"{spelled(bytes(2))} {spelled(bytes(1))}"])
-    template = export_template(facts)  # (a downloaded instruct model's first stop id: <|im_end|>)
-    bos = bos_token_id(facts)
-    writer.add_bos_token_id(bos)
-    writer.add_eos_token_id(template["stop_ids"][0] if template and template["stop_ids"] else
-                            facts["eot_id"])
-    # Llama 3's BOS starts each text; the others' the text
-    writer.add_add_bos_token(bos != facts["eot_id"])
+    template, tokenizer = export_template(facts), load_tokenizer(facts)
+    writer.add_bos_token_id(bos_token_id(facts))
+    writer.add_eos_token_id(end_of_generation(template, tokenizer))
+    # Llama 3's BOS starts each text, as its tokenizer.json adds it; the others' models the text
+    writer.add_add_bos_token(tokenizer.bos_id is not None)
     writer.add_add_eos_token(False)
     if template:
         writer.add_chat_template(template["jinja"])

@@ -64,9 +64,11 @@ class GPTHarness(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None,
                    **kwargs) -> list[int]:
-        # a text starts after the BOS (Llama 3's), unless it begins with it, as the hf model encodes
-        return self.tok.with_bos(self.tok.encode_with_special_tokens(string) if self.template else
-                                 self.tok.encode(string))
+        tok = self.tok
+        ids = tok.encode_with_special_tokens(string) if self.template else tok.encode(string)
+        # a text starts after the BOS (Llama 3's) unless it begins with it or the harness asks for
+        # no special tokens (a continuation after an empty context), as the hf model encodes
+        return ids if add_special_tokens is False else self.tok.with_bos(ids)
 
     @property
     def tokenizer_name(self) -> str:

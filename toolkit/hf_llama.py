@@ -52,6 +52,9 @@ def read_config(directory: str) -> GPTConfig:
     path = os.path.join(directory, "config.json")
     hf = read_json(path, "HF config")
     # transformers 5 keeps the rotary settings in rope_parameters, 4 in rope_theta and rope_scaling
+    for key in ("rope_parameters", "rope_scaling"):
+        if not isinstance(hf.get(key) or {}, dict):
+            raise CLIError(f"{path}: {key} must be an object, got {hf[key]!r:.80}")
     rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0),
                                          **(hf.get("rope_scaling") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))

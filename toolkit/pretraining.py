@@ -11,6 +11,7 @@ toolkit/training.py's.
 """
 import math
 import os
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -126,10 +127,14 @@ def schedule(cfg: TrainConfig) -> Schedule:
                     cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr)
 
 
-def build_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT, dict | None]:
-    """A new GPT of the given shape, or the pretrained one of --init-from (cut to --block-size) with
-    its tokenizer facts."""
-    if cfg.init_from in ("scratch", "resume"):
+def build_model(cfg: TrainConfig, vocab_size: int,
+                resumed: GPTConfig | None = None) -> tuple[GPT, dict | None]:
+    """A new GPT of the given shape, or of a resumed checkpoint's config (all of it: a run from an
+    HF folder holds settings no flag gives, such as its rope scaling), or the pretrained one of
+    --init-from (cut to --block-size) with its tokenizer facts."""
+    if resumed is not None:
+        return GPT(replace(resumed, attn_kernel=cfg.attn_kernel, dropout=cfg.dropout)), None
+    if cfg.init_from == "scratch":
         config = GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size, n_layer=cfg.n_layer,
                            n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
                            attn_kernel=cfg.attn_kernel, arch=cfg.arch, n_kv_head=cfg.n_kv_head,
@@ -197,11 +202,10 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
     corpus = load_corpus(cfg.data_dir, cfg.split)
 
     torch.manual_seed(cfg.seed)  # identical initial weights in every rank
-    vocab_size = corpus.meta["vocab_size"]
+    resumed = None
     if resume is not None:  # the shape its weights hold, checked before anything is built
-        vocab_size = usable_config(resume["model_config"], engine.path,
-                                   resume.get("model")).vocab_size
-    model, pretrained = build_model(cfg, vocab_size)
+        resumed = usable_config(resume["model_config"], engine.path, resume.get("model"))
+    model, pretrained = build_model(cfg, corpus.meta["vocab_size"], resumed)
     model = model.to(device)
     check_attn_kernel(model, device, dtype)
     check_data(cfg, corpus, model, resume, pretrained)
