@@ -73,13 +73,57 @@ def gguf_logits(path: Path, ids: list[int]) -> torch.Tensor:
 
 LLAMA3_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                   "<|end_header_id|>", "<|eot_id|>")
-# Llama 3's chat template in its plainest form (3.0's; 3.1's adds tools and the date to the system
-# turn)
-LLAMA3_TEMPLATE = ("{{- bos_token }}{%- for message in messages %}"
-                   "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + "
-                   "message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
-                   "{%- if add_generation_prompt %}"
-                   "{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}")
+# Llama 3.2's chat template as its instruct folders lay it out, tool calls left out: the system
+# turn always, with the knowledge cutoff and today's date (strftime_now, or a date_string given),
+# tools as JSON (tojson with indent), the system message trimmed out of the history
+LLAMA3_TEMPLATE = """{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- if strftime_now is defined %}
+        {%- set date_string = strftime_now("%d %b %Y") %}
+    {%- else %}
+        {%- set date_string = "26 Jul 2024" %}
+    {%- endif %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{%- if tools is not none %}
+    {{- "Environment: ipython\n" }}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\n" }}
+{{- "Today Date: " + date_string + "\n\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'
+            + message['content'] | trim + '<|eot_id|>' }}
+    {%- else %}
+        {{- raise_exception("tool calls are left out of this template") }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}"""
 
 
 def llama3_folder(path: Path, instruct: bool = False) -> str:

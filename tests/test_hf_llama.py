@@ -585,6 +585,14 @@ def test_a_llama_3_folder_scores_and_chats_as_lm_eval_and_transformers_do(tmp_pa
                                           return_dict=False)
     assert chat_prompt(HISTORY, tok) == expected and expected[0] == 320 and expected.count(320) == 1
     assert facts["chat_template"]["stop_ids"] == [321, theirs.convert_tokens_to_ids("<|eot_id|>")]
+    dated = {"date_string": "26 Jul 2024"}  # (the template's variable, else today's date)
+    assert chat_prompt(HISTORY, tok, dated) == theirs.apply_chat_template(
+        HISTORY, add_generation_prompt=True, tokenize=True, return_dict=False, **dated)
+    assert "Today Date: 26 Jul 2024" in tok.decode(chat_prompt(HISTORY, tok, dated))
+    (sequence,) = encode_conversation(HISTORY[:2], tok, 256)  # instruction tuning in its template
+    assert sequence.ids == theirs.apply_chat_template(HISTORY[:2], tokenize=True, return_dict=False)
+    learnt = [i for i, trained in zip(sequence.ids, sequence.trained) if trained]
+    assert learnt == tok.encode("我在。") + [theirs.convert_tokens_to_ids("<|eot_id|>")]
 
     model, facts = load_model(folder)  # the base, tuned in this toolkit's template
     tok = load_tokenizer(facts)
