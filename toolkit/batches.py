@@ -84,8 +84,8 @@ def train_and_val(cfg, read: Callable[[str], list]) -> tuple[list, list]:
     if distributed.rank() == 0:
         print(f"validation: {held} of the {len(train)} examples of {cfg.train} held out "
               f"(--val-fraction {cfg.val_fraction}; or give --val)")
-    chosen = np.random.Generator(np.random.PCG64([cfg.seed, len(train)])).permutation(
-        len(train))[:held]
+    rng = np.random.Generator(np.random.PCG64([cfg.seed, len(train)]))
+    chosen = rng.permutation(len(train))[:held]
     is_val = np.zeros(len(train), bool)
     is_val[chosen] = True
     return [x for x, v in zip(train, is_val) if not v], [x for x, v in zip(train, is_val) if v]
