@@ -30,7 +30,7 @@ from toolkit.cli import CLIError
 from toolkit.files import atomic_write
 from toolkit.hf import gpt2_vocab_merges
 from toolkit.hf_llama import hf_tensors
-from toolkit.tokenizers import EOT_TEXT, SPELLING, Tokenizer, bos_token_id, load_tokenizer
+from toolkit.tokenizers import EOT_TEXT, SPELLING, Tokenizer, load_tokenizer
 
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0")
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp's token types (gguf.TokenType)
@@ -229,10 +229,11 @@ def add_vocabulary(writer, facts: dict) -> None:
     # (bytes, ASCII characters) gets one that never applies, since no merge makes its left part
     writer.add_token_merges(merges or [f"{spelled(bytes(2))} {spelled(bytes(1))}"])
     template, tokenizer = export_template(facts), load_tokenizer(facts)
-    writer.add_bos_token_id(bos_token_id(facts))
+    bos = tokenizer.bos_id
+    writer.add_bos_token_id(facts["eot_id"] if bos is None else bos)
     writer.add_eos_token_id(end_of_generation(template, tokenizer))
     # Llama 3's BOS starts each text, as its tokenizer.json adds it; the others' models the text
-    writer.add_add_bos_token(tokenizer.bos_id is not None)
+    writer.add_add_bos_token(bos is not None)
     writer.add_add_eos_token(False)
     if template:
         writer.add_chat_template(template["jinja"])
