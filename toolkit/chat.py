@@ -316,8 +316,7 @@ def render(template: dict, messages: list[dict], prompt: bool = True,
     try:
         return jinja.render(messages=messages, tools=None, documents=None,
                             add_generation_prompt=prompt, **{**tokens, **(variables or {})})
-    # the template's own raise_exception, a sandbox refusal, a bad expression
-    except Exception as e:
+    except Exception as e:  # the template's raise_exception, a sandbox refusal, a bad expression
         raise CLIError("the model's chat template fails: "
                        f"{' '.join(str(e).split())[:200]}") from None
 

@@ -209,8 +209,7 @@ class Tokenizer:
         if self.name == "gpt2":
             try:
                 return self.encoding.encode_to_numpy(text, disallowed_special=())
-            # lone surrogates (JSON allows them): replace them, as tiktoken does
-            except UnicodeEncodeError:
+            except UnicodeEncodeError:  # lone surrogates (JSON allows them): replaced, as tiktoken
                 text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
                 return self.encoding.encode_to_numpy(text, disallowed_special=())
         if self.name == "byte":

@@ -281,8 +281,7 @@ class Trainer:
             self.evaluate()
         if not loop.keep_best:
             self.save()
-        # no resumable state kept (embed.py tune): the best is the checkpoint
-        elif not loop.latest_path:
+        elif not loop.latest_path:  # no resumable state kept (embed.py tune): the best is it
             return
         elif self.stopped:
             self.save(latest=True)
