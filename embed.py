@@ -26,7 +26,8 @@ from toolkit.cli import CLIError
 from toolkit.device import DTYPES, describe, resolve_device, resolve_dtype
 from toolkit.documents import Document, read_corpus
 from toolkit.embedding import (POOLINGS, TuneConfig, chunk_documents, chunk_records, encode,
-                               encoder_identity, load_encoder, settle_chunking, setup_tune)
+                               encoder_identity, load_encoder, settle_chunking, setup_tune,
+                               text_room)
 from toolkit.files import check_output, refuse_existing, save_array, write_jsonl
 from toolkit.index import (INDEX_FILES, METRIC_KS, Index, encode_queries, open_encoder,
                            read_eval_pairs, retrieval_metrics, write_index)
@@ -43,8 +44,8 @@ def encode_input(args: argparse.Namespace) -> tuple[list[Document], np.ndarray, 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model, tokenizer, facts = load_encoder(args.ckpt, device)
-    block_size = model.config.block_size
-    chunk_tokens, overlap = settle_chunking(args.chunk_tokens, args.overlap, block_size)
+    chunk_tokens, overlap = settle_chunking(args.chunk_tokens, args.overlap,
+                                            text_room(model, tokenizer))
     documents = read_corpus(args.input, args.json_key, args.id_key, args.glob)
     chunks, rows = chunk_documents(documents, tokenizer, chunk_tokens, overlap)
     start = time.perf_counter()
@@ -148,7 +149,7 @@ def add_encoding_arguments(p: argparse.ArgumentParser) -> None:
                         "(default); mean; last: the last token's state")
     p.add_argument("--chunk-tokens", type=int,
                    help="longer texts are cut into chunks of this many tokens, one vector each "
-                        "(default: the model's block size)")
+                        "(default: the model's block size, less a BOS)")
     p.add_argument("--overlap", type=int,
                    help="tokens each chunk shares with the one before (default: an eighth of "
                         "--chunk-tokens)")

@@ -474,3 +474,52 @@ def test_an_encoder_changed_since_indexing_is_refused(corpus, tmp_path):
     write_model(tmp_path / "ckpt.pt", seed=1)  # e.g. training went on in the same --out-dir
     result = embed_py("search", "--index", tmp_path / "index", "--query", "cat", *DEVICE)
     assert_one_line_error(result, "changed since the index", "rebuild the index")
+
+
+# ----- a tokenizer with a BOS -----
+
+def test_a_llama3_folder_encodes_each_text_after_its_bos_as_transformers_reads_it(tmp_path):
+    """Chunks, queries and tuning texts start with <|begin_of_text|>, as AutoTokenizer(text) gives
+    them: the vectors are SGPT's weighted mean of transformers' last hidden states of those ids, and
+    a chunk holds the block size less one token."""
+    import transformers
+
+    from conftest import llama3_folder
+    from toolkit.embedding import load_encoder, read_tune_pairs
+
+    folder = llama3_folder(tmp_path / "hf")
+    hf = transformers.AutoModel.from_pretrained(folder).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+
+    def sgpt(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            hidden = hf(torch.tensor([ids])).last_hidden_state[0]
+        weights = torch.arange(1.0, len(ids) + 1)[:, None]
+        return torch.nn.functional.normalize((weights * hidden).sum(0), dim=0).numpy()
+
+    short, long = "中文的句子，hello world 12345", "def f(x):\n    return x + 1\n" * 30
+    write_jsonl(tmp_path / "docs.jsonl", [{"text": short}, {"text": long}])
+    out = tmp_path / "vectors"
+    assert embed_py("encode", "--ckpt", folder, "--input", tmp_path / "docs.jsonl", "--out", out,
+                    "--overlap", "0", "--dtype", "float32", *DEVICE).returncode == 0
+    vectors = np.load(out.with_suffix(".npy"))
+    rows = [json.loads(line)["tokens"]
+            for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    ids = tok(short).input_ids
+    bos, long_ids = ids[0], tok(long, add_special_tokens=False).input_ids
+    assert bos == tok.bos_token_id and rows[:2] == [[0, len(ids) - 1], [0, 127]]  # block 128
+    np.testing.assert_allclose(vectors[0], sgpt(ids), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(vectors[1], sgpt([bos, *long_ids[:127]]), atol=1e-5, rtol=0)
+
+    assert embed_py("index", "--ckpt", folder, "--input", tmp_path / "docs.jsonl", "--out",
+                    tmp_path / "index", "--dtype", "float32", *DEVICE).returncode == 0
+    result = embed_py("search", "--index", tmp_path / "index", "--query", "hello 中文", "--json",
+                      "--top-k", "1", *DEVICE)
+    assert result.returncode == 0, result.stderr
+    hit = json.loads(result.stdout)["results"][0]
+    assert hit["score"] == pytest.approx(float(sgpt(tok("hello 中文").input_ids) @ vectors[0]),
+                                         abs=1e-5)
+    write_jsonl(tmp_path / "pairs.jsonl", [{"query": short, "positive": long}])
+    _, tokenizer, _ = load_encoder(folder, torch.device("cpu"))
+    ((query, positive),) = read_tune_pairs(str(tmp_path / "pairs.jsonl"), tokenizer, 127)
+    assert query == ids and positive == [bos, *long_ids[:127]]

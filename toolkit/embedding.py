@@ -8,7 +8,8 @@ has seen the whole text, so SGPT's position-weighted mean gives position t (1..n
 t/sum(1..n): later positions, which summarise more of the text, count more. "mean" (equal weights)
 and "last" (the last token's state) are the usual alternatives. Texts of a batch are right-padded:
 the model is causal, so real positions never see the padding, and pooling reads real positions only;
-a text's vector does not depend on its batch.
+a text's vector does not depend on its batch. Each text (a chunk, a query, a crop) starts with the
+BOS of a tokenizer that puts one before every text (Llama 3's), as HF's tokenizer(text) gives it.
 """
 import os
 import warnings
@@ -117,6 +118,11 @@ def encoder_identity(path: str) -> dict:
     raise CLIError(f"checkpoint not found: {path}")
 
 
+def text_room(model: GPT, tokenizer: Tokenizer) -> int:
+    """How many of a text's tokens one vector reads: the block, less the tokenizer's BOS."""
+    return model.config.block_size - (tokenizer.bos_id is not None)
+
+
 def token_ids(tokenizer: Tokenizer, text: str, where: str) -> list[int]:
     try:
         return tokenizer.encode(text)
@@ -125,11 +131,12 @@ def token_ids(tokenizer: Tokenizer, text: str, where: str) -> list[int]:
 
 
 def settle_chunking(chunk_tokens: int | None, overlap: int | None,
-                    block_size: int) -> tuple[int, int]:
-    """(--chunk-tokens, --overlap): by default the model's block size, and an eighth of a chunk."""
-    chunk_tokens = chunk_tokens or block_size
-    if not 1 <= chunk_tokens <= block_size:
-        raise CLIError(f"--chunk-tokens must be between 1 and the model's block size {block_size}, "
+                    room: int) -> tuple[int, int]:
+    """(--chunk-tokens, --overlap): by default all the room a text has (text_room), and an eighth
+    of a chunk."""
+    chunk_tokens = chunk_tokens or room
+    if not 1 <= chunk_tokens <= room:
+        raise CLIError(f"--chunk-tokens must be between 1 and the tokens a text may hold, {room}, "
                        f"got {chunk_tokens}")
     overlap = chunk_tokens // 8 if overlap is None else overlap
     if not 0 <= overlap < chunk_tokens:
@@ -147,12 +154,13 @@ def chunk_spans(n: int, chunk_tokens: int, overlap: int) -> list[tuple[int, int]
 
 def chunk_documents(documents: list[Document], tokenizer: Tokenizer, chunk_tokens: int,
                     overlap: int) -> tuple[list[list[int]], np.ndarray]:
-    """Each chunk's tokens, and one row per chunk: (document number, first token, end token)."""
+    """Each chunk's tokens (after the BOS), and one row per chunk: (document number, first token,
+    end token) of the document's tokens."""
     chunks, rows = [], []
     for number, document in enumerate(documents):
         ids = token_ids(tokenizer, document.text, document.where())
         for start, end in chunk_spans(len(ids), chunk_tokens, overlap):
-            chunks.append(ids[start:end])
+            chunks.append(tokenizer.with_bos(ids[start:end]))
             rows.append((number, start, end))
     return chunks, np.array(rows, dtype=np.int64)
 
@@ -212,7 +220,8 @@ class TuneConfig(RunConfig):
     out_dir: str = option(None, "where the checkpoint, the loss curve and the TensorBoard logs go",
                           required=True)
     crop_tokens: int | None = option(None, "the longest span cut from a document (default: the "
-                                           "block size); spans are a quarter of it to all of it",
+                                           "block size, less a BOS); spans are a quarter of it "
+                                           "to all of it",
                                      check="positive")
     val_fraction: float = option(0.1, "documents and pairs held out (10 at least, from 40 "
                                       "examples on; 0: none) to keep the best checkpoint by their "
@@ -234,7 +243,8 @@ class TuneConfig(RunConfig):
 
 def read_tune_pairs(path: str, tokenizer: Tokenizer,
                     max_tokens: int) -> list[tuple[list[int], ...]]:
-    """(query, positive[, negative]) token lists from JSON lines, cut to max_tokens (block size)."""
+    """(query, positive[, negative]) token lists from JSON lines, each cut to max_tokens (its
+    text_room), then after the BOS."""
     pairs = []
     for number, record in json_records(path, ("query", "positive")):
         fields = ["query", "positive"]
@@ -247,7 +257,7 @@ def read_tune_pairs(path: str, tokenizer: Tokenizer,
             ids = token_ids(tokenizer, record[field], f"{path} line {number}")[:max_tokens]
             if not ids:
                 raise CLIError(f"{path} line {number}: {field!r} is empty")
-            texts.append(ids)
+            texts.append(tokenizer.with_bos(ids))
         pairs.append(tuple(texts))
     if not pairs:
         raise CLIError(f"no pairs in {path}")
@@ -271,10 +281,12 @@ class Contrastive(Objective):
     so every batch has the same number of in-batch negatives. A held-out share of the examples,
     with crops drawn once, is the evaluation: its InfoNCE loss among themselves."""
 
-    def __init__(self, cfg: TuneConfig, model: GPT, facts: dict, examples: list,
-                 dtype: torch.dtype):
+    def __init__(self, cfg: TuneConfig, model: GPT, tokenizer: Tokenizer, facts: dict,
+                 examples: list, dtype: torch.dtype):
         self.cfg, self.model, self.facts, self.dtype = cfg, model, facts, dtype
-        self.crop_tokens = min(cfg.crop_tokens or model.config.block_size, model.config.block_size)
+        self.with_bos = tokenizer.with_bos
+        room = text_room(model, tokenizer)
+        self.crop_tokens = min(cfg.crop_tokens or room, room)
         order = torch.randperm(len(examples),
                                generator=torch.Generator().manual_seed(cfg.seed)).tolist()
         # a tenth, 10 at least (fewer say little), from 40 examples on (30 or more left to learn
@@ -287,12 +299,12 @@ class Contrastive(Objective):
 
     def crops(self, examples: list, rng: np.random.Generator) -> list[tuple[list[int], ...]]:
         """Pairs as they are; each document as two spans of crop_tokens / 4 to crop_tokens
-        tokens."""
+        tokens, each after the BOS."""
         def span(ids: list[int]) -> list[int]:
             n = min(len(ids),
                     int(rng.integers(max(1, self.crop_tokens // 4), self.crop_tokens + 1)))
             start = int(rng.integers(0, len(ids) - n + 1))
-            return ids[start:start + n]
+            return self.with_bos(ids[start:start + n])
 
         return [example if isinstance(example, tuple) else (span(example), span(example))
                 for example in examples]
@@ -354,7 +366,8 @@ def setup_tune(cfg: TuneConfig) -> Trainer:
     cfg = settle_run(cfg)
     device, dtype = run_device(cfg.device, cfg.dtype)
     model, tokenizer, facts = load_encoder(cfg.ckpt, device)
-    pairs = read_tune_pairs(cfg.pairs, tokenizer, model.config.block_size) if cfg.pairs else []
+    room = text_room(model, tokenizer)
+    pairs = read_tune_pairs(cfg.pairs, tokenizer, room) if cfg.pairs else []
     documents = [ids for ids in (token_ids(tokenizer, d.text, d.where())
                                  for d in read_corpus(cfg.input, cfg.json_key, "id", cfg.glob))
                  if len(ids) > 1] if cfg.input else []
@@ -364,7 +377,7 @@ def setup_tune(cfg: TuneConfig) -> Trainer:
     if cfg.bias_only:
         train_bias_only(model)
     model.train()
-    objective = Contrastive(cfg, model, facts, pairs + documents, dtype)
+    objective = Contrastive(cfg, model, tokenizer, facts, pairs + documents, dtype)
     engine = TorchEngine(path)
     engine.start(model, cfg, device, dtype, objective.loss)
     claim_out_dir(cfg.out_dir, path, resuming=False, overwrite=True)  # refuse_existing checked

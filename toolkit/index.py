@@ -20,7 +20,8 @@ from model import GPT
 from toolkit.cli import CLIError
 from toolkit.device import resolve_dtype
 from toolkit.documents import Document, json_records, record_id
-from toolkit.embedding import encode, encoder_identity, load_encoder, token_ids, top_k
+from toolkit.embedding import (encode, encoder_identity, load_encoder, text_room, token_ids,
+                               top_k)
 from toolkit.files import lock_folder, parse_json, read_json, save_array, write_json, write_jsonl
 from toolkit.tokenizers import Tokenizer
 
@@ -134,9 +135,11 @@ def open_encoder(index: Index, ckpt: str | None, device: torch.device) -> tuple[
 
 def encode_queries(model: GPT, tokenizer: Tokenizer, index: Index, texts: list[str],
                    places: list[str], batch_size: int, device: torch.device) -> torch.Tensor:
-    """Queries encoded like the index's texts: same pooling and dtype, cut to its chunk length."""
+    """Queries encoded like the index's texts: same pooling and dtype, cut to its chunk length,
+    after the BOS."""
     meta = index.meta
-    token_lists = [token_ids(tokenizer, text, place)[: meta["chunk_tokens"]]
+    length = min(meta["chunk_tokens"], text_room(model, tokenizer))  # chunks that filled the block
+    token_lists = [tokenizer.with_bos(token_ids(tokenizer, text, place)[:length])
                    for text, place in zip(texts, places)]
     dtype = resolve_dtype(meta["dtype"], device)
     vectors = encode(model, token_lists, meta["pooling"], batch_size, dtype, desc="queries")
