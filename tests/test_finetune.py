@@ -19,7 +19,7 @@ from toolkit.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.distributed import free_port
 from toolkit.prepare import default_corpus_documents
 from toolkit.tasks import Example, TaskModel, add_special_tokens, encode_records, layout, pad_batch
-from toolkit.tokenizers import Tokenizer
+from toolkit.tokenizers import Tokenizer, load_tokenizer
 
 # one thread runs these tiny models several times faster
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -197,6 +197,13 @@ def test_layout_of_each_task():
         ([[s, 3, 4, 5, 6, d, 7, 8, e], [s, 7, 8, d, 3, 4, 5, 6, e]], True)
     with pytest.raises(ValueError, match="the hypothesis alone takes 7 tokens"):
         layout("entail", [[1], [2, 3, 4, 5]], SPECIAL, 6)
+    # after a BOS (Llama 3's): a token less for the texts
+    assert layout("classify", [[1, 2, 3, 4, 5, 6]], SPECIAL, 6, bos=9) == \
+        ([[9, s, 4, 5, 6, e]], True)
+    assert layout("similarity", [[1, 2], [3]], SPECIAL, 16, bos=9) == \
+        ([[9, s, 1, 2, d, 3, e], [9, s, 3, d, 1, 2, e]], False)
+    with pytest.raises(ValueError, match="the hypothesis alone takes 8 tokens"):
+        layout("entail", [[1], [2, 3, 4, 5]], SPECIAL, 7, bos=9)
 
 
 def test_special_tokens_are_new_rows_of_the_tied_embedding():
@@ -228,6 +235,23 @@ def test_records_become_examples_with_label_ids():
     assert [e.label for e in examples] == [0, 1]
     choice = [(1, {"context": "ab", "choices": ["c", "d", "e"], "label": 2})]
     assert encode_records(choice, "f.jsonl", "choice", tok, SPECIAL, 16, None)[0].label == 2
+
+
+def test_a_tokenizer_with_a_bos_puts_it_before_every_sequence(tmp_path):
+    """A Llama 3 folder's <|begin_of_text|> starts each sequence, as HF's tokenizer(text) starts
+    every text with it."""
+    from conftest import llama3_folder
+    from toolkit.model_sources import load_model
+    model, facts = load_model(llama3_folder(tmp_path / "hf"))
+    tok = load_tokenizer(facts)
+    special = add_special_tokens(model, tok)
+    s, d, e = special.values()
+    record = {"premise": "中文的句子", "hypothesis": "hello world", "label": "yes"}
+    (example,) = encode_records([(1, record)], "f.jsonl", "entail", tok, special, 128,
+                                ["no", "yes"])
+    premise, hypothesis = tok.encode(record["premise"]), tok.encode(record["hypothesis"])
+    assert tok.bos_id is not None and example.sequences == [
+        [tok.bos_id, s, *premise, d, *hypothesis, e], [tok.bos_id, s, *hypothesis, e]]
 
 
 def task_model(task: str) -> TaskModel:
@@ -295,29 +319,31 @@ def text_terms(hidden: torch.Tensor, log_p: torch.Tensor, first: int, end: int) 
                       (log_p[tokens, None] * hidden[tokens - 1]).mean(dim=0)])
 
 
+@pytest.mark.parametrize("bos", [None, 9])
 @pytest.mark.parametrize("task", ["classify", "entail", "similarity"])
-def test_the_class_head_reads_the_state_and_the_bodys_likelihood(task):
+def test_the_class_head_reads_the_state_and_the_bodys_likelihood(task, bos):
     """classify: the text's mean log-likelihood and its likelihood-weighted states beside the state
     at extract; entail: those of the hypothesis after the premise minus those of the hypothesis
     alone, beside the first sequence's state; similarity: the same of b after a plus that of a after
-    b, beside the two states added."""
+    b, beside the two states added. After a BOS, neither it nor start counts as text."""
     model = task_model(task)
     a, b = [1, 2, 3, 4], [5, 6, 7]
     s, d, e = SPECIAL.values()
     sequences = {"classify": [[s, *a, e]], "entail": [[s, *a, d, *b, e], [s, *b, e]],
                  "similarity": [[s, *a, d, *b, e], [s, *b, d, *a, e]]}[task]
+    sequences, o = ([[bos, *q] for q in sequences], 1) if bos else (sequences, 0)  # o: offset
     idx, extract, _ = pad_batch([Example(sequences, 0, False)], torch.device("cpu"))
     with torch.no_grad():
         logits = model(idx, extract, len(sequences))[0][0]
         (h0, p0), (h1, p1) = [log_probabilities(model.body, q)
                               for q in sequences + sequences[:2 - len(sequences)]]
-        state, feature = h0[-1], text_terms(h0, p0, 1, 5)  # classify: the text after start
+        state, feature = h0[-1], text_terms(h0, p0, 1 + o, 5 + o)  # classify: the text after start
         if task == "entail":  # b after the premise's delimiter, b after start alone
-            feature = text_terms(h0, p0, 6, 9) - text_terms(h1, p1, 1, 4)
+            feature = text_terms(h0, p0, 6 + o, 9 + o) - text_terms(h1, p1, 1 + o, 4 + o)
         if task == "similarity":  # b after a, minus b first; a after b, minus a first
             state = h0[-1] + h1[-1]
-            feature = (text_terms(h0, p0, 6, 9) - text_terms(h1, p1, 1, 4)) + \
-                (text_terms(h1, p1, 5, 9) - text_terms(h0, p0, 1, 5))
+            feature = (text_terms(h0, p0, 6 + o, 9 + o) - text_terms(h1, p1, 1 + o, 4 + o)) + \
+                (text_terms(h1, p1, 5 + o, 9 + o) - text_terms(h0, p0, 1 + o, 5 + o))
         assert model.head.in_features == 2 * 32 + 1
         torch.testing.assert_close(logits, model.head(torch.cat([state, feature])), atol=1e-5,
                                    rtol=0)

@@ -2,7 +2,8 @@
 of examples by it, the validation metrics and the lines --predict writes.
 
 Every example becomes one or more token sequences framed by three special tokens, new rows of the
-token embedding (GPT-1, Radford et al. 2018, section 3.3):
+token embedding (GPT-1, Radford et al. 2018, section 3.3), each after the tokenizer's BOS where it
+puts one before every text (Llama 3's):
 
     classify     start text extract
     entail       start premise delimiter hypothesis extract  and  start hypothesis extract
@@ -125,34 +126,37 @@ def label_value(record: dict, task: str, names: list | None) -> int | float:
 
 # ----- layout -----
 
-def layout(task: str, texts: list[list[int]], special: dict[str, int],
-           block_size: int) -> tuple[list[list[int]], bool]:
-    """The task's sequences for its tokenized texts (choice: the context, then each answer), and
-    whether the context was cut from the left to fit block_size."""
-    start, delimiter, extract = (special[name] for name in SPECIAL_TOKENS)
+def layout(task: str, texts: list[list[int]], special: dict[str, int], block_size: int,
+           bos: int | None = None) -> tuple[list[list[int]], bool]:
+    """The task's sequences for its tokenized texts (choice: the context, then each answer), each
+    after the tokenizer's BOS where it puts one before every text (Llama 3's), and whether the
+    context was cut from the left to fit block_size."""
+    start = [special["start"]] if bos is None else [bos, special["start"]]
+    delimiter, extract = special["delimiter"], special["extract"]
+    frame = len(start) + 1  # the tokens around a text: start (after the BOS) and extract
     if task == "classify":
         (text,) = texts
-        kept = keep_last(text, block_size - 2)
-        return [[start, *kept, extract]], len(kept) < len(text)
+        kept = keep_last(text, block_size - frame)
+        return [[*start, *kept, extract]], len(kept) < len(text)
     if task == "similarity":
         a, b = texts
-        room = block_size - 3
+        room = block_size - frame - 1
         cut = len(a) + len(b) > room
         if cut:  # the longer text gives way first
             short = min(len(a), len(b), room // 2)
             kept_a, kept_b = (short, room - short) if len(a) <= len(b) else (room - short, short)
             a, b = keep_last(a, kept_a), keep_last(b, kept_b)
-        return [[start, *a, delimiter, *b, extract], [start, *b, delimiter, *a, extract]], cut
+        return [[*start, *a, delimiter, *b, extract], [*start, *b, delimiter, *a, extract]], cut
     context, answers = texts[0], texts[1:]  # entail: the premise and the hypothesis
-    room = block_size - 3 - max(map(len, answers))
+    room = block_size - frame - 1 - max(map(len, answers))
     if room < 0:
         what = "the hypothesis" if task == "entail" else "the longest choice"
         raise ValueError(f"{what} alone takes {block_size - room} tokens with the special tokens, "
                          f"more than the block size {block_size}")
     kept = keep_last(context, room)
-    sequences = [[start, *kept, delimiter, *answer, extract] for answer in answers]
+    sequences = [[*start, *kept, delimiter, *answer, extract] for answer in answers]
     if task == "entail":  # the hypothesis alone: its likelihood without the premise
-        sequences.append([start, *answers[0], extract])
+        sequences.append([*start, *answers[0], extract])
     return sequences, len(kept) < len(context)
 
 
@@ -178,7 +182,7 @@ def encode_records(records: list[tuple[int, dict]], path: str, task: str, tokeni
             else:
                 texts = [record[name] for name in FIELDS[task]]
             sequences, truncated = layout(task, [tokenizer.encode(t) for t in texts], special,
-                                          block_size)
+                                          block_size, tokenizer.bos_id)
             label = label_value(record, task, names) if labelled else None
         except ValueError as e:
             raise CLIError(f"{path} line {number}: {e}") from None
@@ -267,11 +271,12 @@ class TaskModel(nn.Module):
         weighted by its token's log-probability. A choice needs only its answers: only the positions
         needed get logits."""
         position = torch.arange(idx.size(1), device=idx.device)
+        start = (idx == self.special["start"]).int().argmax(dim=1)[:, None]  # 1 after a BOS
         is_delimiter = idx == self.special["delimiter"]
         first_delimiter = is_delimiter.int().argmax(dim=1)
         delimiter = torch.where(is_delimiter.any(dim=1), first_delimiter, extract)[:, None]
         wanted = (position < extract[:, None]) & (position != delimiter)
-        wanted &= position > (delimiter if self.task == "choice" else 0)
+        wanted &= position > (delimiter if self.task == "choice" else start)
         rows, cols = wanted.nonzero(as_tuple=True)
         before = hidden[rows, cols - 1]
         logits = before @ self.body.lm_head.weight.T
