@@ -61,6 +61,10 @@ def parse_args(argv: list[str] | None):
     harness.add_argument("--chat-template-kwargs", metavar="JSON",
                          help="further variables for an HF folder's own chat template (lm-eval's "
                               "hf model: chat_template_args), e.g. '{\"enable_thinking\": false}'")
+    harness.add_argument("--think-end-token", metavar="TEXT",
+                         help="where a reasoning model's thinking ends: generation tasks score the "
+                              "reply after its last occurrence (lm-eval's hf model: "
+                              "think_end_token), e.g. '</think>'; digits are a token id")
     args = parser.parse_args(argv)
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not args.tasks and not args.data_dir:
@@ -77,10 +81,12 @@ def parse_args(argv: list[str] | None):
         raise CLIError("--chat-template-kwargs sets variables of the chat template: add "
                        "--apply-chat-template")
     template_variables(args.chat_template_kwargs)
-    for name in ("apply_chat_template", "system_instruction"):
+    if args.think_end_token == "":
+        raise CLIError("--think-end-token is empty")
+    for name in ("apply_chat_template", "system_instruction", "think_end_token"):
         if getattr(args, name) and not harness_tasks:
-            raise CLIError(f"--{name.replace('_', '-')} lays out lm-evaluation-harness's prompts: "
-                           "give one of its tasks (a name or a task YAML) in --tasks")
+            raise CLIError(f"--{name.replace('_', '-')} is for lm-evaluation-harness's tasks: "
+                           "give one of them (a name or a task YAML) in --tasks")
     if args.output:
         check_output(args.output, [args.ckpt, args.data_dir, *args.tasks], "--output")
         refuse_existing([args.output], args.overwrite)

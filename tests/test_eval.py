@@ -244,6 +244,38 @@ def test_bad_input_is_one_line(gpt2_model, tmp_path):
                           "unknown task 'hellaswagg'")
 
 
+@pytest.mark.parametrize("think", ["</think>", None])
+def test_a_generated_reply_is_cut_as_lm_evals_hf_model_cuts_it(think):
+    """After the last end of thinking (--think-end-token as text), then at the first stop."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.utils import postprocess_generated_text
+
+    from toolkit.harness import GPTHarness
+    from toolkit.tokenizers import load_tokenizer
+    model = GPT(GPTConfig(block_size=8, vocab_size=257, n_layer=1, n_head=1, n_embd=8))
+    lm = GPTHarness(model, load_tokenizer({"tokenizer": "byte", "vocab_size": 257, "eot_id": 256}),
+                    1, torch.device("cpu"), torch.float32, think_end=think)
+    until = ["\n\n", "Q:"]
+    for text in ("<think>a\n\nb</think> </think>  42\n\nQ: more", "no thinking: 7 Q: 8",
+                 "思考</think>答案是 5", "</think>", "cut short <think>x\n\ny"):
+        assert lm.reply(list(text.encode()), until) == \
+            postprocess_generated_text(text, until, think), text
+
+
+def test_think_end_token_needs_a_harness_task_and_a_real_token(gpt2_model, tmp_path):
+    ckpt = gpt2_model / "ckpt.pt"
+    items = write_jsonl(tmp_path / "ok.jsonl", hellaswag_rows(2))
+    assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", items,
+                                   "--think-end-token", "</think>"),
+                          "--think-end-token is for lm-evaluation-harness's tasks")
+    assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", "hellaswag",
+                                   "--think-end-token", ""), "--think-end-token is empty")
+    pytest.importorskip("lm_eval")
+    yaml = task_yaml(tmp_path, items)
+    assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", yaml,
+                                   "--think-end-token", "99999"), "no such token id", "50,257")
+
+
 def test_without_lm_eval_a_harness_task_names_the_install(gpt2_model):
     code = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = sys.argv[1:]; "
             "runpy.run_path(sys.argv[0], run_name='__main__')")

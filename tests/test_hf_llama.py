@@ -461,6 +461,20 @@ def test_eval_lays_out_a_harness_task_in_the_folders_template_as_lm_evals_hf_mod
     assert mine[0] == load_tokenizer(load_model(folder)[1]).decode(free[:cut].tolist()) and \
         hf[0].startswith(mine[0])
     assert mine[1:] == [text.rstrip("\ufffd") for text in hf[1:]] and len(set(mine)) == 4
+    # a reasoning model's end of thinking, given as a token id: what follows its last occurrence
+    think = str(int(free[1]))
+    result = run_main("eval.py", "--ckpt", folder, "--tasks", tmp_path / "say" / "say.yaml",
+                      *options, "--think-end-token", think, "--output", tmp_path / "think.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours = json.loads((tmp_path / "think.json").read_text())["tasks"]["harness"]["samples"]["say"]
+    theirs = simple_evaluate(model=HFLM(pretrained=folder, device="cpu", dtype="float32",
+                                        batch_size=4, think_end_token=think),
+                             tasks=["say"],
+                             task_manager=task_manager((str(tmp_path / "say"),), False),
+                             apply_chat_template=True, system_instruction="Answer.",
+                             log_samples=True, bootstrap_iters=0)["samples"]["say"]
+    thought, hf = ([sample["resps"][0][0] for sample in samples] for samples in (ours, theirs))
+    assert thought == [text.rstrip("\ufffd") for text in hf] and thought[0] != mine[0]
 
     # a base model's folder: no template
     plain = hf_folder(tmp_path / "base", tokenizer_json, "qwen3", tie=True)

@@ -34,7 +34,8 @@ OPEN_END = "<|toolkit-open-end|>"
 
 class GPTHarness(TemplateLM):
     def __init__(self, model: GPT, tok: Tokenizer, batch_size: int, device: torch.device,
-                 dtype: torch.dtype, chat: bool = False, variables: dict | None = None):
+                 dtype: torch.dtype, chat: bool = False, variables: dict | None = None,
+                 think_end: str | int | None = None):
         super().__init__()
         self.model, self.tok, self.batch_size, self.where, self.dtype = \
             model.eval(), tok, batch_size, device, dtype
@@ -44,6 +45,7 @@ class GPTHarness(TemplateLM):
         # the template's further ones (lm-eval's hf model: chat_template_args)
         self.variables = variables
         self.stops = stop_ids(tok)  # (an instruction-tuned model's reply ends at its turn's end)
+        self.think_end = think_end  # where a reply's reasoning ends (lm-eval's think_end_token)
 
     @property
     def device(self) -> torch.device:
@@ -123,11 +125,11 @@ class GPTHarness(TemplateLM):
         out = []
         for context, options in (request.args for request in requests):
             until = options.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
+            until = [stop for stop in ([until] if isinstance(until, str) else until) if stop]
             new_tokens = options.get("max_gen_toks", 256)
             temperature = options.get("temperature", 0.0) if options.get("do_sample") else 0.0
             ids = (self.tok_encode(context) or [self.eot_token_id])[-(self.max_length - 1):]
-            tokens, text = [], ""
+            tokens = []
             with autocast(self.where, self.dtype):
                 stream = self.model.generate_stream(torch.tensor([ids], device=self.where),
                                                     new_tokens, temperature=temperature)
@@ -136,13 +138,23 @@ class GPTHarness(TemplateLM):
                     if tokens[-1] in self.stops:
                         tokens.pop()
                         break
-                    text = self.tok_decode(tokens)
-                    if any(stop in text for stop in until):
+                    if any(stop in self.tok_decode(tokens) for stop in until):
                         break
-            for stop in until:
-                text = text.split(stop)[0]
-            out.append(text)
+            out.append(self.reply(tokens, until))
         return out
+
+    def reply(self, tokens: list[int], until: list[str]) -> str:
+        """The text of generated tokens as lm-eval's hf model returns it: from after the last end
+        of reasoning (think_end: a token id, or its text) on, cut at the first stop string."""
+        think = self.think_end
+        if isinstance(think, int) and think in tokens:
+            tokens = tokens[len(tokens) - tokens[::-1].index(think):]
+        text = self.tok_decode(tokens)
+        if think is not None:
+            text = text.split(think)[-1].lstrip() if isinstance(think, str) else text.lstrip()
+        for stop in until:
+            text = text.split(stop)[0]
+        return text
 
 
 def task_name(spec: str) -> tuple[str, str | None]:

@@ -99,6 +99,16 @@ def hub_out_of_reach() -> bool:
     return False
 
 
+def think_end(value: str | None, tok: Tokenizer) -> str | int | None:
+    """--think-end-token as lm-eval's hf model reads it: digits are a token id, else text."""
+    if value is None or not value.isdigit():
+        return value
+    if int(value) >= tok.vocab_size:
+        raise CLIError(f"--think-end-token {value}: no such token id (the vocabulary has "
+                       f"{tok.vocab_size:,})")
+    return int(value)
+
+
 def harness_results(specs: list[str], model: GPT, tok: Tokenizer, args: argparse.Namespace,
                     device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
     """The harness's results for its tasks, with eval.py's --batch-size, --limit and chat options:
@@ -112,7 +122,8 @@ def harness_results(specs: list[str], model: GPT, tok: Tokenizer, args: argparse
                        f"lm_eval (a local .jsonl in HellaSwag's format needs nothing)") from None
     lm = harness.GPTHarness(model, tok, args.batch_size, device, dtype,
                             chat=args.apply_chat_template,
-                            variables=template_variables(args.chat_template_kwargs))
+                            variables=template_variables(args.chat_template_kwargs),
+                            think_end=think_end(args.think_end_token, tok))
     out = harness.run(specs, lm, args.limit, args.system_instruction)
     metrics = {task: {key.split(",")[0]: value for key, value in values.items()
                       if "," in key and "_stderr" not in key and isinstance(value, (int, float))}
