@@ -24,10 +24,9 @@ import numpy as np
 from toolkit import cli, flags
 from toolkit.cli import CLIError
 from toolkit.device import DTYPES, describe, resolve_device, resolve_dtype
-from toolkit.documents import Document, read_corpus
-from toolkit.embedding import (POOLINGS, TuneConfig, chunk_documents, chunk_records, encode,
-                               encoder_identity, load_encoder, settle_chunking, setup_tune,
-                               text_room)
+from toolkit.embedding import (POOLINGS, Document, TuneConfig, chunk_documents, chunk_records,
+                               encode, encoder_identity, load_encoder, read_corpus,
+                               settle_chunking, setup_tune, text_room)
 from toolkit.files import check_output, refuse_existing, save_array, write_jsonl
 from toolkit.index import (INDEX_FILES, METRIC_KS, Index, encode_queries, open_encoder,
                            read_eval_pairs, retrieval_metrics, write_index)

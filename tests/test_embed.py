@@ -269,7 +269,7 @@ def test_json_lines_offsets_find_each_line_and_arrays_are_saved_whole(tmp_path):
 
 def test_a_json_array_corpus_numbers_its_items(tmp_path):
     """A compact array (alpaca_data.json's kind, all on one line) ids its items by position."""
-    from toolkit.documents import read_corpus
+    from toolkit.embedding import read_corpus
     rows = [{"text": "第一篇"}, {"text": "second"}, {"text": "third", "doc": "c"}]
     (tmp_path / "one_line.json").write_text(json.dumps(rows, ensure_ascii=False))
     documents = read_corpus(str(tmp_path / "one_line.json"), "text", "doc", "*.txt")

@@ -1,6 +1,7 @@
 """The containers text ships in (parquet, arrow, a `datasets` folder, zstd), llm.c's token shards,
 and bits per byte: the same rows give the same ids whatever holds them, and shards train exactly
 as nanoGPT's files."""
+import codecs
 import json
 import math
 
@@ -30,16 +31,36 @@ def write_inputs(folder) -> dict[str, object]:
     inputs = {"jsonl": folder / "rows.jsonl", "parquet": folder / "rows.parquet",
               "arrow": folder / "rows.arrow", "arrow stream": folder / "stream.arrow",
               "datasets": folder / "saved", "zst": folder / "rows.jsonl.zst",
-              "json array": folder / "rows.json"}
+              "json array": folder / "rows.json", "jsonl with a BOM": folder / "bom.jsonl",
+              "json array with a BOM": folder / "bom.json",
+              "categorical parquet": folder / "categorical.parquet",
+              "string views": folder / "views.arrow", "a linked folder": folder / "linked"}
     lines = "".join(json.dumps({"id": i, "text": t}, ensure_ascii=False) + "\n"
                     for i, t in enumerate(ROWS))
     inputs["jsonl"].write_text(lines)
     # as alpaca_data.json is laid out
-    inputs["json array"].write_text(json.dumps([{"id": i, "text": t} for i, t in enumerate(ROWS)],
-                                               indent=1, ensure_ascii=False))
+    array = json.dumps([{"id": i, "text": t} for i, t in enumerate(ROWS)], indent=1,
+                       ensure_ascii=False)
+    inputs["json array"].write_text(array)
+    # as Windows editors save: a byte-order mark first, CRLF line ends
+    inputs["jsonl with a BOM"].write_bytes(codecs.BOM_UTF8 + lines.replace("\n", "\r\n").encode())
+    inputs["json array with a BOM"].write_bytes(codecs.BOM_UTF8 + array.encode())
     pq.write_table(table, inputs["parquet"], row_group_size=7)
     # several row groups, read one at a time
     assert pq.ParquetFile(inputs["parquet"]).num_row_groups == 9
+    # a pandas categorical: a dictionary of strings, which parquet keeps
+    pq.write_table(table.set_column(1, "text", table["text"].dictionary_encode()),
+                   inputs["categorical parquet"])
+    assert pa.types.is_dictionary(pq.read_schema(inputs["categorical parquet"]).field("text").type)
+    views = table.set_column(1, "text", table["text"].cast(pa.string_view()))
+    with pa.ipc.new_file(inputs["string views"], views.schema) as writer:
+        writer.write_table(views)
+    # a folder whose file lies behind a link to another folder, which links back up (no loop)
+    (folder / "elsewhere").mkdir()
+    (folder / "elsewhere" / "rows.jsonl").write_text(lines)
+    (folder / "elsewhere" / "up").symlink_to(folder / "elsewhere")
+    inputs["a linked folder"].mkdir()
+    (inputs["a linked folder"] / "sub").symlink_to(folder / "elsewhere")
     with pa.ipc.new_file(inputs["arrow"], table.schema) as writer:
         writer.write_table(table, max_chunksize=11)
     with pa.ipc.new_stream(inputs["arrow stream"], table.schema) as writer:
@@ -59,20 +80,22 @@ def test_the_same_rows_give_the_same_bins_whatever_holds_them(tmp_path):
     results = {}
     for name, path in inputs.items():
         result = run_main("tokenizer.py", "--input", path, "--tokenizer", "gpt2", "--append-eod",
-                          "--output-dir", tmp_path / name.replace(" ", "-"))
+                          "--glob", "*.jsonl", "--output-dir", tmp_path / name.replace(" ", "-"))
         assert result.returncode == 0, (name, result.stderr)
         results[name] = bins(tmp_path / name.replace(" ", "-"))
     assert all(found == results["jsonl"] for found in results.values()), [n for n in results]
     train, val = (np.frombuffer(b, np.uint16) for b in results["jsonl"])
     assert len(train) + len(val) == sum(len(tiktoken.get_encoding("r50k_base").encode(r)) + 1
                                         for r in ROWS)
-    # a plain text file compressed with zstd: the file's bins
+    # a plain text file compressed with zstd, or after a byte-order mark: the file's bins
     (tmp_path / "one.txt").write_text(ROWS[3])
     (tmp_path / "one.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(ROWS[3].encode()))
-    for name in ("one.txt", "one.txt.zst"):
+    (tmp_path / "bom.txt").write_bytes(codecs.BOM_UTF8 + ROWS[3].encode())
+    for name in ("one.txt", "one.txt.zst", "bom.txt"):
         assert run_main("tokenizer.py", "--input", tmp_path / name, "--tokenizer", "byte",
                         "--output-dir", tmp_path / (name + "-out")).returncode == 0
-    assert bins(tmp_path / "one.txt-out") == bins(tmp_path / "one.txt.zst-out")
+    assert bins(tmp_path / "one.txt-out") == bins(tmp_path / "one.txt.zst-out") == \
+        bins(tmp_path / "bom.txt-out")
 
 
 def test_containers_that_cannot_be_read_are_one_line(tmp_path):
@@ -82,6 +105,14 @@ def test_containers_that_cannot_be_read_are_one_line(tmp_path):
     (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])
     compressed = inputs["zst"].read_bytes()
     (tmp_path / "cut.jsonl.zst").write_bytes(compressed[: len(compressed) // 2])
+    # an arrow stream cut where a record batch ends: what is left reads as a shorter stream
+    stream = pa.BufferOutputStream()
+    with pa.ipc.new_stream(stream, pa.schema([("text", pa.string())])) as writer:
+        ends = []
+        for row in ROWS[:4]:
+            writer.write_batch(pa.record_batch([[row]], names=["text"]))
+            ends.append(stream.tell())
+    (tmp_path / "cut.arrow").write_bytes(stream.getvalue().to_pybytes()[: ends[1]])
     cases = {"missing column": (["--input", inputs["parquet"], "--json-key", "body"],
                                 ["rows.parquet has no column 'body'", "its columns: id, text"]),
              "not text": (["--input", inputs["parquet"], "--json-key", "id"],
@@ -91,6 +122,8 @@ def test_containers_that_cannot_be_read_are_one_line(tmp_path):
              "truncated parquet": (["--input", tmp_path / "cut.parquet"],
                                    ["cannot read", "cut.parquet"]),
              "truncated zst": (["--input", tmp_path / "cut.jsonl.zst"], ["cut.jsonl.zst"]),
+             "arrow stream cut between batches": (["--input", tmp_path / "cut.arrow"],
+                                                  ["cut.arrow", "cut short"]),
              "missing column in a datasets folder": (["--input", inputs["datasets"],
                                                       "--json-key", "body"],
                                                      ["has no column 'body'"])}

@@ -363,6 +363,12 @@ def bad_inputs(tmp_path) -> dict:
     (tmp_path / "latin1.txt").write_bytes("ok text, then caf\xe9".encode("latin-1"))
     (tmp_path / "empty.jsonl").write_text('{"text": ""}\n\n')
     (tmp_path / "one.txt").write_text("a second document")
+    # JSON may escape half of a UTF-16 pair alone: a cut emoji
+    (tmp_path / "surrogate.jsonl").write_text('{"text": "fine"}\n{"text": "cut \\ud83d here"}\n')
+    (tmp_path / "bigint.jsonl").write_text('{"text": "fine"}\n{"text": "a", "n": ' + "9" * 5000 +
+                                           "}\n")
+    (tmp_path / "tiny.txt").write_text("a")
+    os.mkfifo(tmp_path / "pipe")
     return {
         "missing": (["--input", str(tmp_path / "nope.txt")], ["nope.txt", "not found"]),
         "empty": (["--input", str(tmp_path / "empty.jsonl")], ["no non-empty documents"]),
@@ -372,10 +378,18 @@ def bad_inputs(tmp_path) -> dict:
                      ["bad.jsonl line 3001", "--skip-bad-lines"]),
         "no-key": (["--input", str(tmp_path / "nokey.jsonl")],
                    ["nokey.jsonl line 2", "no string 'text' key (its string keys: content)"]),
+        "surrogate": (["--input", str(tmp_path / "surrogate.jsonl")],
+                      ["surrogate.jsonl line 2", "lone surrogate (U+D83D", "--errors replace"]),
+        "huge-number": (["--input", str(tmp_path / "bigint.jsonl")],
+                        ["bigint.jsonl line 2", "invalid JSON (Exceeds the limit (4300 digits)",
+                         "--skip-bad-lines"]),
+        "one-token": (["--input", str(tmp_path / "tiny.txt")], ["1 tokens: too few"]),
+        "pipe": (["--input", str(tmp_path / "pipe")], ["neither a file nor a folder"]),
     }
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "non-utf8", "bad-json", "no-key"])
+@pytest.mark.parametrize("case", ["missing", "empty", "non-utf8", "bad-json", "no-key",
+                                  "surrogate", "huge-number", "one-token", "pipe"])
 def test_bad_input_is_one_error_line_and_leaves_nothing(tmp_path, case):
     args, phrases = bad_inputs(tmp_path)[case]
     out = tmp_path / "out"
@@ -396,6 +410,49 @@ def test_bad_input_escape_hatches(tmp_path):
                          "--output-prefix", str(tmp_path / "s"))
     assert skipped.returncode == 0, skipped.stderr
     assert "1 bad lines skipped" in skipped.stdout and "6,000 documents" in skipped.stdout
+    skipped = run_script("--input", str(tmp_path / "bigint.jsonl"), "--tokenizer", "byte",
+                         "--skip-bad-lines", "--output-dir", str(tmp_path / "b"))
+    assert "1 bad lines skipped" in skipped.stdout, skipped.stderr
+    # the half pair is U+FFFD, as invalid UTF-8 is
+    replaced = run_script("--input", str(tmp_path / "surrogate.jsonl"), "--tokenizer", "char",
+                          "--errors", "replace", "--output-dir", str(tmp_path / "c"))
+    assert replaced.returncode == 0, replaced.stderr
+    assert "\ufffd" in json.loads((tmp_path / "c" / "meta.json").read_text())["chars"]
+
+
+def test_a_failing_rerun_keeps_the_dataset_it_would_replace(tmp_path):
+    """--overwrite replaces an earlier dataset only with a complete new one."""
+    src = write_jsonl(tmp_path / "a.jsonl", ["one", "two", "three"] * 20)
+    out = tmp_path / "out"
+    assert run_script("--input", src, "--tokenizer", "char", "--output-dir",
+                      str(out)).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    bad_inputs(tmp_path)
+    assert_one_error_line(run_script("--input", str(tmp_path / "surrogate.jsonl"), "--tokenizer",
+                                     "char", "--output-dir", str(out), "--overwrite"),
+                          "lone surrogate")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_an_output_named_like_an_input_is_refused_even_with_overwrite(tmp_path):
+    """Megatron's PREFIX.json metadata where the input JSON is: the input stays."""
+    src = write_jsonl(tmp_path / "c_text_document.json", ["one", "two", "three"])
+    before = open(src).read()
+    assert_one_error_line(run_script("--input", src, "--tokenizer", "byte", "--format", "megatron",
+                                     "--output-prefix", str(tmp_path / "c"), "--overwrite"),
+                          "would overwrite the input")
+    assert open(src).read() == before
+
+
+def test_pipes_and_broken_links_in_an_input_folder_are_no_documents(tmp_path):
+    """A pipe would block the reading forever, a broken link has nothing to read."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("the only document")
+    os.mkfifo(tmp_path / "in" / "pipe.txt")
+    (tmp_path / "in" / ".#a.txt").symlink_to("user@host.1234")  # as Emacs locks a file
+    result = conftest.run_script("tokenizer.py", "--input", tmp_path / "in", "--tokenizer", "byte",
+                                 "--output-dir", tmp_path / "out", timeout=60)
+    assert result.returncode == 0 and "1 documents" in result.stdout, result.stderr
 
 
 def test_existing_output_and_missing_output_dir(tmp_path):

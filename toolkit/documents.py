@@ -3,7 +3,8 @@
 --json-key); folders are walked in a fixed order, and one that HF `datasets` wrote (save_to_disk) is
 read as its arrow files; .gz, .bz2, .xz and .zst files are decompressed on the fly. The same rows
 give the same documents whatever holds them. tokenizer.py streams its input from here
-(read_documents); embed.py reads a corpus of texts with ids (read_corpus).
+(read_documents); embed.py's corpus of texts with ids (toolkit/embedding.py) reads its files here.
+A leading UTF-8 byte-order mark (Windows editors write one) is no text.
 """
 import bz2
 import codecs
@@ -76,6 +77,7 @@ RECORD_LIMIT = 1 << 28  # the bytes of one JSON line (a record, held whole to pa
 UNCUT_LIMIT = 1 << 26
 JSON_SUFFIXES = (".jsonl", ".json")
 BETWEEN_ITEMS = re.compile(r"[\s,]*")  # of a JSON array
+STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # arrow IPC's end-of-stream marker
 # what reading a (compressed) file raises when it is unreadable, corrupt or cut short
 READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError)
 
@@ -94,27 +96,37 @@ def input_files(paths: list[str], pattern: str) -> list[str]:
         elif os.path.isfile(os.path.join(path, "state.json")):  # written by datasets' save_to_disk
             files += saved_dataset_files(path)
         elif os.path.isdir(path):
-            found = []
-            for root, dirs, names in os.walk(path):
-                dirs.sort()
-                # "a.txt.gz" matches "*.txt": compression is not part of what the file is
-                found += [os.path.join(root, n) for n in sorted(names)
-                          if fnmatch.fnmatch(n, pattern) or
-                          fnmatch.fnmatch(without_compression(n), pattern)]
+            # "a.txt.gz" matches "*.txt": compression is not part of what the file is
+            found = [file for file in tree(path)
+                     if fnmatch.fnmatch(os.path.basename(file), pattern) or
+                     fnmatch.fnmatch(without_compression(os.path.basename(file)), pattern)]
             if not found:
                 raise CLIError(f"no files matching --glob {pattern!r} under "
                                f"{path}{other_kinds(path)}")
             files += found
         else:
-            raise CLIError(f"input not found: {path}")
+            raise CLIError(f"input {path} is neither a file nor a folder (a broken link, a pipe "
+                           "or a device)" if os.path.lexists(path) else f"input not found: {path}")
+    return files
+
+
+def tree(folder: str) -> list[str]:
+    """The regular files under folder (pipes, devices and broken links are no documents), sorted
+    within each folder, linked folders followed: each folder once, so a link back up is no loop."""
+    files, seen = [], set()
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        dirs[:] = [] if real in seen else sorted(dirs)
+        if real not in seen:
+            seen.add(real)
+            files += filter(os.path.isfile, (os.path.join(root, name) for name in sorted(names)))
     return files
 
 
 def other_kinds(folder: str) -> str:
     """What a folder holds instead, as the --glob that would take it, e.g. " (it holds 2 .parquet
     files: --glob '*.parquet')"; empty when it holds no file of a readable kind."""
-    kinds = Counter(os.path.splitext(without_compression(name))[1]
-                    for _, _, names in os.walk(folder) for name in names)
+    kinds = Counter(os.path.splitext(without_compression(path))[1] for path in tree(folder))
     readable = [(kind, n) for kind, n in kinds.most_common()
                 if kind in (".txt", *TABLES, *JSON_SUFFIXES)]
     if not readable:
@@ -157,6 +169,10 @@ def table_documents(path: str, key: str, skip_bad_lines: bool,
             except pa.ArrowInvalid:  # the stream format, as datasets writes it
                 reader = pa.ipc.open_stream(pa.memory_map(path))
                 batches = iter(reader)
+                # a stream cut between two batches reads as a shorter one: only its end tells
+                if source.size() < 8 or source.read_at(8, source.size() - 8) != STREAM_END:
+                    raise CLIError(f"cannot read {path}: the arrow stream is cut short (no "
+                                   "end-of-stream marker)") from None
             columns, sizes = reader.schema.names, 0
         if key not in columns:
             raise CLIError(f"{path} has no column {key!r} (--json-key); its columns: "
@@ -164,9 +180,7 @@ def table_documents(path: str, key: str, skip_bad_lines: bool,
         row = 0
         for batch in batches:
             column = batch.column(batch.schema.get_field_index(key))
-            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-                raise CLIError(f"{path}: column {key!r} holds {column.type}, not text")
-            for text in column.to_pylist():
+            for text in text_column(column, path, key).to_pylist():
                 row += 1
                 if text is None and not skip_bad_lines:
                     raise CLIError(f"{path} row {row}: no text in {key!r}; "
@@ -177,6 +191,15 @@ def table_documents(path: str, key: str, skip_bad_lines: bool,
                 yield [text], sizes or len(text)
     except (pa.ArrowException, OSError) as e:  # not parquet or arrow, corrupt, truncated
         raise CLIError(f"cannot read {path}: {' '.join(str(e).split())[:200]}") from None
+
+
+def text_column(column: pa.Array, path: str, key: str) -> pa.Array:
+    """A column's strings, whichever of arrow's string types holds them (string views, a
+    categorical's dictionary of strings)."""
+    kind = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
+    if kind not in (pa.string(), pa.large_string(), pa.string_view()):
+        raise CLIError(f"{path}: column {key!r} holds {column.type}, not text")
+    return column.cast(pa.large_string())
 
 
 def without_compression(path: str) -> str:
@@ -202,7 +225,7 @@ def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
                    stats: ReadStats) -> Iterator[tuple[list[str], int]]:
     """([text], input bytes) of each JSON line: the string under key."""
     if holds_json_array(path):
-        yield from array_documents(path, key, skip_bad_lines, stats)
+        yield from array_documents(path, key, errors, skip_bad_lines, stats)
         return
     offset = number = 0
     with open_binary(path) as f:
@@ -227,20 +250,23 @@ def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
                 skip_or_raise(e, skip_bad_lines, stats)
                 continue
             del text
-            yield [document], size
+            yield [unicode_text(document, where, errors)], size
 
 
-def array_documents(path: str, key: str, skip_bad_lines: bool,
+def array_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
                     stats: ReadStats) -> Iterator[tuple[list[str], int]]:
     """json_documents' for a file of one JSON array (json_array), each item an equal share of its
     bytes."""
     items = list(json_array(path))
     share = os.path.getsize(path) // max(1, len(items))
     for number, value in items:
+        where = f"{path} line {number}"
         try:
-            yield [document_text(value, key, f"{path} line {number}")], share
+            document = document_text(value, key, where)
         except CLIError as e:
             skip_or_raise(e, skip_bad_lines, stats)
+            continue
+        yield [unicode_text(document, where, errors)], share
 
 
 def document_text(value, key: str, where: str) -> str:
@@ -249,6 +275,21 @@ def document_text(value, key: str, where: str) -> str:
     if not (isinstance(value, dict) and isinstance(value.get(key), str)):
         raise missing_key(where, key, value)
     return value.pop(key)
+
+
+def unicode_text(text: str, where: str, errors: str) -> str:
+    """A JSON string as Unicode text: JSON may escape half of a UTF-16 pair alone ("\\ud83d", a
+    cut emoji), which no UTF-8 file can hold; with --errors replace it becomes U+FFFD, as invalid
+    UTF-8 does."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError as e:
+        if errors == "replace":
+            return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        raise CLIError(f"{where}: a lone surrogate (U+{ord(text[e.start]):04X}, half of an escaped "
+                       f"UTF-16 pair) at character {e.start} is not Unicode text; use --errors "
+                       "replace to go on") from None
 
 
 def skip_or_raise(error: CLIError, skip_bad_lines: bool, stats: ReadStats) -> None:
@@ -267,6 +308,8 @@ def text_pieces(f, path: str, errors: str) -> tuple[list[str], int]:
     pieces, rest, size = [], "", 0
     while True:
         block = f.read(BLOCK)
+        if not size and block.startswith(codecs.BOM_UTF8):  # a byte-order mark: not text
+            block, size = block[len(codecs.BOM_UTF8):], len(codecs.BOM_UTF8)
         pending = len(decoder.getstate()[0])  # the bytes of a character cut by the last block
         try:
             text = rest + decoder.decode(block, final=not block)
@@ -315,10 +358,11 @@ def read_text(path: str, what: str = "file") -> str:
             data = f.read()
     except READ_ERRORS as e:
         raise CLIError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # (not text)
     try:
-        return data.decode("utf-8")
+        return data[bom:].decode("utf-8")
     except UnicodeDecodeError as e:
-        raise CLIError(f"{path} is not UTF-8 text (byte offset {e.start})") from None
+        raise CLIError(f"{path} is not UTF-8 text (byte offset {bom + e.start})") from None
 
 
 def read_lines(path: str) -> Iterator[tuple[int, str]]:
@@ -327,6 +371,8 @@ def read_lines(path: str) -> Iterator[tuple[int, str]]:
         raise CLIError(f"file not found: {path}")
     with open_binary(path) as f:
         for number, line in enumerate(f, start=1):
+            if number == 1:
+                line = line.removeprefix(codecs.BOM_UTF8)  # a byte-order mark: not text
             try:
                 yield number, line.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError:
@@ -351,7 +397,7 @@ def holds_json_array(path: str) -> bool:
     if not os.path.isfile(path):
         return False  # (its reader says so)
     with open_binary(path) as f:
-        while chunk := f.read(4096):
+        while chunk := f.read(4096).removeprefix(codecs.BOM_UTF8):
             if chunk.strip():
                 return chunk.lstrip()[:1] == b"["
     return False
@@ -375,18 +421,7 @@ def json_array(path: str) -> Iterator[tuple[int, object]]:
         line += text.count("\n", start, end)
 
 
-# ----- a corpus of texts with ids (embed.py) -----
-
-@dataclass
-class Document:
-    id: str
-    text: str
-    source: str
-    line: int | None  # None: the whole file is the text
-
-    def where(self) -> str:
-        return self.source if self.line is None else f"{self.source} line {self.line}"
-
+# ----- JSON records -----
 
 def json_records(path: str, keys: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
     """(line number, JSON object) of every non-blank line, each with a string under each key, or a
@@ -405,37 +440,3 @@ def missing_key(where: str, key: str, value) -> CLIError:
     found = [k for k, v in value.items() if isinstance(v, str)] if isinstance(value, dict) else []
     listed = f" (its string keys: {', '.join(found)})" if found else ""
     return CLIError(f"{where}: no string {key!r} key{listed}")
-
-
-def record_id(path: str, number: int, value) -> str:
-    """Ids are compared as text, so 7 and "7" name the same document."""
-    if type(value) not in (str, int):
-        raise CLIError(f"{path} line {number}: the id must be a string or an integer, "
-                       f"got {value!r}")
-    return str(value)
-
-
-def read_corpus(path: str, json_key: str, id_key: str, glob: str) -> list[Document]:
-    """The non-blank texts of a text file (one per line), a JSON-lines file (one per line, or one
-    per item of a JSON array) or a folder (one per file), each with a unique id: a record's id_key,
-    else its line number (its position in an array); a file's path in the folder."""
-    if os.path.isdir(path):
-        documents = [Document(os.path.relpath(file, path), read_text(file), file, None)
-                     for file in input_files([path], glob)]
-    elif is_json_lines(path):
-        documents, array = [], holds_json_array(path)
-        for index, (number, record) in enumerate(json_records(path, (json_key,)), start=1):
-            default = str(index if array else number)  # an array's items may share a line
-            doc_id = record_id(path, number, record[id_key]) if id_key in record else default
-            documents.append(Document(doc_id, record[json_key], path, number))
-    else:
-        documents = [Document(str(number), line, path, number) for number, line in read_lines(path)]
-    documents = [d for d in documents if d.text.strip()]
-    if not documents:
-        raise CLIError(f"no texts in {path}; nothing to encode")
-    first_use = {}
-    for d in documents:
-        if d.id in first_use:
-            raise CLIError(f"{d.where()}: id {d.id!r} is already used by {first_use[d.id]}")
-        first_use[d.id] = d.where()
-    return documents

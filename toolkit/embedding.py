@@ -26,7 +26,8 @@ from toolkit.checkpoint import CHECKPOINT_FILE, run_state
 from toolkit.cli import CLIError
 from toolkit.config import RunConfig, settle_run
 from toolkit.device import autocast, describe, run_device
-from toolkit.documents import Document, json_records, read_corpus
+from toolkit.documents import (holds_json_array, input_files, is_json_lines, json_records,
+                               read_lines, read_text)
 from toolkit.files import check_output, claim_out_dir, fingerprint, refuse_existing
 from toolkit.flags import option
 from toolkit.hf import find_model_dir
@@ -98,6 +99,53 @@ def encode(model: GPT, token_lists: list[list[int]], pooling: str, batch_size: i
     finally:
         model.train(was_training)
     return vectors
+
+
+# ----- a corpus of texts with ids -----
+
+@dataclass
+class Document:
+    id: str
+    text: str
+    source: str
+    line: int | None  # None: the whole file is the text
+
+    def where(self) -> str:
+        return self.source if self.line is None else f"{self.source} line {self.line}"
+
+
+def record_id(path: str, number: int, value) -> str:
+    """Ids are compared as text, so 7 and "7" name the same document."""
+    if type(value) not in (str, int):
+        raise CLIError(f"{path} line {number}: the id must be a string or an integer, "
+                       f"got {value!r}")
+    return str(value)
+
+
+def read_corpus(path: str, json_key: str, id_key: str, glob: str) -> list[Document]:
+    """The non-blank texts of a text file (one per line), a JSON-lines file (one per line, or one
+    per item of a JSON array) or a folder (one per file), each with a unique id: a record's id_key,
+    else its line number (its position in an array); a file's path in the folder."""
+    if os.path.isdir(path):
+        documents = [Document(os.path.relpath(file, path), read_text(file), file, None)
+                     for file in input_files([path], glob)]
+    elif is_json_lines(path):
+        documents, array = [], holds_json_array(path)
+        for index, (number, record) in enumerate(json_records(path, (json_key,)), start=1):
+            default = str(index if array else number)  # an array's items may share a line
+            doc_id = record_id(path, number, record[id_key]) if id_key in record else default
+            documents.append(Document(doc_id, record[json_key], path, number))
+    else:
+        documents = [Document(str(number), line, path, number) for number, line in read_lines(path)]
+    documents = [d for d in documents if d.text.strip()]
+    if not documents:
+        raise CLIError(f"no texts in {path}; nothing to encode")
+    first_use = {}
+    for d in documents:
+        if d.id in first_use:
+            raise CLIError(f"{d.where()}: id {d.id!r} is already used by {first_use[d.id]}")
+        first_use[d.id] = d.where()
+    return documents
 
 
 # ----- the encoder, and texts as token chunks -----

@@ -40,6 +40,7 @@ def temporary_name(path: str) -> str:
 def atomic_write(path: str, write: Callable[[str], Any]) -> None:
     """Call write(tmp) to fill a temporary file, flush it to disk, then rename it to path."""
     make_folder(os.path.dirname(path) or ".")
+    refuse_special(path)
     tmp = temporary_name(path)
     try:
         write(tmp)
@@ -60,6 +61,7 @@ def atomic_open(path: str, mode: str = "w") -> Iterator[IO]:
     the block ends, then is renamed to path; if the block fails or is interrupted, the temporary
     file goes and path is untouched."""
     make_folder(os.path.dirname(path) or ".")
+    refuse_special(path)
     tmp = temporary_name(path)
     try:
         with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
@@ -164,23 +166,39 @@ def claim_out_dir(out_dir: str, checkpoint: str, resuming: bool, overwrite: bool
 
 
 def check_output(path: str, inputs: list[str], flag: str) -> None:
-    """Refuse (CLIError) an output path that is one of the inputs, lies inside an input folder, or
-    is a file of this toolkit's code."""
+    """Refuse (CLIError) an output path that is one of the inputs, lies inside an input folder,
+    holds an input (a folder output replaces what it holds), or is a file of this toolkit's
+    code."""
     target = os.path.realpath(path)
     for source in filter(None, inputs):
         source = os.path.realpath(source)
         if target == source or os.path.isdir(source) and target.startswith(source + os.sep):
             raise CLIError(f"{flag} {path} would overwrite the input {source}; choose another path")
+        if source.startswith(target + os.sep):
+            raise CLIError(f"{flag} {path} holds the input {source}, which it would replace; "
+                           "choose another path")
     if os.path.dirname(target) in (CODE_DIR, os.path.join(CODE_DIR, "toolkit")) and \
             target.endswith(".py"):
         raise CLIError(f"{flag} {path} would overwrite this toolkit's {os.path.basename(target)}")
 
 
 def refuse_existing(paths: list[str], overwrite: bool) -> None:
-    """Refuse (CLIError) to replace an existing output unless overwrite."""
+    """Refuse (CLIError) to replace an existing output file unless overwrite, and whatever is not a
+    regular file (refuse_special)."""
+    for path in paths:
+        refuse_special(path)
     existing = [p for p in paths if os.path.exists(p)]
     if existing and not overwrite:
         raise CLIError(f"{existing[0]} already exists; use --overwrite to replace it")
+
+
+def refuse_special(path: str, flag: str | None = None) -> None:
+    """Refuse (CLIError) an output file path where something other than a regular file is: a
+    folder, a pipe, a device such as /dev/null (the rename that ends every write would replace
+    it)."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise CLIError(f"{flag + ' ' if flag else ''}{path} is not a regular file (a folder, pipe "
+                       "or device); give the path of a file to write")
 
 
 def replace_folder(path: str, write: Callable[[str], Any]) -> Any:
@@ -260,9 +278,11 @@ def save_array(path: str, array: np.ndarray) -> None:
 def parse_json(text: str | bytes, where: str):
     """The JSON value of every file and line the toolkit reads, or one CLIError naming where it came
     from: `WHERE: invalid JSON (why)`. Python's parser recurses, so nesting too deep to read (a line
-    of 10,000 brackets) is invalid JSON here, not a RecursionError."""
+    of 10,000 brackets) is invalid JSON here, not a RecursionError. A leading byte-order mark (as
+    Windows editors write) is skipped."""
     try:
-        return json.loads(text)
+        text = (text.decode("utf-8") if isinstance(text, bytes) else text).removeprefix("\ufeff")
+        value = json.loads(text)
     except json.JSONDecodeError as e:
         raise CLIError(f"{where}: invalid JSON ({e.msg} at line {e.lineno} column "
                        f"{e.colno})") from None
@@ -270,6 +290,9 @@ def parse_json(text: str | bytes, where: str):
         raise CLIError(f"{where}: invalid JSON (nested too deeply to read)") from None
     except UnicodeDecodeError as e:
         raise CLIError(f"{where}: not UTF-8 text (byte offset {e.start})") from None
+    except ValueError as e:  # a number of more digits than Python converts
+        raise CLIError(f"{where}: invalid JSON ({str(e).split(';')[0]})") from None
+    return value
 
 
 def read_json(path: str, what: str = "JSON file") -> dict:

@@ -19,9 +19,9 @@ import torch
 from model import GPT
 from toolkit.cli import CLIError
 from toolkit.device import resolve_dtype
-from toolkit.documents import Document, json_records, record_id
-from toolkit.embedding import (encode, encoder_identity, load_encoder, text_room, token_ids,
-                               top_k)
+from toolkit.documents import json_records
+from toolkit.embedding import (Document, encode, encoder_identity, load_encoder, record_id,
+                               text_room, token_ids, top_k)
 from toolkit.files import lock_folder, parse_json, read_json, save_array, write_json, write_jsonl
 from toolkit.tokenizers import Tokenizer
 

@@ -21,7 +21,8 @@ from tqdm import tqdm
 from toolkit.cli import CLIError
 from toolkit.data import DEFAULT_CORPUS_DIR, NANOGPT_FILES, is_prepared, megatron_document_prefix
 from toolkit.documents import ReadStats, input_files, read_documents, read_text, without_compression
-from toolkit.files import refuse_existing, remove_temporaries, write_error, write_text
+from toolkit.files import (check_output, refuse_existing, remove_temporaries, write_error,
+                           write_text)
 from toolkit.tokenizers import CUT, Tokenizer, load_tokenizer, train_bpe
 from toolkit.writers import (LlmcWriter, MegatronWriter, NanoGPTWriter, llmc_shards, output_dtype,
                              write_nanogpt)
@@ -152,13 +153,13 @@ def ensure_default_corpus(data_dir: str = DEFAULT_CORPUS_DIR) -> str:
 
 def outputs(args: argparse.Namespace) -> list[str]:
     """The files a run would write (or find, for llm.c's shards); only --overwrite replaces them."""
-    trained = args.tokenizer == "bpe"
+    bpe = args.tokenizer == "bpe" or bool(args.tokenizer_file)  # with its tokenizer.json
     if args.format == "megatron":
         prefix = megatron_document_prefix(args.output_prefix, args.json_key)
-        return [prefix + ext for ext in (".bin", ".idx", ".json", *[".tokenizer.json"] * trained)]
+        return [prefix + ext for ext in (".bin", ".idx", ".json", *[".tokenizer.json"] * bpe)]
     names = [*NANOGPT_FILES] if args.format == "nanogpt" else \
         ["meta.json", *llmc_shards(args.output_dir)]
-    return [os.path.join(args.output_dir, name) for name in (*names, *["tokenizer.json"] * trained)]
+    return [os.path.join(args.output_dir, name) for name in (*names, *["tokenizer.json"] * bpe)]
 
 
 def texts(files: list[str], args: argparse.Namespace):
@@ -226,6 +227,9 @@ def prepare(args: argparse.Namespace) -> dict | None:
         return meta
     refuse_existing(outputs(args), args.overwrite)
     files = input_files(args.input, args.glob)
+    flag = "--output-prefix" if args.format == "megatron" else "--output-dir"
+    for path in outputs(args):
+        check_output(path, [*files, args.tokenizer_file], flag)
     tokenizer = build_tokenizer(args, files)
     folder = os.path.dirname(outputs(args)[0]) or "."
     eod = "prepend" if args.format == "llmc" else "append" if args.append_eod else None

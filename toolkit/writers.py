@@ -15,6 +15,22 @@ from toolkit.data import (LLMC_HEADER_INTS, LLMC_MAGIC, LLMC_SHARD, MEGATRON_DTY
 from toolkit.files import atomic_write, make_folder, temporary_name, write_json
 
 
+def commit(moves: dict[str, str], meta_path: str, meta: dict) -> None:
+    """The finished files (temporary path -> final path) put in place, then their metadata, whose
+    presence means complete: an earlier run's metadata goes before its files are replaced."""
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
+    for tmp, final in moves.items():
+        os.replace(tmp, final)
+    write_json(meta_path, meta)
+
+
+def refuse_empty_split(tokens: dict[str, int]) -> None:
+    if not all(tokens.values()):
+        raise CLIError(f"the input holds {sum(tokens.values()):,} tokens: too few for a train and "
+                       "a val split; give more text")
+
+
 def write_nanogpt(folder: str, train: np.ndarray, val: np.ndarray, meta: dict) -> dict:
     """A nanoGPT folder from two token arrays (already split); returns the meta.json written."""
     make_folder(folder)
@@ -108,11 +124,11 @@ class NanoGPTWriter:
                 "train_documents": self.documents["train"], "val_documents": self.documents["val"],
                 "train_tokens": self.tokens["train"], "val_tokens": self.tokens["val"],
                 "val_fraction": self.val_fraction, "seed": self.seed}
+        refuse_empty_split(self.tokens)
         for f in self.files.values():
             f.close()
-        for name in ("train.bin", "val.bin"):
-            os.replace(self.tmp[name], self.final[name])
-        write_json(self.final["meta.json"], meta)  # last: its presence means complete
+        commit({self.tmp[name]: self.final[name] for name in ("train.bin", "val.bin")},
+               self.final["meta.json"], meta)
         return meta
 
 
@@ -156,9 +172,8 @@ class MegatronWriter:
         meta = {"format": "megatron", **meta, "dtype": self.dtype.name, "documents": len(sizes),
                 "tokens": self.tokens}
         write_megatron_index(self.tmp[".idx"], self.dtype, sizes)
-        for ext in (".bin", ".idx"):
-            os.replace(self.tmp[ext], self.final[ext])
-        write_json(self.final[".json"], meta)  # last: its presence means complete
+        commit({self.tmp[ext]: self.final[ext] for ext in (".bin", ".idx")}, self.final[".json"],
+               meta)
         return meta
 
 
@@ -231,13 +246,15 @@ class LlmcWriter:
                 f.seek(8)
                 f.write(np.int32(val).tobytes())
         names = [os.path.basename(self.shard_path(index)) for index in range(len(self.written))]
-        for stale in set(llmc_shards(self.folder)) - set(names):  # an earlier run's (--overwrite)
-            os.remove(os.path.join(self.folder, stale))
-        for index, (path, _) in enumerate(self.written):
-            os.replace(path, self.shard_path(index))
         meta = {"format": "llmc", **meta, "dtype": "uint16", "documents": self.documents,
                 "shards": names, "val_tokens": self.written[0][1],
                 "train_tokens": sum(n for _, n in self.written[1:])}
-        # last: its presence means complete
-        write_json(os.path.join(self.folder, "meta.json"), meta)
+        refuse_empty_split({"val": meta["val_tokens"], "train": meta["train_tokens"]})
+        meta_path = os.path.join(self.folder, "meta.json")
+        if os.path.exists(meta_path):  # (before an earlier run's shards go)
+            os.remove(meta_path)
+        for stale in set(llmc_shards(self.folder)) - set(names):  # an earlier run's (--overwrite)
+            os.remove(os.path.join(self.folder, stale))
+        commit({path: self.shard_path(index) for index, (path, _) in enumerate(self.written)},
+               meta_path, meta)
         return meta
