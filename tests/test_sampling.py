@@ -1,8 +1,11 @@
 """test.py and toolkit/sampling.py: sampling from checkpoints and HF directories, streaming,
 interactive prompts, JSONL output that is whole or absent."""
 import json
+import os
 import resource
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 
@@ -59,10 +62,47 @@ def test_same_seed_same_samples_and_prompt_from_file(char_ckpt, tmp_path):
 
 
 def test_interactive_prompt_loop(char_ckpt):
+    """A prompt the vocabulary cannot spell is said in one line, and the session goes on."""
     result = run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, "--interactive", "--num-samples",
-                      "1", input="class \nfor \n\n")
+                      "1", input="class \n中文\nfor \n\n")
     assert result.returncode == 0, result.stderr
     assert "class " in result.stdout and "for " in result.stdout
+    assert "error: character '中' is not in the char vocabulary" in result.stderr
+
+
+def test_outputs_that_are_no_regular_file_are_refused_before_sampling(char_ckpt, tmp_path):
+    """A pipe, a device (/dev/null) or a folder where a file would go: the rename that ends a
+    write would replace it, so it is refused, --overwrite or not, before anything runs."""
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "folder").mkdir()
+    for flag, path in (("--genfile", "pipe"), ("--genfile", "folder"), ("--export-gguf", "pipe")):
+        assert_one_line_error(run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, flag,
+                                       tmp_path / path, "--overwrite"),
+                              f"{flag} {tmp_path / path} is not a regular file")
+    assert stat.S_ISFIFO(os.stat(tmp_path / "pipe").st_mode)
+
+
+def test_an_hf_export_never_replaces_a_folder_of_other_files_or_the_input(char_ckpt, tmp_path):
+    """--export-hf puts a new folder in place of the old, whole: refused, --overwrite or not, for a
+    folder that holds the input checkpoint or files but no model (config.json)."""
+    run = tmp_path / "project" / "runs" / "a"
+    run.mkdir(parents=True)
+    shutil.copy(char_ckpt, run / "ckpt.pt")
+    (tmp_path / "project" / "notes.txt").write_text("mine")
+    assert_one_line_error(run_main("test.py", "--ckpt", run / "ckpt.pt", "--export-hf",
+                                   tmp_path / "project", "--overwrite"), "holds the input")
+    assert_one_line_error(run_main("test.py", "--ckpt", char_ckpt, "--export-hf",
+                                   tmp_path / "project", "--overwrite"), "no HF model folder")
+    assert (run / "ckpt.pt").read_bytes() == char_ckpt.read_bytes()
+    assert (tmp_path / "project" / "notes.txt").read_text() == "mine"
+
+
+def test_weights_that_are_not_finite_are_refused(char_ckpt, tmp_path):
+    checkpoint = torch.load(char_ckpt, weights_only=True)
+    checkpoint["model"]["transformer.h.0.attn.c_attn.weight"][0, 0] = float("nan")
+    torch.save(checkpoint, tmp_path / "nan.pt")
+    assert_one_line_error(run_main("test.py", "--ckpt", tmp_path / "nan.pt", *SAMPLE),
+                          "transformer.h.0.attn.c_attn.weight holds nan or inf values")
 
 
 def test_unconditional_genfile_and_stop_at_eot(tmp_path):

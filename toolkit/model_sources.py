@@ -11,12 +11,14 @@ merged in. And the exports the scripts share: an HF folder, for either family, a
 import argparse
 import os
 
+import torch
+
 from model import GPT
 from toolkit import gguf_export, hf, hf_llama, lora
 from toolkit.checkpoint import (CHECKPOINT_FILE, load_checkpoint, model_from_checkpoint,
                                 usable_config)
 from toolkit.cli import CLIError
-from toolkit.files import check_output, replace_folder
+from toolkit.files import check_output, refuse_special, replace_folder
 from toolkit.ds_checkpoint import is_deepspeed_folder, load_deepspeed_model
 from toolkit.gpt2_vocab import GPT2_FACTS
 
@@ -35,8 +37,16 @@ def is_hf_source(path: str) -> bool:
 def load_model(path: str, **overrides) -> tuple[GPT, dict]:
     """(model, tokenizer facts) from any source above; overrides set e.g. attn_kernel or dropout,
     which is off (this is for inference) unless they set it. An HF folder is read with GPT-2's
-    tokenizer unless it holds this toolkit's tokenizer facts."""
-    overrides = {"dropout": 0.0, **overrides}
+    tokenizer unless it holds this toolkit's tokenizer facts. Weights that are not all finite are
+    refused: such a model samples nothing and scores nan."""
+    model, facts = read_model(path, **{"dropout": 0.0, **overrides})
+    for name, weight in model.named_parameters():
+        if not torch.isfinite(weight).all():
+            raise CLIError(f"{path}: its weight {name} holds nan or inf values")
+    return model, facts
+
+
+def read_model(path: str, **overrides) -> tuple[GPT, dict]:
     if is_deepspeed_source(path):
         model, state, _ = load_deepspeed_model(path, **overrides)
         return model, state["tokenizer"]
@@ -75,12 +85,19 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_exports(outputs: dict[str, str | None], inputs: list[str], overwrite: bool) -> None:
-    """Refuse (CLIError), before any model is read, an export (flag -> path) onto an input, or onto
-    an existing file or a folder with files in it unless overwrite."""
+    """Refuse (CLIError), before any model is read, an export (flag -> path) onto an input, onto a
+    folder that is not a model's (an HF export replaces its folder whole), or onto an existing file
+    or a folder with files in it unless overwrite."""
     for flag, path in outputs.items():
         if path:
             check_output(path, inputs, flag)
+            if flag == "--export-gguf":
+                refuse_special(path, flag)
             holds_files = os.path.isdir(path) and bool(os.listdir(path))
+            if flag == "--export-hf" and holds_files and \
+                    not os.path.isfile(os.path.join(path, "config.json")):
+                raise CLIError(f"{flag} {path} holds files and is no HF model folder (it has no "
+                               "config.json), so they are not replaced; choose a new folder")
             if (holds_files or os.path.isfile(path)) and not overwrite:
                 raise CLIError(f"{flag} {path} already holds "
                                f"{'files' if holds_files else 'a file'}; use "

@@ -25,7 +25,7 @@ from toolkit import cli
 from toolkit.cli import CLIError
 from toolkit.device import autocast, check_attn_kernel, resolve_device, resolve_dtype
 from toolkit.documents import read_text
-from toolkit.files import atomic_open, check_output
+from toolkit.files import atomic_open, check_output, refuse_special
 from toolkit.signals import StopRequest
 from toolkit.tokenizers import Tokenizer
 
@@ -225,6 +225,7 @@ def check_sampling_args(args: argparse.Namespace, inputs: list[str]) -> None:
         prompt_file = ([args.prompt[len(PROMPT_FILE):]] if args.prompt.startswith(PROMPT_FILE)
                        else [])
         check_output(args.genfile, inputs + prompt_file, "--genfile")
+        refuse_special(args.genfile, "--genfile")
         if os.path.exists(args.genfile) and not args.overwrite:
             raise CLIError(f"--genfile {args.genfile} already exists; pass --overwrite to replace "
                            "it")
@@ -287,8 +288,12 @@ def chat(sampler: Sampler) -> None:
                 break
             if not line.strip():
                 continue
-            history, dropped = fit_history(history + [{"role": "user", "content": line}],
-                                           sampler.tok, room, sampler.variables)
+            try:
+                history, dropped = fit_history(history + [{"role": "user", "content": line}],
+                                               sampler.tok, room, sampler.variables)
+            except ValueError as e:  # a message the vocabulary cannot spell: said, the chat goes on
+                print(f"error: {e}", file=sys.stderr)
+                continue
             if dropped and not told:
                 print(f"(the oldest turns no longer fit the model's {block_size}-token context and "
                       "are dropped)", file=sys.stderr)
@@ -312,4 +317,9 @@ def sample_prompts(sampler: Sampler, prompt: str | None) -> None:
             break
         if not line.strip():
             break
+        try:
+            sampler.prompt(line)
+        except ValueError as e:  # a prompt the vocabulary cannot spell: said, the session goes on
+            print(f"error: {e}", file=sys.stderr)
+            continue
         sampler.sample(line)
