@@ -109,6 +109,10 @@ def load_plain(path: str, allowed: tuple = ()):
             warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
+        with open(path, "rb") as f:
+            head = f.read(2)
+        if head != b"PK" and head[:1] != b"\x80":  # neither torch.save's zip nor a pickle
+            raise CLIError(f"{path} is not a checkpoint (no file that torch.save writes)") from None
         raise CLIError(f"{path} holds Python objects other than tensors and plain data, which are "
                        "never unpickled; it is not a checkpoint this toolkit can read "
                        "safely") from None
