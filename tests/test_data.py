@@ -64,6 +64,9 @@ def test_token_ids_and_counts_are_checked_once_at_load(tmp_path):
     with pytest.raises(CLIError, match="train.bin holds 500 tokens but meta.json records 1,000"):
         load_corpus(write_nanogpt(tmp_path / "b", np.arange(500) % 257, np.arange(10),
                                   train_tokens=1000))
+    with pytest.raises(CLIError, match="meta.json records 'many'"):  # a hand-edited count
+        load_corpus(write_nanogpt(tmp_path / "c", np.arange(500) % 257, np.arange(10),
+                                  train_tokens="many"))
     prefix = write_megatron(str(tmp_path / "m"), documents(10))
     with open(prefix + ".json", "w") as f:
         json.dump({"format": "megatron", **FACTS, "vocab_size": 5}, f)

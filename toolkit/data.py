@@ -194,8 +194,9 @@ def load_nanogpt(folder: str) -> Corpus:
                                         path)
         expected = meta.get(f"{split}_tokens")
         if expected is not None and expected != len(splits[split]):
+            recorded = f"{expected:,}" if isinstance(expected, int) else repr(expected)
             raise CLIError(f"{path} holds {len(splits[split]):,} tokens but meta.json records "
-                           f"{expected:,} (truncated or replaced); prepare the data again")
+                           f"{recorded} (truncated or replaced); prepare the data again")
     return Corpus(train=splits["train"], val=splits["val"], meta=meta)
 
 
