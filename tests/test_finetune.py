@@ -18,7 +18,8 @@ from model import GPT, GPTConfig
 from toolkit.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.distributed import free_port
 from toolkit.prepare import default_corpus_documents
-from toolkit.tasks import Example, TaskModel, add_special_tokens, encode_records, layout, pad_batch
+from toolkit.tasks import (Example, TaskModel, add_special_tokens, encode_records, label_names,
+                           label_value, layout, pad_batch)
 from toolkit.tokenizers import Tokenizer, load_tokenizer
 
 # one thread runs these tiny models several times faster
@@ -235,6 +236,14 @@ def test_records_become_examples_with_label_ids():
     assert [e.label for e in examples] == [0, 1]
     choice = [(1, {"context": "ab", "choices": ["c", "d", "e"], "label": 2})]
     assert encode_records(choice, "f.jsonl", "choice", tok, SPECIAL, 16, None)[0].label == 2
+
+
+def test_labels_keep_the_json_they_were_written_in():
+    """true and 1 are two classes, as their JSON is (Python counts True == 1)."""
+    records = [(1, {"label": 1}), (2, {"label": True}), (3, {"label": 0}), (4, {"label": "1"})]
+    names = label_names(records, "f.jsonl")
+    assert names == [0, 1, True, "1"]
+    assert [label_value(r, "classify", names) for _, r in records] == [1, 2, 0, 3]
 
 
 def test_a_tokenizer_with_a_bos_puts_it_before_every_sequence(tmp_path):
@@ -567,13 +576,29 @@ def bad_input_cases(tmp_path, datasets, byte_model):
         "output over an input": (["--train", train, "--val", val,
                                   "--init-from", tmp_path / "out" / "ckpt.pt"],
                                  "would overwrite the input"),
+        "nan as a class": (["--train", lines("t5.jsonl", *good, '{"text": "abc", "label": NaN}'),
+                            "--val", val], "t5.jsonl line 5: label must be a string, number or"),
+        "an infinite score": (["--task", "similarity", "--labels", "float", "--train",
+                               lines("t6.jsonl", *[json.dumps({"text_a": "ab", "text_b": "cd",
+                                                               "label": x})
+                                                   for x in (0.5, 1.0)], '{"text_a": "ab", '
+                                     '"text_b": "cd", "label": Infinity}'), "--val-fraction",
+                               "0.3"], "t6.jsonl line 3: label must be a finite number"),
+        "a score too large for a float": (["--task", "similarity", "--labels", "float", "--train",
+                                           lines("t7.jsonl", *[json.dumps({
+                                               "text_a": "ab", "text_b": "cd", "label": x})
+                                               for x in (0.5, 1.0, 10**400)]),
+                                           "--val-fraction", "0.3"],
+                                          "t7.jsonl line 3: label must be a finite number"),
     }
 
 
 @pytest.mark.parametrize("case", ["unknown task", "missing field", "not JSON", "unseen label",
                                   "empty file", "too few to hold out", "nothing held out",
                                   "val without train", "another tokenizer",
-                                  "checkpoint unlike its tokenizer", "output over an input"])
+                                  "checkpoint unlike its tokenizer", "output over an input",
+                                  "nan as a class", "an infinite score",
+                                  "a score too large for a float"])
 def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, datasets, random_body):
     byte_model = tmp_path / "byte.pt"  # a 100-token model that claims the 257-token byte tokenizer
     model = GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=1, n_head=1, n_embd=8))

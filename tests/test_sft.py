@@ -221,12 +221,17 @@ def test_lora_for_a_gpt1_task_trains_the_adapters_and_the_head(pretrained, tmp_p
 
 
 def test_a_lora_checkpoint_whose_base_is_missing_or_changed_is_refused(pretrained, chats, tmp_path):
-    base = tmp_path / "base.pt"
+    base = tmp_path / "base" / "ckpt.pt"
+    base.parent.mkdir()
     shutil.copy(pretrained, base)
     train, val = chats
     ok(run_main("finetune.py", "--task", "sft", "--train", train, "--val", val, "--init-from", base,
                 "--out-dir", tmp_path / "lora", "--lora-rank", "2", *FAST, "--epochs", "1"))
     adapters = tmp_path / "lora" / "ckpt.pt"
+    # the merge never replaces the base it reads, --overwrite or not
+    assert_one_line_error(run_main("finetune.py", "--merge-lora", adapters, "--out-dir",
+                                   base.parent, "--overwrite"), "would overwrite the input")
+    assert base.read_bytes() == open(pretrained, "rb").read()
     with open(base, "ab") as f:
         f.write(b"\0")
     assert_one_line_error(run_main("test.py", "--ckpt", adapters),

@@ -23,7 +23,6 @@ import os
 import pickle
 import re
 import warnings
-import zipfile
 from dataclasses import asdict
 
 import torch
@@ -94,29 +93,30 @@ def load_checkpoint(path: str) -> dict:
     if not os.path.isfile(path):
         raise CLIError(f"checkpoint not found: {path}")
     checkpoint = load_plain(path)
-    weights = isinstance(checkpoint, dict) and ("model" in checkpoint or "adapters" in checkpoint)
-    if not weights or "model_config" not in checkpoint:
+    weights = isinstance(checkpoint, dict) and \
+        isinstance(checkpoint.get("model", checkpoint.get("adapters")), dict)
+    if not weights or not isinstance(checkpoint.get("model_config"), dict):
         raise CLIError(f"{path} is not a checkpoint of this toolkit (needs keys model_config and "
-                       "model, or adapters)")
+                       "model, or adapters, each a dict)")
     return checkpoint
 
 
 def load_plain(path: str, allowed: tuple = ()):
     """torch.load(weights_only=True): tensors, plain data and `allowed` classes, or a CLIError."""
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if head and head != b"PK" and head[:1] != b"\x80":  # neither torch.save's zip nor a pickle
+        raise CLIError(f"{path} is not a checkpoint (no file that torch.save writes)")
     try:
         with warnings.catch_warnings(), torch.serialization.safe_globals(list(allowed)):
             # e.g. about the pickle protocol of files torch.save did not write
             warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        with open(path, "rb") as f:
-            head = f.read(2)
-        if head != b"PK" and head[:1] != b"\x80":  # neither torch.save's zip nor a pickle
-            raise CLIError(f"{path} is not a checkpoint (no file that torch.save writes)") from None
         raise CLIError(f"{path} holds Python objects other than tensors and plain data, which are "
                        "never unpickled; it is not a checkpoint this toolkit can read "
                        "safely") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
+    except Exception as e:  # a damaged file fails anywhere in the unpickler: KeyError, EOFError...
         raise CLIError(f"{path} is truncated or corrupt ({type(e).__name__})") from None
 
 

@@ -27,7 +27,7 @@ from toolkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, run_state, save
 from toolkit.cli import CLIError
 from toolkit.config import settle_run
 from toolkit.device import describe, run_device
-from toolkit.files import atomic_open, claim_out_dir
+from toolkit.files import atomic_open, check_output, claim_out_dir
 from toolkit.finetune_config import (EPOCHS, LATEST_FILE, LORA_LR, LR_WIDTH, MIN_STEPS,
                                      FinetuneConfig, check_outputs)
 from toolkit.model_sources import load_model
@@ -275,6 +275,8 @@ def write_merged(cfg: FinetuneConfig) -> dict:
         raise CLIError(f"{cfg.merge_lora} holds no LoRA adapters; it is already a full checkpoint")
     merged, _ = load_model(cfg.merge_lora)
     path = os.path.join(cfg.out_dir, CHECKPOINT_FILE)
+    # the adapters' base is an input too: replaced, it would orphan them
+    check_output(path, [checkpoint["lora"]["base"]["path"]], "--out-dir")
     os.makedirs(cfg.out_dir, exist_ok=True)
     save_checkpoint(lora.merged_checkpoint(checkpoint, merged, cfg.merge_lora), path)
     return {"merged": cfg.merge_lora, "out": path}

@@ -25,6 +25,7 @@ classes) F1, a regression by loss and Pearson's and Spearman's correlations. too
 trains and applies the head; docs/finetune.md gives the file schemas.
 """
 import json
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -92,16 +93,24 @@ def schema_problem(task: str, record, labelled: bool) -> str | None:
 
 
 def label_names(records: list[tuple[int, dict]], path: str) -> list:
-    """A training file's classes, sorted (numbers, then strings) so that ids ignore line order."""
+    """A training file's classes, sorted (numbers, booleans, then strings) so that ids ignore line
+    order."""
     for number, record in records:
-        if not isinstance(record["label"], (str, int, float)):  # bool is an int
+        label = record["label"]
+        if not isinstance(label, (str, int, float)) or label != label:  # bool is an int; nan
             raise CLIError(f"{path} line {number}: label must be a string, number or boolean, got "
-                           f"{record['label']!r}")
-    names = sorted({record["label"] for _, record in records},
-                   key=lambda v: (isinstance(v, str), v))
+                           f"{label!r}")
+    unique = {label_key(record["label"]): record["label"] for _, record in records}
+    names = sorted(unique.values(), key=lambda v: (isinstance(v, str), isinstance(v, bool), v))
     if len(names) < 2:
         raise CLIError(f"{path} has a single label ({names[0]!r}); a classifier needs at least two")
     return names
+
+
+def label_key(label) -> tuple:
+    """A class's identity: true and false are classes apart from the 1 and 0 Python equals them
+    to."""
+    return isinstance(label, bool), label
 
 
 def label_value(record: dict, task: str, names: list | None) -> int | float:
@@ -115,13 +124,16 @@ def label_value(record: dict, task: str, names: list | None) -> int | float:
                              f"got {label!r}")
         return label
     if names is None:
-        if type(label) not in (int, float):
-            raise ValueError(f"label must be a number with --labels float, got {label!r}")
+        finite = type(label) in (int, float) and abs(label) <= sys.float_info.max
+        if not finite:  # (nan fails the comparison)
+            raise ValueError(f"label must be a finite number with --labels float, got "
+                             f"{str(label)[:40]}")
         return float(label)
-    if label not in names:
+    keys = [label_key(name) for name in names]
+    if label_key(label) not in keys:
         raise ValueError(f"label {label!r} never occurs in the training file (its labels: "
                          f"{', '.join(map(repr, names))})")
-    return names.index(label)
+    return keys.index(label_key(label))
 
 
 # ----- layout -----
