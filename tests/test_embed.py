@@ -456,6 +456,12 @@ def bad(corpus, tmp_path_factory):
       "--chunk-tokens", "8", "--overlap", "8"], ["--overlap"]),
     (["tune", "--ckpt", "{corpus}/ckpt.pt", "--pairs", "{corpus}/train.jsonl", "--out-dir", "{out}",
       "--temperature", "0"], ["--temperature"]),
+    (["tune", "--ckpt", "{corpus}/ckpt.pt", "--pairs", "{corpus}/train.jsonl", "--out-dir", "{out}",
+      "--batch-size", "1"], ["--batch-size must be at least 2 for tune"]),
+    (["tune", "--ckpt", "{corpus}/ckpt.pt", "--pairs", "{corpus}/train.jsonl", "--out-dir", "{out}",
+      "--seed", "-1"], ["--seed must be at least 0"]),
+    (["encode", "--ckpt", "{corpus}/ckpt.pt", "--input", "{corpus}/docs.jsonl", "--out", "{out}",
+      "--chunk-tokens", "0"], ["--chunk-tokens must be between 1"]),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(corpus, bad, tmp_path, command, fragments):
     out = tmp_path / "out"
@@ -464,6 +470,38 @@ def test_bad_input_is_one_line_and_writes_nothing(corpus, bad, tmp_path, command
     assert_one_line_error(embed_py(*args, *DEVICE), *fragments)
     assert not list(tmp_path.glob("out*"))
     assert {p: p.stat().st_mtime_ns for p in corpus.rglob("*")} == before
+
+
+def damage_index(index, damage: str) -> None:
+    facts = json.loads((index / "index.json").read_text())
+    if damage == "empty vectors":
+        (index / "vectors.npy").write_bytes(b"")
+    elif damage == "float16 vectors":
+        np.save(index / "vectors.npy", np.load(index / "vectors.npy").astype(np.float16))
+    elif damage == "a row of no document":
+        rows = np.load(index / "rows.npy")
+        rows[0, 0] = facts["documents"]
+        np.save(index / "rows.npy", rows)
+    else:
+        key, value = damage.split("=")
+        if value == "-":
+            del facts[key]
+        else:
+            facts[key] = json.loads(value)
+        (index / "index.json").write_text(json.dumps(facts))
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    ("empty vectors", "cannot read"), ("float16 vectors", "holds an array of float16"),
+    ("a row of no document", "names documents the index does not hold"),
+    ("encoder=-", "encoder missing or not as embed.py index writes them"),
+    ('chunk_tokens="x"', "chunk_tokens missing"), ('dtype="int8"', "dtype missing"),
+    ("max_chunks=0", "max_chunks missing"), ("version=99", "version missing")])
+def test_a_damaged_index_is_one_line(corpus, tmp_path, damage, fragment):
+    shutil.copytree(corpus / "index", tmp_path / "index")
+    damage_index(tmp_path / "index", damage)
+    assert_one_line_error(embed_py("search", "--index", tmp_path / "index", "--query", "cat",
+                                   *DEVICE), fragment)
 
 
 def test_an_encoder_changed_since_indexing_is_refused(corpus, tmp_path):

@@ -45,7 +45,8 @@ class RunConfig:
     device: str = option("auto", "auto, cpu, cuda, cuda:N or mps")
     dtype: str = option("auto", "autocast dtype; auto = bfloat16 where the hardware computes it "
                                 "natively, else float32", choices=["auto", *DTYPES])
-    seed: int = option(1337, "seed of the new weights, of dropout and of the data order")
+    seed: int = option(1337, "seed of the new weights, of dropout and of the data order",
+                       check="non-negative")
 
     # what TorchEngine.start builds for a config without these options (TrainConfig makes them
     # options)

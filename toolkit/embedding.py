@@ -182,7 +182,7 @@ def settle_chunking(chunk_tokens: int | None, overlap: int | None,
                     room: int) -> tuple[int, int]:
     """(--chunk-tokens, --overlap): by default all the room a text has (text_room), and an eighth
     of a chunk."""
-    chunk_tokens = chunk_tokens or room
+    chunk_tokens = room if chunk_tokens is None else chunk_tokens
     if not 1 <= chunk_tokens <= room:
         raise CLIError(f"--chunk-tokens must be between 1 and the tokens a text may hold, {room}, "
                        f"got {chunk_tokens}")
@@ -406,6 +406,9 @@ def setup_tune(cfg: TuneConfig) -> Trainer:
     """The tune run, ready to fit: the options checked, the encoder and its pairs loaded, OUT_DIR
     claimed (a ckpt.pt there is replaced only with --overwrite), the run described on stdout."""
     flags.check_values(cfg)
+    if cfg.batch_size < 2:
+        raise CLIError(f"--batch-size must be at least 2 for tune, got {cfg.batch_size}: the other "
+                       "examples of a batch are each one's negatives")
     if not (cfg.input or cfg.pairs):
         raise CLIError("tune learns from --input (documents, no labels needed), --pairs, or both")
     path = os.path.join(cfg.out_dir, CHECKPOINT_FILE)

@@ -18,10 +18,10 @@ import torch
 
 from model import GPT
 from toolkit.cli import CLIError
-from toolkit.device import resolve_dtype
+from toolkit.device import DTYPES, resolve_dtype
 from toolkit.documents import json_records
-from toolkit.embedding import (Document, encode, encoder_identity, load_encoder, record_id,
-                               text_room, token_ids, top_k)
+from toolkit.embedding import (POOLINGS, Document, encode, encoder_identity, load_encoder,
+                               record_id, text_room, token_ids, top_k)
 from toolkit.files import lock_folder, parse_json, read_json, save_array, write_json, write_jsonl
 from toolkit.tokenizers import Tokenizer
 
@@ -60,19 +60,38 @@ class Index:
         if self.meta.get("format") != INDEX_FORMAT:
             raise CLIError(f"{folder} is not an index of embed.py (its {INDEX_FILE} has no format "
                            f"{INDEX_FORMAT!r})")
-        self.vectors = self.array("vectors.npy", (self.meta["rows"], self.meta["dim"]))
-        self.rows = self.array("rows.npy", (self.meta["rows"], 3))
-        self.offsets = self.array("offsets.npy", (self.meta["documents"] + 1,))
+        self.check_facts()
+        self.vectors = self.array("vectors.npy", (self.meta["rows"], self.meta["dim"]), np.float32)
+        self.rows = self.array("rows.npy", (self.meta["rows"], 3), np.int64)
+        self.offsets = self.array("offsets.npy", (self.meta["documents"] + 1,), np.int64)
+        numbers = self.rows[:, 0]
+        if len(numbers) and not (0 <= numbers.min() and numbers.max() < self.meta["documents"]):
+            raise CLIError(f"{folder}/rows.npy names documents the index does not hold; rebuild "
+                           "the index")
 
-    def array(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def check_facts(self) -> None:
+        """index.json as write_index writes it: an edited or foreign one is one line."""
+        meta, encoder = self.meta, self.meta.get("encoder")
+        counts = ("rows", "dim", "documents", "max_chunks", "chunk_tokens", "overlap")
+        wrong = [key for key in counts if type(meta.get(key)) is not int or
+                 meta[key] < (0 if key == "overlap" else 1)]
+        wrong += [] if isinstance(encoder, dict) and all(
+            isinstance(encoder.get(key), str) for key in ("path", "sha256")) else ["encoder"]
+        wrong += [key for key, allowed in (("version", (1,)), ("pooling", POOLINGS),
+                                           ("dtype", DTYPES)) if meta.get(key) not in allowed]
+        if wrong:
+            raise CLIError(f"{self.folder}/{INDEX_FILE}: {', '.join(wrong)} missing or not as "
+                           "embed.py index writes them; rebuild the index")
+
+    def array(self, name: str, shape: tuple[int, ...], dtype: type) -> np.ndarray:
         path = os.path.join(self.folder, name)
         try:
             array = np.load(path, mmap_mode="r")
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, EOFError) as e:
             raise CLIError(f"cannot read {path}: {e}") from None
-        if array.shape != shape:
-            raise CLIError(f"{path} holds an array of shape {array.shape} but {INDEX_FILE} says "
-                           f"{shape}; rebuild the index")
+        if array.shape != shape or array.dtype != dtype:
+            raise CLIError(f"{path} holds an array of {array.dtype} {array.shape} but "
+                           f"{INDEX_FILE} says {np.dtype(dtype)} {shape}; rebuild the index")
         return array
 
     def document(self, number: int) -> dict:
