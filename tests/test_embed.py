@@ -512,6 +512,9 @@ def test_an_encoder_changed_since_indexing_is_refused(corpus, tmp_path):
     write_model(tmp_path / "ckpt.pt", seed=1)  # e.g. training went on in the same --out-dir
     result = embed_py("search", "--index", tmp_path / "index", "--query", "cat", *DEVICE)
     assert_one_line_error(result, "changed since the index", "rebuild the index")
+    os.remove(tmp_path / "ckpt.pt")
+    result = embed_py("search", "--index", tmp_path / "index", "--query", "cat", *DEVICE)
+    assert_one_line_error(result, "ckpt.pt, is not there", "pass --ckpt")
 
 
 # ----- a tokenizer with a BOS -----

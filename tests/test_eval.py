@@ -214,6 +214,7 @@ def test_eval_tasks_in_training_log_acc_and_acc_norm_as_eval_py_and_two_processe
     ('{"ctx": "a", "label": 0}', "line 2: 'endings' must be a list of at least two strings"),
     ('{"ctx": "a", "endings": ["b"', "line 2: invalid JSON"),
     ('{"endings": ["b", "c"], "label": 0}', "line 2: no string 'ctx'"),
+    ('{"ctx": "a", "endings": ["b", "[title]"], "label": 0}', "line 2: ending 1 is empty"),
 ])
 def test_a_bad_line_is_named(gpt2_model, tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
@@ -274,6 +275,27 @@ def test_think_end_token_needs_a_harness_task_and_a_real_token(gpt2_model, tmp_p
     yaml = task_yaml(tmp_path, items)
     assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", yaml,
                                    "--think-end-token", "99999"), "no such token id", "50,257")
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (("'{{query}}'", "'{{no_such_field}}'"), "UndefinedError: 'no_such_field' is undefined"),
+    (("'{{query}}'", "'{{query'"), "TemplateSyntaxError"),
+    (("utils.process_docs", "utils.no_such_function"), "has no function 'no_such_function'"),
+    (("output_type: multiple_choice", "output_type: bogus"), "invalid output_type 'bogus'")])
+def test_a_broken_task_yaml_is_one_line_naming_the_task_not_the_network(gpt2_model, tmp_path,
+                                                                          change, fragment):
+    pytest.importorskip("lm_eval")
+    yaml = task_yaml(tmp_path, write_jsonl(tmp_path / "items.jsonl", hellaswag_rows(2)))
+    with open(yaml) as f:
+        text = f.read()
+    with open(yaml, "w") as f:
+        f.write(text.replace(*change))
+    result = run_main("eval.py", "--ckpt", gpt2_model / "ckpt.pt", "--tasks", yaml)
+    # (after the data library's progress lines, when the data was read)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert last.startswith("error: lm-evaluation-harness cannot run local_hellaswag") and \
+        fragment in last and "internet" not in last, last
 
 
 def test_without_lm_eval_a_harness_task_names_the_install(gpt2_model):

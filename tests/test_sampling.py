@@ -62,12 +62,14 @@ def test_same_seed_same_samples_and_prompt_from_file(char_ckpt, tmp_path):
 
 
 def test_interactive_prompt_loop(char_ckpt):
-    """A prompt the vocabulary cannot spell is said in one line, and the session goes on."""
+    """A prompt the vocabulary cannot spell is said in one line, and the session goes on; a CRLF
+    line end is no part of a prompt."""
     result = run_main("test.py", "--ckpt", char_ckpt, *SAMPLE, "--interactive", "--num-samples",
-                      "1", input="class \n中文\nfor \n\n")
+                      "1", input="class \r\n中文\nfor \n\n")
     assert result.returncode == 0, result.stderr
     assert "class " in result.stdout and "for " in result.stdout
-    assert "error: character '中' is not in the char vocabulary" in result.stderr
+    assert "error: character '中' is not in the char vocabulary" in result.stderr and \
+        result.stderr.count("error:") == 1
 
 
 def test_outputs_that_are_no_regular_file_are_refused_before_sampling(char_ckpt, tmp_path):

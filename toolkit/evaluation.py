@@ -108,7 +108,11 @@ def choice_item(record, where: str) -> Choice:
     if type(label) is not int or not 0 <= label < len(endings):
         raise CLIError(f"{where}: label must be the index of the right ending (0 to "
                        f"{len(endings) - 1}), got {record.get('label')!r}")
-    return Choice(query, [preprocess(e) for e in endings], label)
+    endings = [preprocess(e) for e in endings]
+    if not all(endings):  # acc_norm divides by an ending's length
+        raise CLIError(f"{where}: ending {endings.index('')} is empty (after HellaSwag's "
+                       "preprocessing)")
+    return Choice(query, endings, label)
 
 
 def read_choices(path: str, limit: int | None = None, progress: bool = False) -> list[Choice]:

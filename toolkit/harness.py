@@ -13,7 +13,9 @@ is that token, as transformers' tokenizers read it.
 """
 import functools
 import os
+import traceback
 
+import jinja2
 import torch
 import yaml
 from lm_eval import simple_evaluate, utils
@@ -202,8 +204,23 @@ def run(specs: list[str], lm: GPTHarness, limit: int | None,
                                log_samples=True, bootstrap_iters=0,
                                apply_chat_template=lm.template is not None,
                                system_instruction=system_instruction)
-    except (OSError, ValueError) as e:  # ConnectionError and FileNotFoundError among them
-        raise CLIError(f"lm-evaluation-harness cannot load the data of {', '.join(names)} "
-                       f"({first_line(e)[:200]}); without internet, score a local file instead: "
-                       "--tasks FILE.jsonl (HellaSwag's format) or a task YAML over local data "
-                       "(docs/eval.md)") from None
+    except (OSError, ValueError, ImportError, AttributeError, jinja2.TemplateError) as e:
+        raise CLIError(harness_failure(e, names)) from None
+
+
+def harness_failure(error: Exception, names: tuple[str, ...]) -> str:
+    """What stopped a harness run, in one line: its data out of reach (ConnectionError and
+    FileNotFoundError are OSErrors; the data libraries raise ValueErrors too), or a task's YAML
+    (a template that names no field, a !function that is not there, an unknown output_type) or an
+    item the model cannot take (a character a char vocabulary lacks)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    loading = isinstance(error, OSError) or any(
+        f"{os.sep}{package}{os.sep}" in frame.filename
+        for frame in frames for package in ("datasets", "huggingface_hub", "fsspec"))
+    if loading:
+        return (f"lm-evaluation-harness cannot load the data of {', '.join(names)} "
+                f"({first_line(error)[:200]}); without internet, score a local file instead: "
+                "--tasks FILE.jsonl (HellaSwag's format) or a task YAML over local data "
+                "(docs/eval.md)")
+    return (f"lm-evaluation-harness cannot run {', '.join(names)}: {type(error).__name__}: "
+            f"{first_line(error)[:300]}")

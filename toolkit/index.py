@@ -140,6 +140,9 @@ def open_encoder(index: Index, ckpt: str | None, device: torch.device) -> tuple[
     one the index recorded (another model, another tokenizer, or the same file since changed)."""
     recorded = index.meta["encoder"]
     path = ckpt or recorded["path"]
+    if ckpt is None and os.path.isabs(path) and not os.path.exists(path):  # (an HF name is not)
+        raise CLIError(f"the encoder of the index {index.folder}, {path}, is not there; pass "
+                       "--ckpt with the checkpoint it was built with")
     if encoder_identity(path)["sha256"] != recorded["sha256"]:
         if ckpt is None:
             raise CLIError(f"the encoder {path} changed since the index {index.folder} was built "

@@ -283,7 +283,7 @@ def chat(sampler: Sampler) -> None:
     try:
         while True:
             try:
-                line = input("you> ")
+                line = input("you> ").removesuffix("\r")  # a CRLF line end
             except EOFError:
                 break
             if not line.strip():
@@ -312,7 +312,7 @@ def sample_prompts(sampler: Sampler, prompt: str | None) -> None:
     print("Type a prompt and press Enter (empty line or Ctrl-D to quit).", file=sys.stderr)
     while True:
         try:
-            line = input("> ")
+            line = input("> ").removesuffix("\r")
         except EOFError:
             break
         if not line.strip():
