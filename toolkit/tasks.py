@@ -61,10 +61,17 @@ def add_special_tokens(model: GPT, tokenizer: Tokenizer) -> dict[str, int]:
 # ----- files -----
 
 def read_records(path: str, task: str, labelled: bool) -> list[tuple[int, dict]]:
-    """(line number, object) per non-blank JSON line of path, checked against the task's schema."""
+    """(line number, object) per non-blank JSON line of path, checked against the task's schema.
+    For choice, every line must offer as many answers as the first (a batch is one tensor of
+    scores)."""
     records = []
     for number, record in json_lines(path):
         problem = schema_problem(task, record, labelled)
+        if not problem and task == "choice" and records and \
+                len(record["choices"]) != len(records[0][1]["choices"]):
+            problem = (f"{len(record['choices'])} choices, but line {records[0][0]} has "
+                       f"{len(records[0][1]['choices'])}; every line of a file needs the same "
+                       "number")
         if problem:
             raise CLIError(f"{path} line {number}: {problem}")
         records.append((number, record))
@@ -179,16 +186,10 @@ def keep_last(tokens: list[int], n: int) -> list[int]:
 def encode_records(records: list[tuple[int, dict]], path: str, task: str, tokenizer: Tokenizer,
                    special: dict[str, int], block_size: int, names: list | None,
                    labelled: bool = True) -> list[Example]:
-    """Examples of a file's records; errors name the file and line. For choice, every line of a file
-    must offer the same number of answers (one batch is one tensor of scores)."""
-    first_number, first = records[0]
+    """Examples of a file's records (read_records'); errors name the file and line."""
     examples = []
     for number, record in records:
         try:
-            if task == "choice" and len(record["choices"]) != len(first["choices"]):
-                raise ValueError(f"{len(record['choices'])} choices, but line {first_number} has "
-                                 f"{len(first['choices'])}; every line of a file needs the same "
-                                 f"number")
             if task == "choice":
                 texts = [record["context"], *record["choices"]]
             else:
