@@ -99,6 +99,15 @@ def test_an_hf_export_never_replaces_a_folder_of_other_files_or_the_input(char_c
     assert (tmp_path / "project" / "notes.txt").read_text() == "mine"
 
 
+def test_a_checkpoint_that_names_no_tokenizer_needs_gpt2s_vocabulary(char_ckpt, tmp_path):
+    """One without is read with GPT-2's BPE, whose ids a smaller model cannot emit."""
+    checkpoint = torch.load(char_ckpt, weights_only=True)
+    del checkpoint["tokenizer"]
+    torch.save(checkpoint, tmp_path / "untold.pt")
+    assert_one_line_error(run_main("test.py", "--ckpt", tmp_path / "untold.pt", *SAMPLE),
+                          "names no tokenizer", "is not GPT-2's")
+
+
 def test_weights_that_are_not_finite_are_refused(char_ckpt, tmp_path):
     checkpoint = torch.load(char_ckpt, weights_only=True)
     checkpoint["model"]["transformer.h.0.attn.c_attn.weight"][0, 0] = float("nan")

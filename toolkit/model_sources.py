@@ -61,8 +61,13 @@ def read_model(path: str, **overrides) -> tuple[GPT, dict]:
     checkpoint = load_checkpoint(path)
     if "adapters" in checkpoint:
         return load_adapted(checkpoint, path, **overrides), checkpoint["tokenizer"]
-    return (model_from_checkpoint(checkpoint, path, **overrides),
-            checkpoint.get("tokenizer", GPT2_FACTS))
+    model = model_from_checkpoint(checkpoint, path, **overrides)
+    # a checkpoint that names no tokenizer is read with GPT-2's (its vocabulary padded or not)
+    if "tokenizer" not in checkpoint and model.config.vocab_size < GPT2_FACTS["vocab_size"]:
+        raise CLIError(f"{path} names no tokenizer, and its vocabulary of "
+                       f"{model.config.vocab_size:,} tokens is not GPT-2's, which a checkpoint "
+                       "without one is read with")
+    return model, checkpoint.get("tokenizer", GPT2_FACTS)
 
 
 def save_hf(model: GPT, out_dir: str, facts: dict) -> str:
