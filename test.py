@@ -11,7 +11,8 @@ model load alone, offline (toolkit/hf.py, toolkit/hf_llama.py); --export-gguf FI
 llama.cpp, ollama and LM Studio run (toolkit/gguf_export.py).
 """
 from toolkit import cli
-from toolkit.model_sources import add_export_arguments, check_exports, export, load_model
+from toolkit.model_sources import (add_export_arguments, check_exports, export, load_model,
+                                   run_file)
 from toolkit.sampling import add_sampling_arguments, check_sampling_args, run_sampling
 from toolkit.tokenizers import load_tokenizer
 
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     add_export_arguments(parser)
     add_sampling_arguments(parser)
     args = parser.parse_args(argv)
-    check_sampling_args(args, [args.ckpt])
+    check_sampling_args(args, [run_file(args.ckpt)])  # a genfile may go beside a run's ckpt.pt
     check_exports({"--export-hf": args.export_hf, "--export-gguf": args.export_gguf}, [args.ckpt],
                   args.overwrite)
     model, facts = load_model(args.ckpt, attn_kernel=args.attn_kernel)

@@ -72,6 +72,14 @@ def test_interactive_prompt_loop(char_ckpt):
         result.stderr.count("error:") == 1
 
 
+def test_a_genfile_may_go_beside_the_checkpoint_in_its_run_folder(char_ckpt):
+    genfile = char_ckpt.parent / "beside.jsonl"
+    result = run_main("test.py", "--ckpt", char_ckpt.parent, *SAMPLE, "--genfile", genfile)
+    assert result.returncode == 0 and genfile.exists(), result.stderr
+    assert_one_line_error(run_main("test.py", "--ckpt", char_ckpt.parent, *SAMPLE, "--genfile",
+                                   char_ckpt, "--overwrite"), "would overwrite the input")
+
+
 def test_outputs_that_are_no_regular_file_are_refused_before_sampling(char_ckpt, tmp_path):
     """A pipe, a device (/dev/null) or a folder where a file would go: the rename that ends a
     write would replace it, so it is refused, --overwrite or not, before anything runs."""

@@ -34,6 +34,12 @@ def is_hf_source(path: str) -> bool:
     return os.path.isdir(path) or not os.path.exists(path) and not path.endswith(".pt")
 
 
+def run_file(path: str) -> str:
+    """The checkpoint a run's --out-dir stands for (as nanoGPT samples its out_dir), else path."""
+    checkpoint = os.path.join(path, CHECKPOINT_FILE)
+    return checkpoint if os.path.isfile(checkpoint) else path
+
+
 def load_model(path: str, **overrides) -> tuple[GPT, dict]:
     """(model, tokenizer facts) from any source above; overrides set e.g. attn_kernel or dropout,
     which is off (this is for inference) unless they set it. An HF folder is read with GPT-2's
@@ -50,9 +56,7 @@ def read_model(path: str, **overrides) -> tuple[GPT, dict]:
     if is_deepspeed_source(path):
         model, state, _ = load_deepspeed_model(path, **overrides)
         return model, state["tokenizer"]
-    # a run's --out-dir, as nanoGPT samples
-    if os.path.isfile(os.path.join(path, CHECKPOINT_FILE)):
-        path = os.path.join(path, CHECKPOINT_FILE)
+    path = run_file(path)
     if is_hf_source(path) and hf_llama.is_llama_folder(path):
         return hf_llama.load_llama(path, **overrides)
     if is_hf_source(path):
