@@ -245,6 +245,45 @@ def test_bad_input_is_one_line(gpt2_model, tmp_path):
                           "unknown task 'hellaswagg'")
 
 
+def test_text_written_without_spaces_is_continued_without_one(tmp_path):
+    """A Chinese item is scored as its context runs on into each ending: a char vocabulary of its
+    text alone (no space in it) scores it; English keeps HellaSwag's space."""
+    from toolkit.evaluation import ChoiceTask
+    from toolkit.tokenizers import Tokenizer
+    rows = [{"ctx": "小明今天去", "endings": ["学校。", "公园。"], "label": 0},
+            {"ctx": "He went to", "endings": ["school.", "the park."], "label": 1}]
+    tok = Tokenizer("char", chars="".join(sorted(set(json.dumps(rows, ensure_ascii=False)))))
+    task = ChoiceTask(write_jsonl(tmp_path / "mixed.jsonl", rows), tok)
+    assert task.requests == [(tok.encode(context), tok.encode(ending)) for context, ending in (
+        ("小明今天去", "学校。"), ("小明今天去", "公园。"), ("He went to", " school."),
+        ("He went to", " the park."))]
+
+
+def test_a_continuation_the_context_swallows_is_encoded_apart_and_scored():
+    """A BPE trained on unspaced text makes one token of the context's end and the ending: split
+    where the context's tokens end, nothing would be left to score. (Where the join's token holds
+    only part of the ending, the split stays the harness's.)"""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from toolkit.evaluation import encode_pair, gpt_logits_at, loglikelihoods
+    from toolkit.tokenizers import Tokenizer
+    bpe = HFTokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["小红在杭州相遇。"] * 50 + ["小红在杭州"] * 5, trainers.BpeTrainer(
+        vocab_size=400, show_progress=False, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = Tokenizer("bpe", tokenizer_json=bpe.to_str())
+    assert len(tok.encode("小红在杭州相遇")) == 1  # the whole pair is one token
+    assert encode_pair(tok, "小红在杭州", "相遇") == (tok.encode("小红在杭州"), tok.encode("相遇"))
+    # and a batch of empty continuations (the harness's own split may leave them) scores 0
+    model = GPT(GPTConfig(block_size=8, vocab_size=tok.vocab_size, n_layer=1, n_head=1, n_embd=8))
+    lls, greedy = loglikelihoods(gpt_logits_at(model, torch.device("cpu"), torch.float32),
+                                 [([1, 2], []), ([3], [])], 8, 2, torch.device("cpu"))
+    assert lls.tolist() == [0.0, 0.0]
+
+
 @pytest.mark.parametrize("think", ["</think>", None])
 def test_a_generated_reply_is_cut_as_lm_evals_hf_model_cuts_it(think):
     """After the last end of thinking (--think-end-token as text), then at the first stop."""

@@ -16,11 +16,16 @@ end-of-text token; a pair longer than the block size loses tokens from the
 left of the context. A choice's query is preprocess(activity_label + ": " + ctx_a + " " +
 ctx_b.capitalize()), each ending is preprocess(ending), and the continuation scored is " " + ending;
 acc takes the ending of the highest summed log-likelihood, acc_norm the highest log-likelihood per
-character of the ending (lm_eval/tasks/hellaswag).
+character of the ending (lm_eval/tasks/hellaswag). Two departures, where the harness's rules give no
+meaningful score: text in a script written without spaces (Chinese, Japanese, Thai) is continued
+without the space, as lm-eval's zhoblimp sets target_delimiter ""; and a continuation that the
+context's last token swallows whole (a BPE trained on unspaced text merges across the join) is
+encoded apart, not scored as nothing.
 """
 import math
 import os
 import re
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +43,9 @@ from toolkit.tokenizers import Tokenizer
 # logits_at(idx (B, T), rows, cols) -> the (n, V) logits at positions (rows[i], cols[i]) of
 # the batch
 LogitsAt = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# the Unicode names of scripts written without spaces between words, and of their punctuation
+UNSPACED = ("CJK", "IDEOGRAPHIC", "HIRAGANA", "KATAKANA", "FULLWIDTH", "HALFWIDTH KATAKANA", "THAI",
+            "LAO", "KHMER", "MYANMAR", "TIBETAN")
 
 
 @torch.no_grad()
@@ -142,7 +150,15 @@ def encode_pair(tok: Tokenizer, context: str, continuation: str) -> tuple[list[i
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole, head = (tok.with_bos(tok.encode(text)) for text in (context + continuation, context))
-    return head, whole[len(head):]
+    # where the context's last token swallowed all of it, it is encoded apart
+    return head, whole[len(head):] or tok.encode(continuation)
+
+
+def target_delimiter(context: str, ending: str) -> str:
+    """What joins a context and an ending: HellaSwag's space, or none where either side is text of
+    a script written without spaces (or its full-width punctuation)."""
+    return "" if any(unicodedata.name(char, "").startswith(UNSPACED)
+                     for char in context[-1:] + ending[:1]) else " "
 
 
 def gpt_logits_at(model: GPT, device: torch.device, dtype: torch.dtype) -> LogitsAt:
@@ -191,10 +207,10 @@ def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int
             rows += [row] * n
             cols += range(len(whole) - n, len(whole))
             targets += continuation
-        logits = logits_at(idx.to(device), torch.tensor(rows, device=device),
-                           torch.tensor(cols, device=device))
+        rows, cols, targets = (torch.tensor(x, dtype=torch.long, device=device)
+                               for x in (rows, cols, targets))  # (long even when empty)
+        logits = logits_at(idx.to(device), rows, cols)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        targets = torch.tensor(targets, device=device)
         token_scores = logprobs.gather(1, targets[:, None])[:, 0].double().cpu()
         token_greedy = (logprobs.argmax(dim=-1) == targets).cpu()
         offset = 0
@@ -224,7 +240,8 @@ class ChoiceTask:
         try:
             items = tqdm(self.items, desc=f"{self.name}: tokenizing", unit="item",
                          delay=cli.PROGRESS_DELAY, disable=not progress)
-            self.requests = [encode_pair(tok, item.query, " " + choice)
+            self.requests = [encode_pair(tok, item.query,
+                                         target_delimiter(item.query, choice) + choice)
                              for item in items for choice in item.choices]
         except ValueError as e:  # a character outside a char vocabulary
             raise CLIError(f"{path}: {e}") from None
