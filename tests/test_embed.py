@@ -209,6 +209,21 @@ def test_a_reloaded_index_gives_identical_results(corpus, tmp_path):
     assert table[2].split()[0] == "1" and table[2].endswith("the cat eats the fish")
 
 
+def test_a_passage_whose_chunk_starts_inside_a_character_shows_whole_characters(tmp_path):
+    """Byte tokens cut Chinese characters (three bytes each): a hit's passage leaves out the bytes
+    of a character it starts inside of."""
+    from toolkit.tokenizers import load_tokenizer
+    write_model(tmp_path / "ckpt.pt")
+    text = "中文的句子在这里。" * 4
+    (tmp_path / "zh.txt").write_text(text + "\n")
+    assert embed_py("index", "--ckpt", tmp_path / "ckpt.pt", "--input", tmp_path / "zh.txt",
+                    "--out", tmp_path / "index", "--chunk-tokens", "8", "--overlap", "0",
+                    *DEVICE).returncode == 0
+    index, tok = Index(str(tmp_path / "index")), load_tokenizer(BYTES)
+    passages = [index.result(tok, 1, 0, 0.0, row)["passage"] for row in range(len(index.rows))]
+    assert len(passages) == 14 and all(p and "\ufffd" not in p and p in text for p in passages)
+
+
 @pytest.mark.parametrize("block_rows", [1, 7, 64, 10_000])
 def test_search_in_blocks_equals_the_whole_product(tmp_path, block_rows):
     vectors = torch.nn.functional.normalize(

@@ -130,7 +130,8 @@ class Index:
         """A search hit: its document (id, source, line, text) and best chunk (tokens, passage)."""
         document = self.document(number)
         start, end = self.rows[row, 1:].tolist()
-        passage = tokenizer.decode(tokenizer.encode(document["text"])[start:end])
+        # a chunk of byte-level tokens may start inside a character: its bytes are no text
+        passage = tokenizer.decode(tokenizer.encode(document["text"])[start:end]).lstrip("\ufffd")
         return {"rank": rank, "score": round(score, 6), **document, "tokens": [start, end],
                 "passage": passage}
 
