@@ -84,7 +84,7 @@ def metrics(result) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
-def test_the_export_loads_alone_in_transformers_and_encodes_as_the_toolkit(gpt2_model):
+def test_the_export_loads_alone_in_transformers_and_encodes_as_the_toolkit(gpt2_model, caplog):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from toolkit.tokenizers import load_tokenizer
@@ -102,6 +102,15 @@ def test_the_export_loads_alone_in_transformers_and_encodes_as_the_toolkit(gpt2_
     idx = torch.tensor([ours.encode("The cat sat on the mat and then it ran fast.")])
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, model.eval()(idx)[0], atol=1e-5, rtol=0)
+    # generate() as users call it, with no warning about a length the folder sets
+    from transformers.utils import logging as hf_logging
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            hf.generate(idx, max_new_tokens=3, do_sample=False)
+    finally:
+        hf_logging.disable_propagation()
+    assert not [r for r in caplog.records if "max_length" in r.getMessage()], caplog.text
 
 
 def test_a_char_model_exports_weights_and_says_what_no_hf_tokenizer_holds(char_data, tmp_path):

@@ -166,7 +166,7 @@ def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> str:
     atomic_write(os.path.join(out_dir, "model.safetensors"),
                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     write_json(os.path.join(out_dir, "config.json"), hf)
-    write_generation_config(out_dir, tokenizer, c.block_size)
+    write_generation_config(out_dir, tokenizer)
     if tokenizer != GPT2_FACTS:
         write_json(os.path.join(out_dir, TOKENIZER_FILE), tokenizer)
     if tokenizer.get("tokenizer") in ("gpt2", "bpe"):
@@ -239,14 +239,15 @@ def token_text(token) -> str | None:
         token if isinstance(token, str) else None
 
 
-def write_generation_config(out_dir: str, facts: dict, block_size: int) -> None:
+def write_generation_config(out_dir: str, facts: dict) -> None:
     """generation_config.json: generate() stops at the end-of-text token, or where the model chats
     at the ids that end a reply (an instruction-tuned model's <|end|> too, as Llama 3's lists
-    <|eot_id|>; a downloaded folder's own)."""
+    <|eot_id|>; a downloaded folder's own). No max_length, as GPT-2's own: generate()'s
+    max_new_tokens then comes with no warning."""
     eot_id, template = facts.get("eot_id"), export_template(facts)
     write_json(os.path.join(out_dir, "generation_config.json"), {
         "bos_token_id": bos_token_id(facts),
-        "eos_token_id": template["stop_ids"] if template else eot_id, "max_length": block_size})
+        "eos_token_id": template["stop_ids"] if template else eot_id})
 
 
 def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:

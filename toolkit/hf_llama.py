@@ -190,7 +190,7 @@ def save_llama(model: GPT, out_dir: str, tokenizer: dict) -> str:
     atomic_write(os.path.join(out_dir, "model.safetensors"),
                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     write_json(os.path.join(out_dir, "config.json"), hf)
-    write_generation_config(out_dir, tokenizer, c.block_size)
+    write_generation_config(out_dir, tokenizer)
     name = f"an HF {ARCHITECTURES[model_type]} folder"
     # read back as they are: special tokens (tokenizer.json's added tokens do not say
     # which), char, byte
