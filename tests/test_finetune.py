@@ -388,11 +388,12 @@ def test_the_head_starts_fitted_to_the_pretrained_body(datasets, pretrained, tmp
     move anything, one epoch already scores far above chance (a head starting at zero would score
     every class alike)."""
     train, val = datasets["classify"]
-    result = ok(finetune("--task", "classify", "--train", train, "--val", val,
-                         "--init-from", pretrained, "--out-dir", tmp_path, "--epochs", "1",
-                         "--lr", "1e-12", *FINETUNE))
+    run = finetune("--task", "classify", "--train", train, "--val", val, "--init-from", pretrained,
+                   "--out-dir", tmp_path, "--epochs", "1", "--lr", "1e-12", *FINETUNE)
+    result = ok(run)
     # 0.97: the text's likelihood tells real from shuffled
     assert result["val_accuracy"] >= 0.8, result
+    assert "labels 'real', 'shuffled' (val_f1: of 'shuffled')" in run.stdout
 
 
 def test_without_val_a_share_of_train_is_held_out_from_the_seed(datasets, pretrained, tmp_path):

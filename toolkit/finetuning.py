@@ -212,6 +212,8 @@ class TaskObjective(Objective):
             learnt = "answers"
         else:
             learnt = f"labels {', '.join(map(repr, self.names))}"
+            if len(self.names) == 2:  # which class val_f1 is the F1 of
+                learnt += f" (val_f1: of {self.names[1]!r})"
         return f"{len(self.train_set)} train, {len(self.val_set)} val examples, {learnt}"
 
 
