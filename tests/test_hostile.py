@@ -210,10 +210,35 @@ def test_an_out_dir_that_cannot_be_created_fails_at_start(char_data, tmp_path):
     (["--block-size", "-5"], "--block-size"), (["--dropout", "1.5"], "--dropout"),
     (["--beta2", "1"], "--beta2"),
     (["--warmup-iters", "-1"], "--warmup-iters"), (["--weight-decay", "nan"], "--weight-decay"),
+    (["--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr 0.01 is above --lr 0.001"),
+    (["--seed", "-1"], "--seed must be at least 0"),
 ])
 def test_out_of_range_flags(char_data, tmp_path, flags, fragment):
     assert_one_line_error(train(char_data, tmp_path / "out", *flags), fragment)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_batch_no_memory_holds_is_one_line(char_data, tmp_path):
+    assert_one_line_error(train(char_data, tmp_path / "out", "--batch-size", "1000000000000",
+                                "--max-iters", "2"), "out of memory", "--batch-size")
+
+
+def test_a_folder_where_the_checkpoint_goes_is_refused_before_training(char_data, tmp_path):
+    (tmp_path / "out" / "ckpt.pt").mkdir(parents=True)
+    result = train(char_data, tmp_path / "out", "--max-iters", "2", "--overwrite")
+    assert_one_line_error(result, "ckpt.pt is not a regular file")
+    assert "iter 0" not in result.stdout and "step 0" not in result.stdout
+
+
+def test_a_checkpoint_without_optimizer_state_is_not_resumed(char_data, run_dir):
+    """finetune.py's keep none: resuming one would restart the optimizer silently."""
+    checkpoint = torch.load(run_dir / "ckpt.pt", weights_only=True)
+    del checkpoint["optimizer"]
+    torch.save(checkpoint, run_dir / "ckpt.pt")
+    before = (run_dir / "ckpt.pt").read_bytes()
+    assert_one_line_error(train(char_data, run_dir, "--init-from", "resume", "--max-iters", "6"),
+                          "holds no optimizer state to resume", "--init-from")
+    assert_unchanged(run_dir, before)
 
 
 @pytest.mark.parametrize("config, fragment", [

@@ -237,6 +237,28 @@ def test_bad_input_is_one_line_from_rank_0(char_data, tmp_path, flags, message):
     assert time.monotonic() - start < 90
 
 
+def test_a_flag_only_one_rank_finds_bad_is_said_by_that_rank(char_data, tmp_path):
+    """A --config file on one node only: rank 1 fails before the process group exists, rank 0 does
+    not; rank 1 says why, once."""
+    wrapper = tmp_path / "rank1_config.py"
+    wrapper.write_text(
+        "import os, runpy, sys\n"
+        "if os.environ['RANK'] == '1':\n"
+        f"    sys.argv += ['--config', {str(tmp_path / 'missing.json')!r}]\n"
+        f"sys.argv[0] = {str(ROOT / 'train_ddp.py')!r}\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(wrapper), "--data-dir", str(char_data), "--out-dir", str(tmp_path / "out"),
+           *TINY_MODEL, "--max-iters", "5"]
+    result = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=120,
+                            env={**os.environ, **ENV})
+    errors = [line for line in (result.stdout + result.stderr).splitlines()
+              if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, result.stdout + result.stderr
+    assert errors[0].startswith("error: rank 1:") and "missing.json" in errors[0], errors
+
+
 def test_bad_input_is_not_restarted_by_torchrun(char_data, tmp_path):
     result = torchrun(2, "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
                       "--grad-accum", "3", launcher=("--standalone", "--max-restarts", "3"),

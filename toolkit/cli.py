@@ -107,6 +107,10 @@ def run(main: Callable[[], None]) -> None:
     except (CLIError, ValueError, OSError) as e:
         print(f"error: {error_message(e)}", file=sys.stderr)
         sys.exit(1)
+    except MemoryError as e:  # e.g. numpy's for a batch of absurd size
+        print(f"error: {OUT_OF_MEMORY.format(first_line(e)).replace('GPU ', '')}",
+              file=sys.stderr)
+        sys.exit(1)
     except RuntimeError as e:
         if not is_out_of_memory(e):
             raise
@@ -137,10 +141,11 @@ def report_distributed_error(message: str) -> None:
         if store is not None:
             store.set(key, message)
         return
-    # failed before the process group existed: every rank failed the same way, and rank 0 must print
-    # it before the launcher, seeing this rank exit, stops the job
+    # failed before the process group existed: rank 0 most likely failed the same way, and the
+    # launcher stops this rank while rank 0 prints it; a rank still here failed alone
     if store is None:
         time.sleep(3)
+        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
         return
     try:
         store.wait([key], datetime.timedelta(seconds=3))
@@ -172,6 +177,11 @@ def run_distributed(main: Callable[[], None]) -> None:
     except (CLIError, ValueError, OSError) as e:
         report_distributed_error(error_message(e))
         stop_torchrun_restarts()
+        status = 1
+    except MemoryError as e:  # on any rank: each says so, with its rank
+        print(f"error: rank {os.environ.get('RANK', '0')}: "
+              f"{OUT_OF_MEMORY.format(first_line(e)).replace('GPU ', '')}", file=sys.stderr,
+              flush=True)
         status = 1
     except RuntimeError as e:
         # a peer died or hung: the launcher stops (or restarts) the job anyway

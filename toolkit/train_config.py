@@ -133,6 +133,8 @@ def check_config(cfg: TrainConfig) -> None:
     flags.check_values(cfg)
     if cfg.n_embd % cfg.n_head:
         raise CLIError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
+    if cfg.min_lr is not None and cfg.lr is not None and cfg.min_lr > cfg.lr:
+        raise CLIError(f"--min-lr {cfg.min_lr:g} is above --lr {cfg.lr:g}: the decay would climb")
 
 
 def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict | None]:

@@ -152,13 +152,15 @@ class TorchEngine:
         if resume is not None:
             if "model" in resume:  # (a LoRA checkpoint holds adapters instead: toolkit/lora.py)
                 load_weights(self.gpt, resume["model"], self.path)
-            if resume.get("optimizer"):
-                try:
-                    self.optimizer.load_state_dict(resume["optimizer"])
-                except ValueError as e:  # groups laid out otherwise, e.g. by an earlier version
-                    raise CLIError(f"{self.path}: its optimizer state does not fit this optimizer "
-                                   f"({e}); to go on from its weights with a fresh optimizer: "
-                                   f"--init-from {self.path} --optimizer {cfg.optimizer}") from None
+            if not resume.get("optimizer"):  # e.g. finetune.py's, which keeps no optimizer
+                raise CLIError(f"{self.path} holds no optimizer state to resume; to go on from "
+                               f"its weights with a fresh optimizer: --init-from {self.path}")
+            try:
+                self.optimizer.load_state_dict(resume["optimizer"])
+            except ValueError as e:  # groups laid out otherwise, e.g. by an earlier version
+                raise CLIError(f"{self.path}: its optimizer state does not fit this optimizer "
+                               f"({e}); to go on from its weights with a fresh optimizer: "
+                               f"--init-from {self.path} --optimizer {cfg.optimizer}") from None
             if resume.get("scaler"):
                 self.scaler.load_state_dict(resume["scaler"])
             restore_rng(resume.get("rng") or {}, device)
