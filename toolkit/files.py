@@ -159,7 +159,6 @@ def claim_out_dir(out_dir: str, checkpoint: str, resuming: bool, overwrite: bool
     refuse to replace a checkpoint this run does not resume from."""
     lock_folder(out_dir)
     remove_temporaries(out_dir)
-    refuse_special(checkpoint, "--out-dir's")  # found before training, not when saving
     if not resuming and os.path.exists(checkpoint) and not overwrite:
         raise CLIError(f"{checkpoint} holds the checkpoint of another run; continue it with "
                        "--init-from resume, use another --out-dir, or pass --overwrite to replace "

@@ -31,6 +31,7 @@ from toolkit.checkpoint import (capture_rng, load_checkpoint, load_weights, make
 from toolkit.cli import CLIError
 from toolkit.config import RunConfig
 from toolkit.device import autocast, peak_flops
+from toolkit.files import refuse_special
 from toolkit.optim import Schedule, make_optimizer
 from toolkit.runlog import RunLog
 from toolkit.signals import StopRequest
@@ -127,6 +128,7 @@ class TorchEngine:
     save_optimizer is off, what exact resume needs."""
 
     def __init__(self, path: str, save_optimizer: bool = True):
+        refuse_special(path, "--out-dir's")  # a folder in its place: found now, not after training
         self.path, self.save_optimizer = path, save_optimizer
 
     def data_parallel(self) -> tuple[int, int]:
