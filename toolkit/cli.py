@@ -80,12 +80,19 @@ def error_message(error: Exception) -> str:
 
 def is_out_of_memory(error: BaseException) -> bool:
     """torch's OutOfMemoryError (CUDA, or a RuntimeError that says so: MPS, other backends), without
-    importing torch (data preparation never does)."""
-    return type(error).__name__ == "OutOfMemoryError" or (isinstance(error, RuntimeError)
-                                                         and "out of memory" in str(error).lower())
+    importing torch (data preparation never does), or the host's MemoryError (numpy's, for a batch
+    of absurd size)."""
+    return isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError" or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
 
 
-OUT_OF_MEMORY = ("out of GPU memory ({}): the model, batch or context did not fit; lower "
+def out_of_memory(error: BaseException) -> str:
+    """OUT_OF_MEMORY, of the GPU's memory or (a MemoryError) the host's."""
+    where = "" if isinstance(error, MemoryError) else "GPU "
+    return OUT_OF_MEMORY.format(where, first_line(error))
+
+
+OUT_OF_MEMORY = ("out of {}memory ({}): the model, batch or context did not fit; lower "
                  "--batch-size (and raise --grad-accum to keep the batch), --block-size or the "
                  "model's size, use --dtype bfloat16, or train with ZeRO-3 and CPU offload "
                  "(train_ds.py; its --estimate-memory says what fits); checkpoints already written "
@@ -107,14 +114,10 @@ def run(main: Callable[[], None]) -> None:
     except (CLIError, ValueError, OSError) as e:
         print(f"error: {error_message(e)}", file=sys.stderr)
         sys.exit(1)
-    except MemoryError as e:  # e.g. numpy's for a batch of absurd size
-        print(f"error: {OUT_OF_MEMORY.format(first_line(e)).replace('GPU ', '')}",
-              file=sys.stderr)
-        sys.exit(1)
-    except RuntimeError as e:
+    except (MemoryError, RuntimeError) as e:
         if not is_out_of_memory(e):
             raise
-        print(f"error: {OUT_OF_MEMORY.format(first_line(e))}", file=sys.stderr)
+        print(f"error: {out_of_memory(e)}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -178,16 +181,11 @@ def run_distributed(main: Callable[[], None]) -> None:
         report_distributed_error(error_message(e))
         stop_torchrun_restarts()
         status = 1
-    except MemoryError as e:  # on any rank: each says so, with its rank
-        print(f"error: rank {os.environ.get('RANK', '0')}: "
-              f"{OUT_OF_MEMORY.format(first_line(e)).replace('GPU ', '')}", file=sys.stderr,
-              flush=True)
-        status = 1
-    except RuntimeError as e:
+    except (MemoryError, RuntimeError) as e:
         # a peer died or hung: the launcher stops (or restarts) the job anyway
         if is_out_of_memory(e):  # on any rank: each says so, with its rank
-            print(f"error: rank {os.environ.get('RANK', '0')}: "
-                  f"{OUT_OF_MEMORY.format(first_line(e))}", file=sys.stderr, flush=True)
+            print(f"error: rank {os.environ.get('RANK', '0')}: {out_of_memory(e)}",
+                  file=sys.stderr, flush=True)
             stop_torchrun_restarts()
         elif not isinstance(e, dist.DistError) and "gloo" not in str(e):
             raise
