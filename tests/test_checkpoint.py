@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, fake_deepspeed_folder, run_main
+from conftest import ROOT, assert_one_line_error, fake_deepspeed_folder, run_main
 from model import GPT, GPTConfig
 from toolkit import ds_checkpoint
 from toolkit.checkpoint import load_checkpoint, model_from_checkpoint, read_weights, save_checkpoint
@@ -46,6 +46,27 @@ def test_checkpoint_written_by_an_older_version_samples_and_resumes(tmp_path):
         new["history"]["iter"][:len(old["history"]["iter"])] == old["history"]["iter"]
     # what it was trained with, before the option existed
     assert new["train_config"]["optimizer"] == "adamw"
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"iter_num": "3"}, "its iter_num is str '3'"),
+    ({"iter_num": -2}, "its iter_num -2 is negative"),
+    ({"best_val_loss": "low"}, "its best_val_loss is str"),
+    ({"rng": {"torch": 5}}, "its rng is not a dict of generator states"),
+    ({"history": {"iter": 3}}, "its history is not a dict of lists"),
+    ({"optimizer": 3}, "its optimizer is int"),
+    ({"train_config": {"lr": "high"}}, "train_config: lr must be null or float, got 'high'"),
+    ({"train_config": {"optimizer": "sgd"}}, "optimizer must be one of auto, muon, adamw"),
+    ({"model_config": {"n_layer": "1"}}, "n_layer must be a positive integer, got '1'"),
+])
+def test_an_edited_checkpoint_is_refused_in_one_line_before_resuming(tmp_path, edit, says):
+    checkpoint = load_checkpoint(str(OLD_CHECKPOINT))
+    for key, value in edit.items():
+        checkpoint[key] = {**checkpoint[key], **value} if key.endswith("_config") else value
+    save_checkpoint(checkpoint, str(tmp_path / "ckpt.pt"))
+    assert_one_line_error(run_main("train.py", "--init-from", "resume", "--out-dir", tmp_path,
+                                   "--max-iters", "5", "--device", "cpu"), says)
+    assert load_checkpoint(str(tmp_path / "ckpt.pt")).keys() == checkpoint.keys()
 
 
 def test_checkpoint_of_compiled_model_loads_in_plain_model(tmp_path):

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -537,8 +538,16 @@ def test_sigterm_finishes_the_step_saves_the_latest_state_and_exits_0(datasets, 
     report = json.loads(out.splitlines()[-1])
     assert report["epochs"] == 0 and 1 <= report["steps"] < math.ceil(TRAIN_EXAMPLES / 16)
     assert not (tmp_path / "ckpt.pt").exists()  # no epoch was evaluated: nothing is the best yet
-    # --init-from resume
-    assert load_checkpoint(str(tmp_path / "last.pt"))["iter_num"] == report["steps"]
+    latest = load_checkpoint(str(tmp_path / "last.pt"))
+    assert latest["iter_num"] == report["steps"]
+    # a head of another shape in its place is refused; the run itself resumes and finishes
+    shutil.copy(tmp_path / "last.pt", tmp_path / "kept.pt")
+    torch.save({**latest, "head": {"weight": torch.zeros(3, 2)}}, tmp_path / "last.pt")
+    assert_one_line_error(finetune("--init-from", "resume", "--out-dir", tmp_path),
+                          "holds no task head of this task's shape")
+    os.replace(tmp_path / "kept.pt", tmp_path / "last.pt")
+    resumed = ok(finetune("--init-from", "resume", "--out-dir", tmp_path, "--epochs", "1"))
+    assert resumed["epochs"] == 1 and resumed["steps"] == math.ceil(TRAIN_EXAMPLES / 16)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -153,6 +153,7 @@ def test_samples_from_hf_gpt2_directory(tmp_path):
     (["--prompt", "\u4e2d\u6587"], "not in the char vocabulary"),
     (["--prompt", "FILE:/nonexistent/prompt.txt"],
      "--prompt FILE: not found: /nonexistent/prompt.txt"),
+    (["--prompt", f"FILE:{ROOT / 'docs'}"], "docs is a folder, not a --prompt FILE:"),
     (["--top-k", "x"], "--top-k: invalid int value: 'x'"),
     # SDPA's needs CUDA
     (["--attn-kernel", "efficient"], "attn_kernel 'efficient' cannot run on cpu"),

@@ -281,6 +281,18 @@ def test_without_torchrun_or_peers_fails_fast_with_one_line(char_data, tmp_path)
     assert_one_line_error(lonely, "rendezvous at 127.0.0.1:", "2 processes expected")
 
 
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "2"}, "RANK=2 is outside WORLD_SIZE=2"),  # would wait for its peers until --timeout
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a non-negative integer"),
+    ({"RANK": "0", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a port"),
+])
+def test_torchrun_variables_set_by_hand_are_checked(char_data, env, message):
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29500", **env}
+    assert_one_line_error(run_main("train_ddp.py", "--data-dir", char_data, "--timeout", "600",
+                                   env=env), message)
+
+
 def test_no_flag_collides_with_torchrun_options():
     """argparse matches abbreviations of torchrun's own options even after the script name."""
     from torch.distributed.run import get_args_parser

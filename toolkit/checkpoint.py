@@ -34,6 +34,11 @@ from toolkit.files import atomic_write, read_json
 
 CHECKPOINT_FILE = "ckpt.pt"
 STATE_KEYS = ("model_config", "train_config", "tokenizer", "iter_num", "best_val_loss", "history")
+NONE = type(None)
+STATE_TYPES = {"model_config": (dict,), "train_config": (dict,), "tokenizer": (dict, NONE),
+               "iter_num": (int,), "best_val_loss": (int, float, NONE), "history": (dict, NONE),
+               "optimizer": (dict, NONE), "scaler": (dict, NONE), "rng": (dict, NONE),
+               "finetune": (dict,), "head": (dict,)}
 # added to every key by torch.compile's and DDP's wrapper modules
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors")
@@ -99,6 +104,36 @@ def load_checkpoint(path: str) -> dict:
         raise CLIError(f"{path} is not a checkpoint of this toolkit (needs keys model_config and "
                        "model, or adapters, each a dict)")
     return checkpoint
+
+
+def load_resume(path: str, *extra: str) -> dict:
+    """A ckpt.pt to continue training from: load_checkpoint's checks, plus the loop's state
+    (STATE_TYPES, and the `extra` keys a trainer adds) present and of its type, so that an edited
+    or foreign checkpoint is one line rather than a traceback halfway through the resume."""
+    checkpoint = load_checkpoint(path)
+    check_state(checkpoint, path, ("iter_num", "train_config", *extra))
+    return checkpoint
+
+
+def check_state(state: dict, path: str, required: tuple = ()) -> None:
+    """Each STATE_TYPES key that is present has its type, and `required` ones are present."""
+    for key in required:
+        if key not in state:
+            raise CLIError(f"{path} has no {key}; it cannot be resumed")
+    for key, kinds in STATE_TYPES.items():
+        value = state.get(key)
+        if key in state and not (isinstance(value, kinds) and not isinstance(value, bool)):
+            wanted = " or ".join("None" if k is NONE else k.__name__ for k in kinds)
+            raise CLIError(f"{path}: its {key} is {type(value).__name__} {value!r:.40}, "
+                           f"not the {wanted} a run writes")
+    if state.get("iter_num", 0) < 0:
+        raise CLIError(f"{path}: its iter_num {state['iter_num']} is negative")
+    history = state.get("history") or {}
+    if not all(isinstance(v, list) for v in history.values()):
+        raise CLIError(f"{path}: its history is not a dict of lists, as a run writes it")
+    rng = state.get("rng") or {}
+    if not all(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in rng.values()):
+        raise CLIError(f"{path}: its rng is not a dict of generator states (uint8 tensors)")
 
 
 def load_plain(path: str, allowed: tuple = ()):

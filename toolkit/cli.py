@@ -136,10 +136,10 @@ def report_distributed_error(message: str) -> None:
     """In a process group, rank 0 prints the error; another rank prints its own only when rank 0 did
     not report the same one (e.g. data missing on one node only) in the group's key-value store."""
     import torch.distributed as dist
-    rank = int(os.environ.get("RANK", "0"))
+    rank = os.environ.get("RANK", "0")  # as set, even when it is no number
     key = "cli_error/0"
     store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
-    if rank == 0:
+    if rank == "0":
         print(f"error: {message}", file=sys.stderr, flush=True)
         if store is not None:
             store.set(key, message)

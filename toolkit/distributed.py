@@ -64,6 +64,22 @@ def launched_by_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
+def check_torchrun_vars() -> None:
+    """torchrun's variables, when set by hand, make sense: a rank outside the world would wait for
+    its peers until --timeout."""
+    numbers = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        value = os.environ[name]
+        if not value.isdecimal():
+            raise CLIError(f"{name}={value!r} is not a non-negative integer; torchrun sets it")
+        numbers[name] = int(value)
+    if not numbers["RANK"] < numbers["WORLD_SIZE"]:
+        raise CLIError(f"RANK={numbers['RANK']} is outside WORLD_SIZE={numbers['WORLD_SIZE']} "
+                       "(ranks are 0 to WORLD_SIZE - 1); torchrun sets both")
+    if not 0 < numbers["MASTER_PORT"] < 65536:
+        raise CLIError(f"MASTER_PORT={numbers['MASTER_PORT']} is not a port (1 to 65535)")
+
+
 def init_torchrun(device_name: str, backend: str | None, timeout: float) -> torch.device:
     """Check the environment torchrun provides, pick this process's device and the backend, join the
     process group; returns the device."""
@@ -71,6 +87,7 @@ def init_torchrun(device_name: str, backend: str | None, timeout: float) -> torc
     if missing:
         raise CLIError(f"{' '.join(missing)} not set: launch with torchrun --nproc_per_node N ... "
                        f"(or use one process without torchrun)")
+    check_torchrun_vars()
     device = resolve_device(device_name, local_rank())
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":

@@ -348,11 +348,18 @@ def read_documents(files: list[str], key: str = "text", errors: str = "strict",
             raise CLIError(f"cannot read {path}: {e}") from None
 
 
+def require_file(path: str, what: str = "file") -> None:
+    """A CLIError unless path is a file: a folder is said to be one."""
+    if os.path.isdir(path):
+        raise CLIError(f"{path} is a folder, not a {what}")
+    if not os.path.isfile(path):
+        raise CLIError(f"{what} not found: {path}")
+
+
 def read_text(path: str, what: str = "file") -> str:
     """A whole UTF-8 text file (.gz/.bz2/.xz decompressed), or a one-line CLIError naming it
     (missing, a folder, unreadable, corrupt, not UTF-8)."""
-    if not os.path.isfile(path):
-        raise CLIError(f"{what} not found: {path}")
+    require_file(path, what)
     try:
         with open_binary(path) as f:
             data = f.read()
@@ -367,8 +374,7 @@ def read_text(path: str, what: str = "file") -> str:
 
 def read_lines(path: str) -> Iterator[tuple[int, str]]:
     """(line number, line without its newline) of a text file, .gz/.bz2/.xz decompressed."""
-    if not os.path.isfile(path):
-        raise CLIError(f"file not found: {path}")
+    require_file(path)
     with open_binary(path) as f:
         for number, line in enumerate(f, start=1):
             if number == 1:

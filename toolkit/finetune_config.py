@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 
 from toolkit import flags, lora
-from toolkit.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from toolkit.checkpoint import CHECKPOINT_FILE, load_resume
 from toolkit.cli import CLIError
 from toolkit.config import RunConfig
 from toolkit.files import check_output
@@ -86,9 +86,10 @@ def resumed_config(cfg: FinetuneConfig, given: set[str]) -> tuple[FinetuneConfig
     if not os.path.isfile(path):
         raise CLIError(f"nothing to resume in {cfg.out_dir}: {path} exists only while a "
                        f"fine-tuning runs or after one was interrupted")
-    checkpoint = load_checkpoint(path)
+    checkpoint = load_resume(path, "finetune")
     saved = {k: v for k, v in checkpoint["train_config"].items()
              if k in FinetuneConfig.__dataclass_fields__}
+    flags.check_types(saved, FinetuneConfig, f"{path}'s train_config")
     now = {k: getattr(cfg, k) for k in given | {"out_dir", "overwrite"} if k != "init_from"}
     return FinetuneConfig(**{**saved, **now}), checkpoint
 

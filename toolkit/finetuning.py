@@ -314,7 +314,7 @@ def setup(cfg: FinetuneConfig, resume: dict | None = None) -> Trainer:
         if "adapters" in resume:
             lora.load_adapters(body, resume["adapters"], LATEST_FILE)
         if not sft:
-            objective.model.head.load_state_dict(resume["head"])
+            load_head(objective.model.head, resume, os.path.join(cfg.out_dir, LATEST_FILE))
     elif not sft:
         objective.fit_head()
     # the last defaults, which depend on the data and the model: the configuration is settled here
@@ -336,7 +336,17 @@ def setup(cfg: FinetuneConfig, resume: dict | None = None) -> Trainer:
     if resume is None:
         return Trainer(engine, objective, schedule, loop, cfg, desc="finetune")
     return Trainer(engine, objective, schedule, loop, cfg, resume["iter_num"], resume["history"],
-                   resume["finetune"]["metrics"], desc="finetune")
+                   resume["finetune"].get("metrics"), desc="finetune")
+
+
+def load_head(head: torch.nn.Module, resume: dict, path: str) -> None:
+    """The interrupted run's task head, when it has the shapes of this task's."""
+    shapes = {name: tensor.shape for name, tensor in head.state_dict().items()}
+    saved = resume.get("head") or {}
+    if {name: getattr(tensor, "shape", None) for name, tensor in saved.items()} != shapes:
+        raise CLIError(f"{path} holds no task head of this task's shape; start anew with "
+                       "--overwrite")
+    head.load_state_dict(saved)
 
 
 def describe_run(cfg: FinetuneConfig, objective: TaskObjective | ChatObjective, body: GPT,

@@ -123,11 +123,19 @@ def check_values(cfg) -> None:
 def read_config_file(path: str, config_class: type) -> dict:
     """Option values from a JSON object; keys are field names (snake_case or kebab-case), values
     typed as the flags are, choices as theirs."""
-    known = {f.name: f for f in fields(config_class)}
+    known = {f.name for f in fields(config_class)}
     values = {k.replace("-", "_"): v for k, v in read_json(path, "config file").items()}
-    unknown = sorted(set(values) - set(known))
+    unknown = sorted(set(values) - known)
     if unknown:
         raise CLIError(f"{path}: unknown option(s) {', '.join(unknown)}")
+    check_types(values, config_class, path)
+    return values
+
+
+def check_types(values: dict, config_class: type, source: str) -> None:
+    """Each value of a config_class field has the field's type and is one of its choices (a JSON
+    file's or a checkpoint's options; CLIError naming `source`)."""
+    known = {f.name: f for f in fields(config_class)}
     for name, value in values.items():
         f = known[name]
         kind = base_type(f.type)
@@ -135,9 +143,8 @@ def read_config_file(path: str, config_class: type) -> dict:
         allowed = {bool: (bool,), int: (int,), float: (int, float)}.get(kind, (str,))
         ok = (value is None and nullable) or type(value) in allowed
         if not ok:
-            raise CLIError(f"{path}: {name} must be "
+            raise CLIError(f"{source}: {name} must be "
                            f"{'null or ' if nullable else ''}{kind.__name__}, got {value!r}")
         choices = f.metadata["choices"]
         if choices and value is not None and value not in choices:
-            raise CLIError(f"{path}: {name} must be one of {', '.join(choices)}, got {value!r}")
-    return values
+            raise CLIError(f"{source}: {name} must be one of {', '.join(choices)}, got {value!r}")

@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
-from model import ARCHS, ATTN_KERNELS, PRESETS, GPTConfig
+from model import ARCHS, ATTN_KERNELS, PRESETS
 from toolkit import cli, distributed, flags, megatron
+from toolkit.checkpoint import usable_config
 from toolkit.cli import CLIError
 from toolkit.config import RunConfig, settle_run
 from toolkit.data import DEFAULT_CORPUS_DIR
@@ -202,14 +203,16 @@ def merge_resumed_config(cfg: TrainConfig, given: set[str], saved: dict,
     """The checkpoint's settings, but flags given now win; a different model shape is an error."""
     # checkpoints from before the optimizer option were trained with AdamW
     known = {"optimizer": "adamw"}
-    known.update((k, v) for k, v in saved.get("train_config", {}).items() if k in CONFIG_FIELDS)
+    known.update((k, v) for k, v in saved["train_config"].items() if k in CONFIG_FIELDS)
+    flags.check_types(known, TrainConfig, f"{source}'s train_config")
     values = {**asdict(TrainConfig()), **known, **{k: getattr(cfg, k) for k in given},
               "init_from": "resume", "out_dir": cfg.out_dir}
     if values["optimizer"] not in ("auto", known["optimizer"]):
         raise CLIError(f"{source} was trained with --optimizer {known['optimizer']}; its optimizer "
                        f"state cannot continue under --optimizer {values['optimizer']}")
     values["optimizer"] = known["optimizer"]
-    model_config = {**asdict(GPTConfig()), **saved["model_config"]}  # older checkpoints: GPT-2's
+    # checked before its values enter the options; older checkpoints lack fields: GPT-2's
+    model_config = asdict(usable_config(saved["model_config"], source))
     for name in MODEL_SHAPE:
         if name in given and values[name] != model_config[name]:
             raise CLIError(f"checkpoint {source} has {name}={model_config[name]} but {flag(name)} "

@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from toolkit import distributed
-from toolkit.checkpoint import (capture_rng, load_checkpoint, load_weights, make_checkpoint,
+from toolkit.checkpoint import (capture_rng, load_resume, load_weights, make_checkpoint,
                                 restore_rng, save_checkpoint)
 from toolkit.cli import CLIError
 from toolkit.config import RunConfig
@@ -135,7 +135,7 @@ class TorchEngine:
         return distributed.rank(), distributed.world_size()
 
     def read_resume(self) -> dict:
-        return load_checkpoint(self.path)
+        return load_resume(self.path)
 
     def settle_config(self, cfg: RunConfig, given: set[str], resumed: set[str]) -> RunConfig:
         return cfg  # the flags are the whole configuration
