@@ -138,6 +138,10 @@ def corrupt(prefix: str, how: str) -> None:
         idx[9:17] = struct.pack("<Q", 2)
     elif how == "truncated":
         idx = idx[:-8]
+    elif how == "negative-size":  # the sizes' sum, and so the .bin's size, kept
+        idx[34:42] = np.array([-1, 4], "<i4").tobytes()
+    elif how == "pointer":  # the second document starts inside the first
+        idx[34 + 10 * 4 + 8:34 + 10 * 4 + 16] = struct.pack("<q", 1)
     elif how == "bin-size":
         with open(prefix + ".bin", "ab") as f:
             f.write(b"\x00\x00")
@@ -146,7 +150,8 @@ def corrupt(prefix: str, how: str) -> None:
 
 @pytest.mark.parametrize("how, message", [
     ("magic", "bad magic"), ("version", "version 2"), ("truncated", "truncated"),
-    ("bin-size", "describes")])
+    ("bin-size", "describes"), ("negative-size", "corrupt sizes or pointers"),
+    ("pointer", "corrupt sizes or pointers")])
 def test_corrupt_megatron(tmp_path, how, message):
     prefix = write_megatron(str(tmp_path / "m"), documents(10))
     corrupt(prefix, how)

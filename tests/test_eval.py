@@ -224,6 +224,8 @@ def test_eval_tasks_in_training_log_acc_and_acc_norm_as_eval_py_and_two_processe
     ('{"ctx": "a", "endings": ["b"', "line 2: invalid JSON"),
     ('{"endings": ["b", "c"], "label": 0}', "line 2: no string 'ctx'"),
     ('{"ctx": "a", "endings": ["b", "[title]"], "label": 0}', "line 2: ending 1 is empty"),
+    ('{"ctx": "a", "endings": ["b", "%s"], "label": 0}' % ("c " * 2000),
+     "bad.jsonl item 2, ending 2: its 2000 tokens are more than the block size"),
 ])
 def test_a_bad_line_is_named(gpt2_model, tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
@@ -262,7 +264,7 @@ def test_text_written_without_spaces_is_continued_without_one(tmp_path):
     rows = [{"ctx": "小明今天去", "endings": ["学校。", "公园。"], "label": 0},
             {"ctx": "He went to", "endings": ["school.", "the park."], "label": 1}]
     tok = Tokenizer("char", chars="".join(sorted(set(json.dumps(rows, ensure_ascii=False)))))
-    task = ChoiceTask(write_jsonl(tmp_path / "mixed.jsonl", rows), tok)
+    task = ChoiceTask(write_jsonl(tmp_path / "mixed.jsonl", rows), tok, block_size=16)
     assert task.requests == [(tok.encode(context), tok.encode(ending)) for context, ending in (
         ("小明今天去", "学校。"), ("小明今天去", "公园。"), ("He went to", " school."),
         ("He went to", " the park."))]

@@ -238,7 +238,13 @@ def read_megatron_index(idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray
     doc_idx = array("<i8", MEGATRON_HEADER.size + n * 12, doc_count)
     if doc_count < 1 or doc_idx[0] != 0 or doc_idx[-1] != n or np.any(np.diff(doc_idx) < 0):
         raise CLIError(f"{idx_path}: corrupt doc_idx (must run from 0 to {n} without going back)")
-    return np.dtype(MEGATRON_DTYPES[code]), sizes, pointers, doc_idx
+    dtype = np.dtype(MEGATRON_DTYPES[code])
+    # Megatron's writer: each item starts where the one before it ends
+    if n and (np.any(sizes < 0) or pointers[0] != 0 or
+              np.any(np.diff(pointers) != sizes[:-1].astype(np.int64) * dtype.itemsize)):
+        raise CLIError(f"{idx_path}: corrupt sizes or pointers (each item must hold at least 0 "
+                       "tokens and start where the one before it ends)")
+    return dtype, sizes, pointers, doc_idx
 
 
 def megatron_split(n_docs: int, split: str) -> tuple[int, int]:

@@ -233,9 +233,11 @@ def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int
 class ChoiceTask:
     """A HellaSwag-format file, tokenized once, scored on demand (the trainers' --eval-tasks)."""
 
-    def __init__(self, path: str, tok: Tokenizer, limit: int | None = None, progress: bool = False):
+    def __init__(self, path: str, tok: Tokenizer, block_size: int, limit: int | None = None,
+                 progress: bool = False):
         self.name = os.path.splitext(os.path.basename(path))[0]
         self.items = read_choices(path, limit, progress)
+        self.block_size = block_size
         self.progress = self.name if progress else None  # eval.py's bars, on stderr
         try:
             items = tqdm(self.items, desc=f"{self.name}: tokenizing", unit="item",
@@ -245,12 +247,24 @@ class ChoiceTask:
                              for item in items for choice in item.choices]
         except ValueError as e:  # a character outside a char vocabulary
             raise CLIError(f"{path}: {e}") from None
+        self.check_lengths(path)
 
-    def score(self, logits_at: LogitsAt, block_size: int, batch_size: int, device: torch.device,
+    def check_lengths(self, path: str) -> None:
+        """Every ending fits the block (its context is cut from the left to fit), found before a
+        trainer's first evaluation, not at it."""
+        requests = iter(self.requests)
+        for number, item in enumerate(self.items, start=1):
+            for ending in range(1, len(item.choices) + 1):
+                length = len(next(requests)[1])
+                if length > self.block_size:
+                    raise CLIError(f"{path} item {number}, ending {ending}: its {length} tokens "
+                                   f"are more than the block size {self.block_size}")
+
+    def score(self, logits_at: LogitsAt, batch_size: int, device: torch.device,
               shard: tuple[int, int] | None = None) -> dict:
         """acc and acc_norm: items whose likeliest ending (per character for acc_norm) is right."""
-        lls, _ = loglikelihoods(logits_at, self.requests, block_size, batch_size, device, shard,
-                                self.progress)
+        lls, _ = loglikelihoods(logits_at, self.requests, self.block_size, batch_size, device,
+                                shard, self.progress)
         right = right_norm = offset = 0
         for item in self.items:
             scores = lls[offset:offset + len(item.choices)]

@@ -43,11 +43,11 @@ def score_model(args: argparse.Namespace) -> tuple[dict, dict]:
         full["val"] = {"data_dir": os.path.abspath(args.data_dir), **results["val"]}
     local = [task for task in args.tasks if task.endswith(".jsonl")]
     for path in local:
-        task = ChoiceTask(path, tok, args.limit, progress=True)
+        task = ChoiceTask(path, tok, model.config.block_size, args.limit, progress=True)
         if task.name in results:
             raise CLIError(f"two --tasks files are named {task.name}; rename one")
-        results[task.name] = task.score(gpt_logits_at(model, device, dtype),
-                                        model.config.block_size, args.batch_size, device)
+        results[task.name] = task.score(gpt_logits_at(model, device, dtype), args.batch_size,
+                                        device)
         full[task.name] = {"path": os.path.abspath(path), "items": len(task.items),
                            **results[task.name]}
     others = [task for task in args.tasks if task not in local]

@@ -96,7 +96,7 @@ class LanguageModeling(Objective):
         metrics = {"train_loss": train_sum / train_count,
                    **{f"val_{name}": value for name, value in loss_metrics(*scored["val"]).items()}}
         for task in self.tasks:
-            scores = task.score(engine.logits_at, cfg.block_size, cfg.batch_size, self.device,
+            scores = task.score(engine.logits_at, cfg.batch_size, self.device,
                                 (self.dp_rank, self.dp_size))
             metrics.update({f"{task.name}_{name}": value for name, value in scores.items()})
         self.model.train()
@@ -218,7 +218,8 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
     tasks = []
     if cfg.eval_tasks:
         from toolkit.evaluation import ChoiceTask
-        tasks = [ChoiceTask(path, tokenizer) for path in cfg.eval_tasks.split(",") if path]
+        tasks = [ChoiceTask(path, tokenizer, cfg.block_size)
+                 for path in cfg.eval_tasks.split(",") if path]
     objective = LanguageModeling(cfg, corpus, model, device, dp_rank, dp_size,
                                  tokenizer.token_bytes(), tasks)
     engine.start(model, cfg, device, dtype, objective.loss, resume)
