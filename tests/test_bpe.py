@@ -245,7 +245,15 @@ def test_a_bpe_of_another_kind_encodes_trains_and_samples(tmp_path):
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     prepared = run_main("tokenizer.py", "--input", tmp_path / "docs.jsonl", "--tokenizer-file",
                         tmp_path / "spm.json", "--append-eod", "--output-dir", tmp_path / "data")
-    assert prepared.returncode == 0, prepared.stderr
+    assert prepared.returncode == 0 and "warning" not in prepared.stderr, prepared.stderr
+    # characters outside its alphabet become <unk>: said, not silently
+    (tmp_path / "zh.txt").write_text("the return value 是函数的结果")
+    chinese = run_main("tokenizer.py", "--input", tmp_path / "zh.txt", "--tokenizer-file",
+                       tmp_path / "spm.json", "--output-dir", tmp_path / "zh")
+    assert chinese.returncode == 0, chinese.stderr
+    lost = " ".join(repr(char) for char in sorted("是函数的结果"))
+    assert f"{tmp_path / 'spm.json'} has no token for 6 character(s) of the input, which the " \
+        f"data leaves out or holds as its unknown token: {lost}\n" in chinese.stderr
     trained = run_main("train.py", "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "ckpt",
                        *TINY_MODEL, "--max-iters", "2", "--eval-interval", "2")
     assert trained.returncode == 0 and "val bpb" in trained.stdout, trained.stderr

@@ -434,6 +434,23 @@ def test_a_failing_rerun_keeps_the_dataset_it_would_replace(tmp_path):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_a_dataset_replaced_by_one_of_another_tokenizer_keeps_no_tokenizer_json(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", ["one two", "three 四五"] * 30)
+    out = tmp_path / "out"
+    assert run_script("--input", src, "--tokenizer", "bpe", "--vocab-size", "300", "--output-dir",
+                      str(out)).returncode == 0
+    assert (out / "tokenizer.json").is_file()
+    assert run_script("--input", src, "--tokenizer", "char", "--output-dir", str(out),
+                      "--overwrite").returncode == 0
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    # a folder that held no dataset keeps what it holds
+    (tmp_path / "own").mkdir()
+    (tmp_path / "own" / "tokenizer.json").write_text("{}")
+    assert run_script("--input", src, "--tokenizer", "char", "--output-dir",
+                      str(tmp_path / "own")).returncode == 0
+    assert (tmp_path / "own" / "tokenizer.json").read_text() == "{}"
+
+
 def test_an_output_named_like_an_input_is_refused_even_with_overwrite(tmp_path):
     """Megatron's PREFIX.json metadata where the input JSON is: the input stays."""
     src = write_jsonl(tmp_path / "c_text_document.json", ["one", "two", "three"])

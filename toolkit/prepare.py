@@ -64,11 +64,15 @@ def encode_chunk(tokenizer: Tokenizer, documents: list[list[str]], eod: str | No
     return arrays, lengths
 
 
-def chunks_of(documents: Iterator[tuple[list[str], int]],
-              chunk_bytes: int) -> Iterator[tuple[list[list[str]], int]]:
-    """Group documents into lists of about chunk_bytes of input (the unit of work of one worker)."""
+def chunks_of(documents: Iterator[tuple[list[str], int]], chunk_bytes: int,
+              seen: set[str] | None = None) -> Iterator[tuple[list[list[str]], int]]:
+    """Group documents into lists of about chunk_bytes of input (the unit of work of one worker);
+    seen, when given, gathers the characters of the text."""
     texts, size = [], 0
     for pieces, nbytes in documents:
+        if seen is not None:
+            for piece in pieces:
+                seen.update(piece)
         texts.append(pieces)
         size += nbytes
         if size >= chunk_bytes:
@@ -231,6 +235,7 @@ def prepare(args: argparse.Namespace) -> dict | None:
     for path in outputs(args):
         check_output(path, [*files, args.tokenizer_file], flag)
     tokenizer = build_tokenizer(args, files)
+    replacing = any(os.path.exists(path) for path in outputs(args))  # (--overwrite was given)
     folder = os.path.dirname(outputs(args)[0]) or "."
     eod = "prepend" if args.format == "llmc" else "append" if args.append_eod else None
     stats = ReadStats()
@@ -245,7 +250,8 @@ def prepare(args: argparse.Namespace) -> dict | None:
         total = sum(os.path.getsize(path) for path in files) if known_size else None
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet,
                   desc="tokenizing") as bar:
-            chunks = chunks_of(documents_read, int(args.chunk_mb * 2**20))
+            seen = set() if tokenizer.may_drop_characters() else None
+            chunks = chunks_of(documents_read, int(args.chunk_mb * 2**20), seen)
             for arrays, lengths, size in encode_in_order(chunks, tokenizer, eod, writer.dtype,
                                                          args.workers):
                 writer.add(arrays, lengths)
@@ -262,12 +268,20 @@ def prepare(args: argparse.Namespace) -> dict | None:
         if tokenizer.name == "bpe":
             write_text(tokenizer_file, tokenizer.tokenizer_json)
         meta = writer.finish({**tokenizer.facts(), "append_eod": args.append_eod})
+        if tokenizer.name != "bpe" and replacing and os.path.isfile(tokenizer_file):
+            os.remove(tokenizer_file)  # the replaced dataset's BPE, not this one's tokenizer
     except OSError as e:  # reading errors are CLIErrors already: this is the output failing
         remove_own_temporaries(folder)
         raise write_error(outputs(args)[0] if args.format == "megatron" else folder, e) from None
     except BaseException:
         remove_own_temporaries(folder)
         raise
+    lost = tokenizer.unknown_characters(seen or ())
+    if lost:
+        shown = " ".join(repr(char) for char in lost[:20]) + (" ..." if len(lost) > 20 else "")
+        print(f"warning: {args.tokenizer_file} has no token for {len(lost):,} character(s) of the "
+              f"input, which the data leaves out or holds as its unknown token: {shown}",
+              file=sys.stderr)
     seconds = max(time.time() - start, 1e-9)
     print(f"{documents:,} documents, {tokens:,} tokens in {seconds:.1f} s "
           f"({nbytes / 2**20 / seconds:.1f} MB/s, {tokens / seconds:,.0f} tokens/s)" +

@@ -265,6 +265,22 @@ class Tokenizer:
         self.special_tokens.update(special_tokens)
         self.vocab_size = max(ids, default=self.vocab_size - 1) + 1
 
+    def may_drop_characters(self) -> bool:
+        """Whether some text has no tokens: a tokenizer.json BPE neither byte-level nor with byte
+        fallback drops a character outside its alphabet, or writes its unknown token. (GPT-2's and
+        byte are lossless; char is built from the data.)"""
+        return self.name == "bpe" and not self.byte_level and not self.bpe.model.byte_fallback
+
+    def unknown_characters(self, chars: Iterable[str]) -> list[str]:
+        """Those of chars that this tokenizer drops or writes as its unknown token."""
+        if not self.may_drop_characters():
+            return []
+        unk = self.bpe.model.unk_token
+        unk_id = None if unk is None else self.bpe.token_to_id(unk)
+        return sorted(char for char in chars
+                      if not (ids := self.bpe.encode(char, add_special_tokens=False).ids)
+                      or unk_id in ids)
+
     def decode(self, ids: list[int]) -> str:
         """Text of ids; never fails and never shows half a character: special tokens are skipped
         (EOT too for char and byte), invalid bytes and unknown ids become U+FFFD, and a character
