@@ -159,6 +159,12 @@ def test_two_nodes_over_localhost_then_train_py_resumes_and_samples(char_data, t
 def test_a_train_py_checkpoint_resumes_under_torchrun(char_data, tmp_path, reference):
     common = ["--data-dir", char_data, *COMMON]
     train_py(*common, "--out-dir", tmp_path / "b", "--max-iters", "6")
+    # its global batch of 2 micro-batches: 3 processes cannot share it, and are told so
+    three = torchrun(3, "--data-dir", char_data, *TINY_MODEL, "--out-dir", tmp_path / "b",
+                     "--init-from", "resume", "--max-iters", "10", timeout=120)
+    errors = [line for line in three.stderr.splitlines() if line.startswith("error:")]
+    assert three.returncode != 0 and len(errors) == 1, three.stderr
+    assert "ckpt.pt was trained with --grad-accum 2" in errors[0] and "3 processes" in errors[0]
     result = ok(torchrun(2, *common, "--out-dir", tmp_path / "b", "--init-from", "resume",
                          "--max-iters", "10"))
     assert "iter 7:" in result.stdout and "iter 6:" not in result.stdout

@@ -189,12 +189,12 @@ def run_distributed(main: Callable[[], None]) -> None:
             stop_torchrun_restarts()
         elif not isinstance(e, dist.DistError) and "gloo" not in str(e):
             raise
-        elif int(os.environ.get("RANK", "0")) == 0:
+        elif os.environ.get("RANK", "0") == "0":
             print(f"error: lost contact with another process ({first_line(e)})", file=sys.stderr,
                   flush=True)
         status = 1
     except KeyboardInterrupt:  # a second SIGINT/SIGTERM while saving
-        if int(os.environ.get("RANK", "0")) == 0:
+        if os.environ.get("RANK", "0") == "0":
             print("interrupted", file=sys.stderr)
         status = 130
     finally:

@@ -17,7 +17,7 @@ from model import ARCHS, ATTN_KERNELS, PRESETS
 from toolkit import cli, distributed, flags, megatron
 from toolkit.checkpoint import usable_config
 from toolkit.cli import CLIError
-from toolkit.config import RunConfig, settle_run
+from toolkit.config import RunConfig, replicas, settle_run
 from toolkit.data import DEFAULT_CORPUS_DIR
 from toolkit.device import resolve_device
 from toolkit.flags import flag, option
@@ -167,7 +167,14 @@ def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict
         cfg = replace(cfg, grad_accum=megatron.grad_accum_for(cfg, given))
         given = given | {"grad_accum"}
     cfg = settle_optimizer(engine.settle_config(cfg, given, resumed))
-    cfg = settle_run(cfg, engine.data_parallel()[1])
+    data_parallel = engine.data_parallel()[1]
+    if "grad_accum" in resumed and cfg.grad_accum and cfg.grad_accum % data_parallel:
+        raise CLIError(f"{engine.path} was trained with --grad-accum {cfg.grad_accum} (the "
+                       f"micro-batches of a step, all processes together), which "
+                       f"{replicas(data_parallel)} cannot share: resume on a number of "
+                       f"processes that divides it, or give --grad-accum N, a multiple of "
+                       f"{data_parallel} (another global batch)")
+    cfg = settle_run(cfg, data_parallel)
     cfg = replace(cfg, **megatron.steps_from_samples(cfg))
     check_config(cfg)
     return cfg, resume
