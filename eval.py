@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None):
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="autocast dtype; auto = bfloat16 where the hardware computes it "
                              "natively, else float32 (default: auto)")
-    parser.add_argument("--output", help="write the full results as JSON (with each item's scores)")
+    parser.add_argument("--output", help="write the full results as JSON (for lm-eval tasks, the "
+                        "harness's whole output)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     harness = parser.add_argument_group("lm-evaluation-harness's options",
                                         "for its tasks (names and task YAMLs)")

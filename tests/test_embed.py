@@ -404,6 +404,18 @@ def test_bias_only_tuning_changes_only_biases(corpus, tmp_path):
     assert after["iter_num"] == 3 and after["embedding"]["bias_only"] is True
 
 
+def test_bias_only_on_the_llama_family_which_has_no_biases_is_one_line(corpus, tmp_path):
+    checkpoint = load_checkpoint(str(corpus / "ckpt.pt"))
+    config = GPTConfig(**{**checkpoint["model_config"], "arch": "llama", "bias": False})
+    save_checkpoint({**checkpoint, "model": GPT(config).state_dict(),
+                     "model_config": vars(config)}, str(tmp_path / "llama.pt"))
+    result = embed_py("tune", "--ckpt", tmp_path / "llama.pt", "--pairs", corpus / "train.jsonl",
+                      "--out-dir", tmp_path / "out", "--bias-only", *TUNE, "--max-iters", "3")
+    assert_one_line_error(result, "--bias-only: this model has no bias parameters",
+                          "--arch llama has none")
+    assert not (tmp_path / "out").exists()
+
+
 def test_sigterm_finishes_the_step_saves_and_exits_0(corpus, tmp_path):
     proc = subprocess.Popen([sys.executable, str(ROOT / "embed.py"), "tune", "--ckpt",
                              str(corpus / "ckpt.pt"), "--pairs", str(corpus / "train.jsonl"),

@@ -317,8 +317,9 @@ def train_bias_only(model: GPT) -> None:
     for name, p in model.named_parameters():
         p.requires_grad = name.endswith(".bias")
     if not any(p.requires_grad for p in model.parameters()):
-        raise CLIError("--bias-only: this model has no bias parameters (it was trained with "
-                       "--no-bias)")
+        raise CLIError(f"--bias-only: this model has no bias parameters (its family, "
+                       f"{model.config.arch}, was trained without: --arch llama has none, "
+                       "--arch gpt2 has them unless --no-bias)")
 
 
 class Contrastive(Objective):
