@@ -28,6 +28,7 @@ from toolkit.embedding import (POOLINGS, Document, TuneConfig, chunk_documents, 
                                encode, encoder_identity, load_encoder, read_corpus,
                                settle_chunking, setup_tune, text_room)
 from toolkit.files import check_output, refuse_existing, save_array, write_jsonl
+from toolkit.model_sources import lora_base
 from toolkit.index import (INDEX_FILES, METRIC_KS, Index, encode_queries, open_encoder,
                            read_eval_pairs, retrieval_metrics, write_index)
 
@@ -61,7 +62,7 @@ def encode_input(args: argparse.Namespace) -> tuple[list[Document], np.ndarray, 
 
 def encode_command(args: argparse.Namespace) -> None:
     outputs = [args.out + ".npy", args.out + ".jsonl"]
-    check_outputs(outputs, [args.input, args.ckpt], args.overwrite)
+    check_outputs(outputs, [args.input, args.ckpt, *lora_base(args.ckpt)], args.overwrite)
     documents, rows, vectors, _ = encode_input(args)
     save_array(outputs[0], vectors)
     write_jsonl(outputs[1], chunk_records(documents, rows))
@@ -70,7 +71,8 @@ def encode_command(args: argparse.Namespace) -> None:
 
 
 def index_command(args: argparse.Namespace) -> None:
-    check_outputs([os.path.join(args.out, name) for name in INDEX_FILES], [args.input, args.ckpt],
+    check_outputs([os.path.join(args.out, name) for name in INDEX_FILES],
+                  [args.input, args.ckpt, *lora_base(args.ckpt)],
                   args.overwrite)
     documents, rows, vectors, encoding = encode_input(args)
     encoding = {"encoder": encoder_identity(args.ckpt), **encoding}

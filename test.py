@@ -12,7 +12,7 @@ llama.cpp, ollama and LM Studio run (toolkit/gguf_export.py).
 """
 from toolkit import cli
 from toolkit.model_sources import (add_export_arguments, check_exports, export, load_model,
-                                   run_file)
+                                   lora_base, run_file)
 from toolkit.sampling import add_sampling_arguments, check_sampling_args, run_sampling
 from toolkit.tokenizers import load_tokenizer
 
@@ -25,9 +25,10 @@ def main(argv: list[str] | None = None) -> None:
     add_export_arguments(parser)
     add_sampling_arguments(parser)
     args = parser.parse_args(argv)
-    check_sampling_args(args, [run_file(args.ckpt)])  # a genfile may go beside a run's ckpt.pt
-    check_exports({"--export-hf": args.export_hf, "--export-gguf": args.export_gguf}, [args.ckpt],
-                  args.overwrite)
+    base = lora_base(args.ckpt)  # LoRA adapters' base model: an input too
+    check_sampling_args(args, [run_file(args.ckpt), *base])  # a genfile may go beside ckpt.pt
+    check_exports({"--export-hf": args.export_hf, "--export-gguf": args.export_gguf},
+                  [args.ckpt, *base], args.overwrite)
     model, facts = load_model(args.ckpt, attn_kernel=args.attn_kernel)
     if args.export_hf or args.export_gguf:
         export(model, facts, args)

@@ -117,6 +117,13 @@ def test_genfile_never_replaces_the_checkpoint_or_the_code(run_dir, target):
     assert path.read_bytes() == before
 
 
+def test_a_run_never_saves_over_the_checkpoint_it_starts_from(char_data, run_dir):
+    before = (run_dir / "ckpt.pt").read_bytes()
+    result = train(char_data, run_dir, "--init-from", run_dir / "ckpt.pt", "--overwrite")
+    assert_one_line_error(result, "--out-dir", "would overwrite the input")
+    assert_unchanged(run_dir, before)
+
+
 # 4. sizes of zero or less
 
 @pytest.mark.parametrize("flag", ["--batch-size", "--block-size"])

@@ -228,9 +228,17 @@ def test_a_lora_checkpoint_whose_base_is_missing_or_changed_is_refused(pretraine
     ok(run_main("finetune.py", "--task", "sft", "--train", train, "--val", val, "--init-from", base,
                 "--out-dir", tmp_path / "lora", "--lora-rank", "2", *FAST, "--epochs", "1"))
     adapters = tmp_path / "lora" / "ckpt.pt"
-    # the merge never replaces the base it reads, --overwrite or not
-    assert_one_line_error(run_main("finetune.py", "--merge-lora", adapters, "--out-dir",
-                                   base.parent, "--overwrite"), "would overwrite the input")
+    # no output replaces the base the adapters read, --overwrite or not
+    (tmp_path / "t.jsonl").write_text('{"ctx": "a", "endings": ["b", "c"], "label": 0}\n')
+    for script, *args in [
+            ("finetune.py", "--merge-lora", adapters, "--out-dir", base.parent),
+            ("test.py", "--ckpt", adapters, "--genfile", base),
+            ("test.py", "--ckpt", adapters, "--export-gguf", base),
+            ("eval.py", "--ckpt", adapters, "--tasks", tmp_path / "t.jsonl", "--output", base),
+            ("embed.py", "tune", "--ckpt", adapters, "--pairs", train, "--out-dir", base.parent),
+            ("train.py", "--init-from", adapters, "--out-dir", base.parent)]:
+        assert_one_line_error(run_main(script, *args, "--overwrite"), "would overwrite the input",
+                              str(base))
     assert base.read_bytes() == open(pretrained, "rb").read()
     with open(base, "ab") as f:
         f.write(b"\0")

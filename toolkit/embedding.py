@@ -31,7 +31,7 @@ from toolkit.documents import (holds_json_array, input_files, is_json_lines, jso
 from toolkit.files import check_output, claim_out_dir, fingerprint, refuse_existing
 from toolkit.flags import option
 from toolkit.hf import find_model_dir
-from toolkit.model_sources import is_hf_source, load_model
+from toolkit.model_sources import is_hf_source, load_model, lora_base
 from toolkit.optim import Schedule
 from toolkit.tokenizers import Tokenizer, load_tokenizer
 from toolkit.training import Engine, LoopConfig, Objective, TorchEngine, Trainer
@@ -413,7 +413,7 @@ def setup_tune(cfg: TuneConfig) -> Trainer:
     if not (cfg.input or cfg.pairs):
         raise CLIError("tune learns from --input (documents, no labels needed), --pairs, or both")
     path = os.path.join(cfg.out_dir, CHECKPOINT_FILE)
-    check_output(path, [cfg.ckpt, cfg.pairs, cfg.input], "--out-dir")
+    check_output(path, [cfg.ckpt, *lora_base(cfg.ckpt), cfg.pairs, cfg.input], "--out-dir")
     refuse_existing([path], cfg.overwrite)
     cfg = settle_run(cfg)
     device, dtype = run_device(cfg.device, cfg.dtype)

@@ -40,6 +40,20 @@ def run_file(path: str) -> str:
     return checkpoint if os.path.isfile(checkpoint) else path
 
 
+def lora_base(source: str) -> list[str]:
+    """[the path of the base model] when source holds LoRA adapters, else []: an input too, which
+    no output may replace (the adapters would be orphaned). Only the checkpoint's index is read
+    (memory-mapped); a file that cannot be read is left to the loader to report."""
+    path = run_file(source)
+    if not os.path.isfile(path):
+        return []
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return [checkpoint["lora"]["base"]["path"]]
+    except Exception:  # not a LoRA checkpoint, or not a zip file torch can map
+        return []
+
+
 def load_model(path: str, **overrides) -> tuple[GPT, dict]:
     """(model, tokenizer facts) from any source above; overrides set e.g. attn_kernel or dropout,
     which is off (this is for inference) unless they set it. An HF folder is read with GPT-2's

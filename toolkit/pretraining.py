@@ -25,7 +25,7 @@ from toolkit.config import replicas
 from toolkit.data import DEFAULT_CORPUS_DIR, is_prepared, load_corpus
 from toolkit.device import check_attn_kernel, check_memory, describe, full_logits_fit, run_device
 from toolkit.evaluation import loss_metrics, window_losses
-from toolkit.files import claim_out_dir
+from toolkit.files import check_output, claim_out_dir
 from toolkit.optim import Schedule
 from toolkit.tokenizers import load_tokenizer, same_vocabulary
 from toolkit.train_config import TrainConfig, settle
@@ -193,6 +193,9 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
     cfg, resume = settle(cfg, given, engine)
     device, dtype = run_device(cfg.device, cfg.dtype, distributed.local_rank())
     if master:
+        if cfg.init_from not in ("scratch", "resume"):  # the weights it starts from stay
+            from toolkit.model_sources import lora_base
+            check_output(engine.path, [cfg.init_from, *lora_base(cfg.init_from)], "--out-dir")
         claim_out_dir(cfg.out_dir, engine.path, resume is not None, cfg.overwrite)
     if cfg.data_dir == DEFAULT_CORPUS_DIR and master and not is_prepared(DEFAULT_CORPUS_DIR):
         # tokenizing is only needed the first time
