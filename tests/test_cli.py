@@ -63,3 +63,16 @@ def test_sampling_imports_neither_the_training_core_nor_deepspeed():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_torch_failing_to_allocate_host_memory_is_one_line(capsys):
+    """The CPU allocator's failure (a LoRA rank of 10**9, a batch of 10**8 samples) is out of memory
+    on the host, said as such, not a traceback."""
+    import torch
+
+    from toolkit import cli
+    with pytest.raises(SystemExit) as stop:
+        cli.run(lambda: torch.empty(2**50, dtype=torch.uint8))  # a petabyte
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.count("\n") == 1, err
+    assert err.startswith("error: out of memory (") and "GPU" not in err and "--batch-size" in err

@@ -486,7 +486,7 @@ def bad(corpus, tmp_path_factory):
     (["tune", "--ckpt", "{corpus}/ckpt.pt", "--pairs", "{corpus}/train.jsonl", "--out-dir", "{out}",
       "--batch-size", "1"], ["--batch-size must be at least 2 for tune"]),
     (["tune", "--ckpt", "{corpus}/ckpt.pt", "--pairs", "{corpus}/train.jsonl", "--out-dir", "{out}",
-      "--seed", "-1"], ["--seed must be at least 0"]),
+      "--seed", "-1"], ["--seed must be an integer from 0 to 2**63 - 1"]),
     (["encode", "--ckpt", "{corpus}/ckpt.pt", "--input", "{corpus}/docs.jsonl", "--out", "{out}",
       "--chunk-tokens", "0"], ["--chunk-tokens must be between 1"]),
 ])

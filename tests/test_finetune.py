@@ -540,6 +540,10 @@ def test_sigterm_finishes_the_step_saves_the_latest_state_and_exits_0(datasets, 
     assert not (tmp_path / "ckpt.pt").exists()  # no epoch was evaluated: nothing is the best yet
     latest = load_checkpoint(str(tmp_path / "last.pt"))
     assert latest["iter_num"] == report["steps"]
+    # the same command again does not start anew over it
+    assert_one_line_error(finetune("--task", "classify", "--train", train, "--val", val,
+                                   "--init-from", pretrained, "--out-dir", tmp_path, *FAST),
+                          "last.pt holds an interrupted fine-tuning")
     # a head of another shape in its place is refused; the run itself resumes and finishes
     shutil.copy(tmp_path / "last.pt", tmp_path / "kept.pt")
     torch.save({**latest, "head": {"weight": torch.zeros(3, 2)}}, tmp_path / "last.pt")

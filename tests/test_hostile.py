@@ -218,7 +218,10 @@ def test_an_out_dir_that_cannot_be_created_fails_at_start(char_data, tmp_path):
     (["--beta2", "1"], "--beta2"),
     (["--warmup-iters", "-1"], "--warmup-iters"), (["--weight-decay", "nan"], "--weight-decay"),
     (["--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr 0.01 is above --lr 0.001"),
-    (["--seed", "-1"], "--seed must be at least 0"),
+    (["--seed", "-1"], "--seed must be an integer from 0 to 2**63 - 1"),
+    (["--seed", str(10**23)], "--seed must be an integer from 0 to 2**63 - 1"),
+    (["--lr", "1e38"], "--lr must be a number > 0 and below 1e30"),  # AdamW's step overflowed
+    (["--max-iters", "0"], "--max-iters must be at least 1"),
 ])
 def test_out_of_range_flags(char_data, tmp_path, flags, fragment):
     assert_one_line_error(train(char_data, tmp_path / "out", *flags), fragment)
@@ -258,6 +261,12 @@ def test_config_file_values_are_typed_like_their_flags(char_data, tmp_path, conf
     assert_one_line_error(train(char_data, tmp_path / "out", "--config", tmp_path / "run.json"),
                           fragment)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_config_file_that_never_ends_is_read_no_further_than_any_config(char_data, tmp_path):
+    (tmp_path / "run.json").symlink_to("/dev/zero")  # read whole, it would fill the memory
+    assert_one_line_error(train(char_data, tmp_path / "out", "--config", tmp_path / "run.json"),
+                          "holds more than 256 MiB, more than any config file")
 
 
 # 9. lesser cases

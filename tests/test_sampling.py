@@ -150,10 +150,12 @@ def test_samples_from_hf_gpt2_directory(tmp_path):
 
 @pytest.mark.parametrize("args,fragment", [
     (["--num-samples", "0"], "--num-samples"),
+    (["--seed", "-1"], "--seed must be an integer from 0 to 2**63 - 1"),
     (["--prompt", "\u4e2d\u6587"], "not in the char vocabulary"),
     (["--prompt", "FILE:/nonexistent/prompt.txt"],
      "--prompt FILE: not found: /nonexistent/prompt.txt"),
     (["--prompt", f"FILE:{ROOT / 'docs'}"], "docs is a folder, not a --prompt FILE:"),
+    (["--prompt", "FILE:/dev/zero"], "/dev/zero is a pipe or a device, not a --prompt FILE:"),
     (["--top-k", "x"], "--top-k: invalid int value: 'x'"),
     # SDPA's needs CUDA
     (["--attn-kernel", "efficient"], "attn_kernel 'efficient' cannot run on cpu"),

@@ -80,18 +80,24 @@ def error_message(error: Exception) -> str:
 
 def is_out_of_memory(error: BaseException) -> bool:
     """torch's OutOfMemoryError (CUDA, or a RuntimeError that says so: MPS, other backends), without
-    importing torch (data preparation never does), or the host's MemoryError (numpy's, for a batch
-    of absurd size)."""
+    importing torch (data preparation never does), or the host's: a MemoryError (numpy's, for a
+    batch of absurd size) or torch's CPU allocator failing."""
     return isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError" or (
-        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+        isinstance(error, RuntimeError) and ("out of memory" in str(error).lower()
+                                             or host_out_of_memory(error)))
+
+
+def host_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, MemoryError) or CPU_ALLOCATOR_FAILED in str(error)
 
 
 def out_of_memory(error: BaseException) -> str:
-    """OUT_OF_MEMORY, of the GPU's memory or (a MemoryError) the host's."""
-    where = "" if isinstance(error, MemoryError) else "GPU "
+    """OUT_OF_MEMORY, of the GPU's memory or the host's."""
+    where = "" if host_out_of_memory(error) else "GPU "
     return OUT_OF_MEMORY.format(where, first_line(error))
 
 
+CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"  # torch's words
 OUT_OF_MEMORY = ("out of {}memory ({}): the model, batch or context did not fit; lower "
                  "--batch-size (and raise --grad-accum to keep the batch), --block-size or the "
                  "model's size, use --dtype bfloat16, or train with ZeRO-3 and CPU offload "

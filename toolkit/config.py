@@ -46,7 +46,7 @@ class RunConfig:
     dtype: str = option("auto", "autocast dtype; auto = bfloat16 where the hardware computes it "
                                 "natively, else float32", choices=["auto", *DTYPES])
     seed: int = option(1337, "seed of the new weights, of dropout and of the data order",
-                       check="non-negative")
+                       check="seed")
 
     # what TorchEngine.start builds for a config without these options (TrainConfig makes them
     # options)

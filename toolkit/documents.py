@@ -352,6 +352,8 @@ def require_file(path: str, what: str = "file") -> None:
     """A CLIError unless path is a file: a folder is said to be one."""
     if os.path.isdir(path):
         raise CLIError(f"{path} is a folder, not a {what}")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise CLIError(f"{path} is a pipe or a device, not a {what}")
     if not os.path.isfile(path):
         raise CLIError(f"{what} not found: {path}")
 

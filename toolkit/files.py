@@ -30,6 +30,7 @@ except ImportError:  # Windows: no advisory locks, no file size limit
 # the scripts; toolkit/ holds the rest
 CODE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMPORARY = re.compile(r"\..+\.tmp(\d+)")
+MAX_JSON_BYTES = 256 << 20  # the largest tokenizer.json in use (Qwen3's) is 11 MiB
 
 
 def temporary_name(path: str) -> str:
@@ -299,11 +300,13 @@ def read_json(path: str, what: str = "JSON file") -> dict:
     """A JSON object from a file, or a one-line CLIError saying what is wrong with it."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            data = f.read(MAX_JSON_BYTES + 1)  # (/dev/zero, say, never ends)
     except FileNotFoundError:
         raise CLIError(f"{what} not found: {path}") from None
     except OSError as e:
         raise CLIError(f"cannot read {path}: {(e.strerror or str(e)).lower()}") from None
+    if len(data) > MAX_JSON_BYTES:
+        raise CLIError(f"{path} holds more than {MAX_JSON_BYTES >> 20} MiB, more than any {what}")
     value = parse_json(data, path)
     if not isinstance(value, dict):
         raise CLIError(f"{path} must hold a JSON object")

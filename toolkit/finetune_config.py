@@ -142,3 +142,7 @@ def check_outputs(cfg: FinetuneConfig, resuming: bool) -> None:
             raise CLIError(f"{path} exists; choose another {flag} or pass --overwrite to "
                            f"replace it")
         inputs.append(path)
+    latest = os.path.join(cfg.out_dir, LATEST_FILE)
+    if cfg.train and os.path.exists(latest) and not (resuming or cfg.overwrite):
+        raise CLIError(f"{latest} holds an interrupted fine-tuning; continue it with --init-from "
+                       "resume, or pass --overwrite to start anew in its place")

@@ -13,7 +13,6 @@ flags.
     check_values(cfg)                 # every range, one wording per kind of check
 """
 import argparse
-import math
 import os
 from dataclasses import field, fields
 
@@ -24,8 +23,10 @@ from toolkit.files import read_json
 CHECKS = {
     "positive": (lambda v: v >= 1, "at least 1"),
     "non-negative": (lambda v: v >= 0, "at least 0"),
-    "positive-number": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
-    "non-negative-number": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    # (below 1e30: a rate times a weight stays inside float32's range, 3.4e38)
+    "positive-number": (lambda v: 0 < v < 1e30, "a number > 0 and below 1e30"),
+    "non-negative-number": (lambda v: 0 <= v < 1e30, "a number >= 0 and below 1e30"),
+    "seed": (lambda v: 0 <= v < 2**63, "an integer from 0 to 2**63 - 1"),
     "probability": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "share": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "folder-name": (lambda v: bool(v) and os.sep not in v and v not in (".", ".."),

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from model import ATTN_KERNELS, GPT, check_sampling
 from toolkit.chat import (can_chat, chat_prompt, fit_history, is_chat_tokenizer, stop_ids,
                           template_variables)
-from toolkit import cli
+from toolkit import cli, flags
 from toolkit.cli import CLIError
 from toolkit.device import autocast, check_attn_kernel, resolve_device, resolve_dtype
 from toolkit.documents import read_text
@@ -219,6 +219,9 @@ def check_sampling_args(args: argparse.Namespace, inputs: list[str]) -> None:
     for name in ("num_samples", "max_new_tokens", "batch_size"):
         if getattr(args, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be at least 1")
+    seed_ok, wanted = flags.CHECKS["seed"]
+    if not seed_ok(args.seed):
+        raise CLIError(f"--seed must be {wanted}, got {args.seed}")
     check_sampling(args.temperature, args.top_k, args.top_p)
     template_variables(args.chat_template_kwargs)
     if args.genfile:

@@ -68,7 +68,7 @@ class TrainConfig(RunConfig, megatron.MegatronOptions):
     grad_accum: int | None = option(None, "micro-batches per optimizer step over ALL processes "
                                           "(default: one per process)", check="positive")
     max_iters: int = option(300, "optimizer steps in total, a resumed run continuing up to this "
-                                 "number (default: 2000 on a CUDA GPU)", check="non-negative")
+                                 "number (default: 2000 on a CUDA GPU)", check="positive")
     optimizer: str = option("auto", "muon: Muon for the blocks' matrices, AdamW for the rest; "
                                     "adamw; auto: muon from scratch, adamw from pretrained weights",
                             choices=["auto", "muon", "adamw"])
