@@ -331,7 +331,10 @@ def test_think_end_token_needs_a_harness_task_and_a_real_token(gpt2_model, tmp_p
     (("'{{query}}'", "'{{no_such_field}}'"), "UndefinedError: 'no_such_field' is undefined"),
     (("'{{query}}'", "'{{query'"), "TemplateSyntaxError"),
     (("utils.process_docs", "utils.no_such_function"), "has no function 'no_such_function'"),
-    (("output_type: multiple_choice", "output_type: bogus"), "invalid output_type 'bogus'")])
+    (("output_type: multiple_choice", "output_type: bogus"), "invalid output_type 'bogus'"),
+    (("  - metric: acc_norm\n    aggregation: mean\n", "  - metric: no_such_metric\n"), "KeyError"),
+    (("doc_to_choice: choices", "doc_to_choice: '{{query}}'"), "SyntaxError"),
+    (("doc_to_target: '{{label}}'", "doc_to_target: '7'"), "IndexError")])
 def test_a_broken_task_yaml_is_one_line_naming_the_task_not_the_network(gpt2_model, tmp_path,
                                                                           change, fragment):
     pytest.importorskip("lm_eval")

@@ -120,10 +120,10 @@ def test_sft_on_the_defaults_learns_and_test_py_chats(pretrained, chats, tmp_pat
 
     talk = run_main("test.py", "--ckpt", out / "ckpt.pt", "--chat", "--temperature", "0",
                     "--max-new-tokens", "40", "--device", "cpu",
-                    input="Title of assert?\n\n中文?\nTitle of lambda?\n")
+                    input="中文?\nTitle of assert?\n\nTitle of lambda?\n")
     assert talk.returncode == 0, talk.stderr
     assert talk.stdout.count("model> ") == 2 and "Ctrl-D" in talk.stderr
-    # a message the char vocabulary cannot spell: said, and the chat goes on
+    # a message the char vocabulary cannot spell, the first one too: said, and the chat goes on
     assert "error: character '中' is not in the char vocabulary" in talk.stderr
     replies = [line.split("model> ", 1)[1] for line in talk.stdout.splitlines()
                if "model> " in line]

@@ -280,11 +280,12 @@ def chat_prompt(history: list[dict], tokenizer: Tokenizer,
 def fit_history(history: list[dict], tokenizer: Tokenizer, room: int,
                 variables: dict | None = None) -> tuple[list[dict], int]:
     """The history without its oldest turns (a system turn at the start stays) until its prompt
-    takes at most room tokens; and how many turns were dropped."""
+    takes at most room tokens; and how many turns were dropped. (A ValueError if the vocabulary
+    cannot spell the history, its first turn included.)"""
     system = history[:1] if history and history[0]["role"] == "system" else []
     turns = history[len(system):]
     dropped = 0
-    while len(turns) > 1 and len(chat_prompt(system + turns, tokenizer, variables)) > room:
+    while len(chat_prompt(system + turns, tokenizer, variables)) > room and len(turns) > 1:
         turns, dropped = turns[1:], dropped + 1
     return system + turns, dropped
 

@@ -32,6 +32,7 @@ from toolkit.tokenizers import Tokenizer
 
 # marks where the last message of a history stops, to leave it open
 OPEN_END = "<|toolkit-open-end|>"
+TOOLKIT_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 class GPTHarness(TemplateLM):
@@ -205,6 +206,12 @@ def run(specs: list[str], lm: GPTHarness, limit: int | None,
                                apply_chat_template=lm.template is not None,
                                system_instruction=system_instruction)
     except (OSError, ValueError, ImportError, AttributeError, jinja2.TemplateError) as e:
+        raise CLIError(harness_failure(e, names)) from None
+    except (TypeError, KeyError, IndexError, SyntaxError) as e:
+        # a task YAML the harness reads but cannot run (no doc_to_text, an unknown metric, a target
+        # outside the choices); raised in this toolkit's code, it is a bug, shown whole
+        if os.path.dirname(traceback.extract_tb(e.__traceback__)[-1].filename) == TOOLKIT_DIR:
+            raise
         raise CLIError(harness_failure(e, names)) from None
 
 
