@@ -242,6 +242,10 @@ def test_bad_input_is_one_line(gpt2_model, tmp_path):
     items = write_jsonl(tmp_path / "ok.jsonl", hellaswag_rows(2))
     assert_one_line_error(run_main("eval.py", "--ckpt", tmp_path / "junk.pt", "--tasks", items),
                           "junk.pt")
+    # an --output no folder can hold: said before the scoring, not after it
+    assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", items, "--output",
+                                   tmp_path / "junk.pt" / "results.json"),
+                          "cannot be written", "junk.pt is a file, not a folder")
     pytest.importorskip("lm_eval")
     # a Hub with no address (RFC 2606's .invalid) and no offline mode set: eval.py sets it, or the
     # hub libraries retry for 25 s with a warning each time (on the real stderr: hence a process of

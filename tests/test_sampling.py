@@ -151,6 +151,10 @@ def test_samples_from_hf_gpt2_directory(tmp_path):
 @pytest.mark.parametrize("args,fragment", [
     (["--num-samples", "0"], "--num-samples"),
     (["--seed", "-1"], "--seed must be an integer from 0 to 2**63 - 1"),
+    (["--chat", "--prompt", "hi"], "--chat talks turn by turn on stdin"),  # (neither is used)
+    (["--interactive", "--prompt", "hi"], "--interactive reads its prompts from stdin"),
+    (["--export-gguf", "m.gguf", "--genfile", "s.jsonl"], "an export writes no samples"),
+    (["--export-hf", str(ROOT / "README.md"), "--overwrite"], "is a file; an HF model is a folder"),
     (["--prompt", "\u4e2d\u6587"], "not in the char vocabulary"),
     (["--prompt", "FILE:/nonexistent/prompt.txt"],
      "--prompt FILE: not found: /nonexistent/prompt.txt"),

@@ -181,6 +181,11 @@ def check_output(path: str, inputs: list[str], flag: str) -> None:
     if os.path.dirname(target) in (CODE_DIR, os.path.join(CODE_DIR, "toolkit")) and \
             target.endswith(".py"):
         raise CLIError(f"{flag} {path} would overwrite this toolkit's {os.path.basename(target)}")
+    folder = os.path.dirname(target)
+    while not os.path.exists(folder):  # found now, not when the work is done
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise CLIError(f"{flag} {path} cannot be written: {folder} is a file, not a folder")
 
 
 def refuse_existing(paths: list[str], overwrite: bool) -> None:

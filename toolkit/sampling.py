@@ -224,6 +224,11 @@ def check_sampling_args(args: argparse.Namespace, inputs: list[str]) -> None:
         raise CLIError(f"--seed must be {wanted}, got {args.seed}")
     check_sampling(args.temperature, args.top_k, args.top_p)
     template_variables(args.chat_template_kwargs)
+    if args.chat and (args.prompt or args.genfile):  # (neither would be used)
+        raise CLIError("--chat talks turn by turn on stdin; --prompt and --genfile are for "
+                       "sampling: drop them")
+    if args.interactive and args.prompt:
+        raise CLIError("--interactive reads its prompts from stdin: drop --prompt")
     if args.genfile:
         prompt_file = ([args.prompt[len(PROMPT_FILE):]] if args.prompt.startswith(PROMPT_FILE)
                        else [])
