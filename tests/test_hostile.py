@@ -220,7 +220,7 @@ def test_an_out_dir_that_cannot_be_created_fails_at_start(char_data, tmp_path):
     (["--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr 0.01 is above --lr 0.001"),
     (["--seed", "-1"], "--seed must be an integer from 0 to 2**63 - 1"),
     (["--seed", str(10**23)], "--seed must be an integer from 0 to 2**63 - 1"),
-    (["--lr", "1e38"], "--lr must be a number > 0 and below 1e30"),  # AdamW's step overflowed
+    (["--lr", "1e38"], "--lr must be a number > 0 and at most 1e30"),  # AdamW's step overflowed
     (["--max-iters", "0"], "--max-iters must be at least 1"),
 ])
 def test_out_of_range_flags(char_data, tmp_path, flags, fragment):

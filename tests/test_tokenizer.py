@@ -508,7 +508,7 @@ def test_an_output_folder_in_the_way_of_a_file_is_one_line(tmp_path):
     (tmp_path / "taken").write_text("a file")
     result = run_script("--input", src, "--tokenizer", "byte", "--output-dir",
                         str(tmp_path / "taken"))
-    assert_one_error_line(result, f"--output-dir {tmp_path / 'taken'}: a file is in the way")
+    assert_one_error_line(result, f"{tmp_path / 'taken'} is a file, not a folder")
     assert "Errno" not in result.stderr
 
 

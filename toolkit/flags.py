@@ -23,9 +23,9 @@ from toolkit.files import read_json
 CHECKS = {
     "positive": (lambda v: v >= 1, "at least 1"),
     "non-negative": (lambda v: v >= 0, "at least 0"),
-    # (below 1e30: a rate times a weight stays inside float32's range, 3.4e38)
-    "positive-number": (lambda v: 0 < v < 1e30, "a number > 0 and below 1e30"),
-    "non-negative-number": (lambda v: 0 <= v < 1e30, "a number >= 0 and below 1e30"),
+    # (up to 1e30: a rate times a weight stays inside float32's range, 3.4e38)
+    "positive-number": (lambda v: 0 < v <= 1e30, "a number > 0 and at most 1e30"),
+    "non-negative-number": (lambda v: 0 <= v <= 1e30, "a number >= 0 and at most 1e30"),
     "seed": (lambda v: 0 <= v < 2**63, "an integer from 0 to 2**63 - 1"),
     "probability": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "share": (lambda v: 0 <= v <= 1, "in [0, 1]"),
