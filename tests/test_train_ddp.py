@@ -243,14 +243,18 @@ def test_bad_input_is_one_line_from_rank_0(char_data, tmp_path, flags, message):
     assert time.monotonic() - start < 90
 
 
-def test_a_flag_only_one_rank_finds_bad_is_said_by_that_rank(char_data, tmp_path):
-    """A --config file on one node only: rank 1 fails before the process group exists, rank 0 does
-    not; rank 1 says why, once."""
-    wrapper = tmp_path / "rank1_config.py"
+@pytest.mark.parametrize("flag", [
+    "--config",  # read before the process group exists
+    "--eval-tasks",  # read after: rank 0 waits in a collective until rank 1 has gone
+])
+def test_an_input_only_one_rank_lacks_is_said_by_that_rank_alone(char_data, tmp_path, flag):
+    """A file on one node only: rank 1 fails, rank 0 does not; rank 1 says why, once, and rank 0
+    adds no line of its own about the peer it lost."""
+    wrapper = tmp_path / "rank1_flag.py"
     wrapper.write_text(
         "import os, runpy, sys\n"
         "if os.environ['RANK'] == '1':\n"
-        f"    sys.argv += ['--config', {str(tmp_path / 'missing.json')!r}]\n"
+        f"    sys.argv += [{flag!r}, {str(tmp_path / 'missing.json')!r}]\n"
         f"sys.argv[0] = {str(ROOT / 'train_ddp.py')!r}\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n")

@@ -98,6 +98,7 @@ def out_of_memory(error: BaseException) -> str:
 
 
 CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"  # torch's words
+PEER_REPORTED = "cli_error/peer"  # a rank other than 0 said why it stopped
 OUT_OF_MEMORY = ("out of {}memory ({}): the model, batch or context did not fit; lower "
                  "--batch-size (and raise --grad-accum to keep the batch), --block-size or the "
                  "model's size, use --dtype bfloat16, or train with ZeRO-3 and CPU offload "
@@ -138,13 +139,18 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def group_store():
+    """The process group's key-value store, or None outside one."""
+    import torch.distributed as dist
+    return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+
+
 def report_distributed_error(message: str) -> None:
     """In a process group, rank 0 prints the error; another rank prints its own only when rank 0 did
     not report the same one (e.g. data missing on one node only) in the group's key-value store."""
-    import torch.distributed as dist
     rank = os.environ.get("RANK", "0")  # as set, even when it is no number
     key = "cli_error/0"
-    store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    store = group_store()
     if rank == "0":
         print(f"error: {message}", file=sys.stderr, flush=True)
         if store is not None:
@@ -154,7 +160,7 @@ def report_distributed_error(message: str) -> None:
     # launcher stops this rank while rank 0 prints it; a rank still here failed alone
     if store is None:
         time.sleep(3)
-        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+        print_peer_error(message)
         return
     try:
         store.wait([key], datetime.timedelta(seconds=3))
@@ -162,7 +168,26 @@ def report_distributed_error(message: str) -> None:
     except Exception:  # rank 0 reported nothing in time
         same = False
     if not same:
-        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+        print_peer_error(message)
+
+
+def print_peer_error(message: str) -> None:
+    """A rank other than 0 says why it stopped, and leaves word of it (PEER_REPORTED) for rank 0,
+    which then adds no line of its own."""
+    rank = os.environ.get("RANK", "0")
+    try:
+        group_store().set(PEER_REPORTED, rank)
+    except Exception:  # no group, or its store is gone
+        pass
+    print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+
+
+def peer_reported() -> bool:
+    """Whether another rank said why it stopped (report_distributed_error)."""
+    try:
+        return group_store().check([PEER_REPORTED])
+    except Exception:  # no group, or its store is gone too
+        return False
 
 
 def stop_torchrun_restarts() -> None:
@@ -190,12 +215,11 @@ def run_distributed(main: Callable[[], None]) -> None:
     except (MemoryError, RuntimeError) as e:
         # a peer died or hung: the launcher stops (or restarts) the job anyway
         if is_out_of_memory(e):  # on any rank: each says so, with its rank
-            print(f"error: rank {os.environ.get('RANK', '0')}: {out_of_memory(e)}",
-                  file=sys.stderr, flush=True)
+            print_peer_error(out_of_memory(e))
             stop_torchrun_restarts()
         elif not isinstance(e, dist.DistError) and "gloo" not in str(e):
             raise
-        elif os.environ.get("RANK", "0") == "0":
+        elif os.environ.get("RANK", "0") == "0" and not peer_reported():  # (else it said why)
             print(f"error: lost contact with another process ({first_line(e)})", file=sys.stderr,
                   flush=True)
         status = 1
