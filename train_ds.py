@@ -34,7 +34,8 @@ import os
 import deepspeed
 
 from toolkit import cli, distributed, flags
-from toolkit.deepspeed_engine import DeepSpeedEngine, init_distributed, memory_estimate
+from toolkit.deepspeed_engine import (DeepSpeedEngine, check_ds_config, init_distributed,
+                                      memory_estimate)
 from toolkit.emissions import tracking_emissions
 from toolkit.files import read_json
 from toolkit.pretraining import setup
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
                                     overrides=FLAG_OVERRIDES)
     ds_path = args.deepspeed_config or args.deepscale_config or DEFAULT_DS_CONFIG
     ds = read_json(ds_path, "DeepSpeed config")
+    check_ds_config(ds, ds_path)
     if args.estimate_memory:
         print(memory_estimate(cfg, given, ds, args.num_nodes, args.num_gpus, args.pipeline_stages,
                               args.tp_size))

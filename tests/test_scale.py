@@ -160,8 +160,9 @@ def check_layout_run(out, result, reference, tmp_path, raw_weights: dict | None)
     losses, expected = state["history"]["loss"], reference["history"]["loss"]
     assert len(losses) == len(expected) == 10
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-4, (losses, expected)
+    (tmp_path / "ckpt.pt").write_text("an earlier export, which --overwrite replaces")
     exported = run_main("test_ds.py", "--ckpt", out / "ds", "--export-ckpt", tmp_path / "ckpt.pt",
-                        env=ENV)
+                        "--overwrite", env=ENV)
     assert exported.returncode == 0, exported.stderr[-3000:]
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     idx = torch.randint(0, ckpt["model_config"]["vocab_size"], (2, 32),

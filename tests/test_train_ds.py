@@ -166,9 +166,12 @@ def test_ctrl_c_under_the_zero2_config_saves_a_checkpoint_of_the_same_training(d
     """The shipped ZeRO-2 (optimizer offload) config on llm.c shards, stopped by Ctrl-C: the
     terminal signals every process of the job (the launcher then also sends SIGTERM to each rank);
     the ranks finish the step together and save a complete checkpoint, whose losses are train.py's
-    on nanoGPT files of the same tokens."""
+    on nanoGPT files of the same tokens. It replaces (--overwrite) an earlier run of more steps,
+    whose tag goes when the new run has saved, not the new one's."""
+    fake_deepspeed_folder(tmp_path / "ds", tag="global_step999999")
     cmd = launcher_cmd(hostfile, "--no_ssh_check") + train_ds_args(llmc_data, tmp_path, *COMMON[2:],
                                                                    "--max-iters", "100000",
+                                                                   "--overwrite",
                                                                    config="ds_config_zero2.json")
     proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env={**os.environ, **ENV},
@@ -184,6 +187,8 @@ def test_ctrl_c_under_the_zero2_config_saves_a_checkpoint_of_the_same_training(d
     assert "stopped by signal" in out, out[-3000:]
     state = train_state(tmp_path)
     assert 6 <= state["iter_num"] < 100000 and state["world_size"] == 2
+    assert sorted(p.name for p in (tmp_path / "ds").glob("global_step*")) == \
+        [f"global_step{state['iter_num']}"]
     assert state["train_config"]["grad_accum"] == 4
     # the same schedule for the first 12 steps: --lr-decay-iters 12
     losses = state["history"]["loss"][:12]
@@ -289,6 +294,25 @@ def test_a_flag_contradicting_ds_config_is_refused(change, flags, fragments):
                              torch.device("cpu"))
     assert full["train_micro_batch_size_per_gpu"] == agreed.batch_size and \
         full["gradient_accumulation_steps"] == 1
+
+
+@pytest.mark.parametrize("config, fragment", [
+    ({"zero_optimization": {"stage": None}}, "zero_optimization.stage must be 0, 1, 2 or 3"),
+    ({"zero_optimization": [3]}, "zero_optimization must be an object"),
+    ({"bf16": True}, "bf16 must be an object"),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.01}}}, "optimizer.type must be \"AdamW\""),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": 0.9}}}, "optimizer.params.betas must be"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be an integer >= 1"),
+    ({"train_micro_batch_size_per_gpu": 2.5}, "train_micro_batch_size_per_gpu must be an integer"),
+])
+def test_a_ds_config_value_of_the_wrong_kind_is_one_line(tmp_path, config, fragment):
+    """Before any process group: DeepSpeed would meet these halfway through start-up, on every
+    rank, with a traceback (or take 2.5 as 2 and 0 as its default)."""
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    assert_one_line_error(run_main("train_ds.py", "--deepspeed", "--deepspeed_config",
+                                   tmp_path / "ds.json", "--out-dir", tmp_path / "out", env=ENV),
+                          fragment)
+    assert not (tmp_path / "out").exists()
 
 
 def test_test_ds_bad_input_is_one_line(tmp_path):

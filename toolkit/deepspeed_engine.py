@@ -63,6 +63,42 @@ SHARED_SETTINGS = [
 ]
 
 
+def number(v) -> bool:
+    return type(v) in (int, float)
+
+
+# what the config's values that this toolkit reads must be (DeepSpeed would fail on the others
+# halfway through start-up, with a traceback, or take them silently)
+CONFIG_VALUES = {
+    "train_micro_batch_size_per_gpu": (lambda v: type(v) is int and v >= 1, "an integer >= 1"),
+    "gradient_accumulation_steps": (lambda v: type(v) is int and v >= 1, "an integer >= 1"),
+    "train_batch_size": (lambda v: type(v) is int and v >= 1, "an integer >= 1"),
+    "gradient_clipping": (lambda v: number(v) and v >= 0, "a number >= 0"),
+    "optimizer.type": (lambda v: isinstance(v, str) and v.lower() in ("adam", "adamw"),
+                       '"AdamW" (train_ds.py trains with AdamW)'),
+    "optimizer.params.lr": (lambda v: number(v) and 0 < v <= 1e30, "a number > 0"),
+    "optimizer.params.weight_decay": (lambda v: number(v) and v >= 0, "a number >= 0"),
+    "optimizer.params.betas": (lambda v: isinstance(v, list) and len(v) == 2 and
+                               all(number(b) and 0 <= b < 1 for b in v),
+                               "[beta1, beta2], each in [0, 1)"),
+    "zero_optimization.stage": (lambda v: v in (0, 1, 2, 3) and type(v) is int, "0, 1, 2 or 3"),
+}
+CONFIG_SECTIONS = ("optimizer", "optimizer.params", "zero_optimization", "bf16", "bfloat16", "fp16")
+
+
+def check_ds_config(ds: dict, path: str) -> None:
+    """The sections and values of a DeepSpeed config that this toolkit reads, each of its kind."""
+    for section in CONFIG_SECTIONS:
+        value = get_key(ds, section)
+        if value is not None and not isinstance(value, dict):
+            raise CLIError(f"{path}: {section} must be an object, got {value!r:.60}")
+    for key, (test, wanted) in CONFIG_VALUES.items():
+        parent, _, name = key.rpartition(".")
+        section = get_key(ds, parent) if parent else ds
+        if isinstance(section, dict) and name in section and not test(section[name]):
+            raise CLIError(f"{path}: {key} must be {wanted}, got {section[name]!r:.60}")
+
+
 def get_key(ds: dict, key: str):
     for part in key.split("."):
         ds = ds.get(part) if isinstance(ds, dict) else None
@@ -293,6 +329,8 @@ class DeepSpeedEngine:
         DeepSpeed calls the module itself, the loss is the objective's on the engine (a pipeline's
         is its last stage's chunked cross-entropy)."""
         self.device, self.dtype, self.loss = device, dtype, loss
+        # a new run's tags: an earlier run's in OUT_DIR/ds (--overwrite) go once it has saved one
+        self.own_tags = None if resume is not None else set()
         module = pipeline_module(model, self.layout.pipeline_stages) if self.pipelined else model
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=module, model_parameters=decay_groups(module, cfg.weight_decay),
@@ -401,12 +439,19 @@ class DeepSpeedEngine:
                  "deepspeed_version": deepspeed.__version__}
         if state["best_val_loss"] == float("inf"):
             state["best_val_loss"] = None  # JSON has no infinity
+        own = self.own_tags if folder == self.path else None
+        if own is not None and tag not in own:  # an earlier run's tag of this step: not mixed in
+            if self.master:
+                shutil.rmtree(os.path.join(folder, tag), ignore_errors=True)
+            dist.barrier()
         self.engine.save_checkpoint(folder, tag=tag,
                                     client_state={**state, "rng": capture_rng(self.device)})
         dist.barrier()  # every process has written its files
+        if own is not None:
+            own.add(tag)
         if self.master:
             mark_complete(folder, tag, state)
-            prune_deepspeed_tags(folder, self.keep_checkpoints)
+            prune_deepspeed_tags(folder, self.keep_checkpoints, own)
 
 
 # what mpirun (OpenMPI, MPICH/Hydra, MVAPICH) sets in each process it starts

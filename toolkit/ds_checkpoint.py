@@ -170,8 +170,12 @@ def gather_deepspeed_weights(ds_dir: str, tag: str, pipeline_stages: int = 1,
         raise CLIError(f"cannot read the ZeRO checkpoint {ds_dir}/{tag}: {first_line(e)}") from None
 
 
-def prune_deepspeed_tags(ds_dir: str, keep: int) -> None:
-    """Delete all but the newest `keep` global_stepN folders (0 keeps all)."""
+def prune_deepspeed_tags(ds_dir: str, keep: int, own: set[str] | None = None) -> None:
+    """Delete the global_stepN folders of an earlier run (those not in own, when given: a new run
+    in the folder), then all but the newest `keep` (0 keeps all)."""
+    if own is not None:
+        for old in set(deepspeed_tags(ds_dir)) - own:
+            shutil.rmtree(os.path.join(ds_dir, old), ignore_errors=True)
     if keep > 0:
         for old in deepspeed_tags(ds_dir)[:-keep]:
             shutil.rmtree(os.path.join(ds_dir, old), ignore_errors=True)

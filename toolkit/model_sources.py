@@ -116,7 +116,7 @@ def check_exports(outputs: dict[str, str | None], inputs: list[str], overwrite: 
             check_output(path, inputs, flag)
             if flag == "--export-gguf":
                 refuse_special(path, flag)
-            elif os.path.exists(path) and not os.path.isdir(path):
+            elif flag == "--export-hf" and os.path.exists(path) and not os.path.isdir(path):
                 raise CLIError(f"{flag} {path} is a file; an HF model is a folder: choose one")
             holds_files = os.path.isdir(path) and bool(os.listdir(path))
             if flag == "--export-hf" and holds_files and \
