@@ -28,7 +28,7 @@ from toolkit.embedding import (POOLINGS, Document, TuneConfig, chunk_documents, 
                                encode, encoder_identity, load_encoder, read_corpus,
                                settle_chunking, setup_tune, text_room)
 from toolkit.files import check_output, refuse_existing, save_array, write_jsonl
-from toolkit.model_sources import lora_base
+from toolkit.lora import lora_base
 from toolkit.index import (INDEX_FILES, METRIC_KS, Index, encode_queries, open_encoder,
                            read_eval_pairs, retrieval_metrics, write_index)
 

@@ -26,7 +26,7 @@ from toolkit.chat import template_variables
 from toolkit.cli import CLIError
 from toolkit.files import check_output, refuse_existing, write_json
 from toolkit.model_scores import score_model
-from toolkit.model_sources import lora_base
+from toolkit.lora import lora_base
 
 
 def parse_args(argv: list[str] | None):

@@ -12,8 +12,9 @@ llama.cpp, ollama and LM Studio run (toolkit/gguf_export.py).
 """
 from toolkit import cli
 from toolkit.cli import CLIError
-from toolkit.model_sources import (add_export_arguments, check_exports, export, load_model,
-                                   lora_base, run_file)
+from toolkit.checkpoint import run_file
+from toolkit.lora import lora_base
+from toolkit.model_sources import add_export_arguments, check_exports, export, load_model
 from toolkit.sampling import add_sampling_arguments, check_sampling_args, run_sampling
 from toolkit.tokenizers import load_tokenizer
 

@@ -34,8 +34,8 @@ import os
 import deepspeed
 
 from toolkit import cli, distributed, flags
-from toolkit.deepspeed_engine import (DeepSpeedEngine, check_ds_config, init_distributed,
-                                      memory_estimate)
+from toolkit.deepspeed_engine import DeepSpeedEngine, init_distributed, memory_estimate
+from toolkit.ds_config import check_ds_config
 from toolkit.emissions import tracking_emissions
 from toolkit.files import read_json
 from toolkit.pretraining import setup

@@ -282,7 +282,7 @@ def test_a_flag_contradicting_ds_config_is_refused(change, flags, fragments):
     """Each value has one source of truth: set in ds_config.json and by a flag to something else, it
     is an error."""
     from toolkit.cli import CLIError
-    from toolkit.deepspeed_engine import reconcile
+    from toolkit.ds_config import reconcile
     from toolkit.train_config import TrainConfig
     ds = {**json.loads((ROOT / "ds_config.json").read_text()), **change}
     cfg = TrainConfig(grad_accum=2, **flags)

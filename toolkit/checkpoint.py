@@ -106,6 +106,12 @@ def load_checkpoint(path: str) -> dict:
     return checkpoint
 
 
+def run_file(path: str) -> str:
+    """The checkpoint a run's --out-dir stands for (as nanoGPT samples its out_dir), else path."""
+    checkpoint = os.path.join(path, CHECKPOINT_FILE)
+    return checkpoint if os.path.isfile(checkpoint) else path
+
+
 def load_resume(path: str, *extra: str) -> dict:
     """A ckpt.pt to continue training from: load_checkpoint's checks, plus the loop's state
     (STATE_TYPES, and the `extra` keys a trainer adds) present and of its type, so that an edited

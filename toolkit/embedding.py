@@ -31,7 +31,8 @@ from toolkit.documents import (holds_json_array, input_files, is_json_lines, jso
 from toolkit.files import check_output, claim_out_dir, fingerprint, refuse_existing
 from toolkit.flags import option
 from toolkit.hf import find_model_dir
-from toolkit.model_sources import is_hf_source, load_model, lora_base
+from toolkit.lora import lora_base
+from toolkit.model_sources import is_hf_source, load_model
 from toolkit.optim import Schedule
 from toolkit.tokenizers import Tokenizer, load_tokenizer
 from toolkit.training import Engine, LoopConfig, Objective, TorchEngine, Trainer

@@ -14,7 +14,6 @@ from toolkit.cli import CLIError
 from toolkit.config import RunConfig
 from toolkit.files import check_output
 from toolkit.flags import option
-from toolkit.model_sources import lora_base
 from toolkit.tasks import TASKS
 
 EPOCHS, MIN_STEPS = 3, 200  # GPT-1's epochs; a set too small for them gets more (docs/finetune.md)
@@ -128,7 +127,7 @@ def check_config(cfg: FinetuneConfig) -> None:
 
 def check_outputs(cfg: FinetuneConfig, resuming: bool) -> None:
     """Outputs that replace no input, and no earlier result unless --overwrite."""
-    inputs = [cfg.init_from, *lora_base(cfg.init_from or ""), cfg.train, cfg.val, cfg.predict,
+    inputs = [cfg.init_from, *lora.lora_base(cfg.init_from or ""), cfg.train, cfg.val, cfg.predict,
               cfg.merge_lora]
     outputs = []
     if cfg.train or cfg.merge_lora:

@@ -23,6 +23,7 @@ from torch.nn.utils import parametrize
 from model import GPT
 from toolkit import hf
 from toolkit.cli import CLIError
+from toolkit.checkpoint import run_file
 from toolkit.files import fingerprint
 
 TARGETS = {"attn": ("attn.c_attn", "attn.c_proj"), "mlp": ("mlp.c_fc", "mlp.c_proj")}
@@ -156,6 +157,20 @@ def merged_checkpoint(checkpoint: dict, merged: GPT, source: str) -> dict:
 
 
 # ----- the base -----
+
+def lora_base(source: str) -> list[str]:
+    """[the path of the base model] when source holds LoRA adapters, else []: an input too, which
+    no output may replace (the adapters would be orphaned). Only the checkpoint's index is read
+    (memory-mapped); a file that cannot be read is left to the loader to report."""
+    path = run_file(source)
+    if not os.path.isfile(path):
+        return []
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return [checkpoint["lora"]["base"]["path"]]
+    except Exception:  # not a LoRA checkpoint, or not a zip file torch can map
+        return []
+
 
 def base_record(source: str) -> dict:
     """What an adapter checkpoint records of its base for check_base: where it lies on disk (the

@@ -15,8 +15,7 @@ import torch
 
 from model import GPT
 from toolkit import gguf_export, hf, hf_llama, lora
-from toolkit.checkpoint import (CHECKPOINT_FILE, load_checkpoint, model_from_checkpoint,
-                                usable_config)
+from toolkit.checkpoint import load_checkpoint, model_from_checkpoint, run_file, usable_config
 from toolkit.cli import CLIError
 from toolkit.files import check_output, refuse_special, replace_folder
 from toolkit.ds_checkpoint import is_deepspeed_folder, load_deepspeed_model
@@ -32,26 +31,6 @@ def is_deepspeed_source(path: str) -> bool:
 def is_hf_source(path: str) -> bool:
     """An HF folder, or a name that is no file here (looked up in the local Hugging Face cache)."""
     return os.path.isdir(path) or not os.path.exists(path) and not path.endswith(".pt")
-
-
-def run_file(path: str) -> str:
-    """The checkpoint a run's --out-dir stands for (as nanoGPT samples its out_dir), else path."""
-    checkpoint = os.path.join(path, CHECKPOINT_FILE)
-    return checkpoint if os.path.isfile(checkpoint) else path
-
-
-def lora_base(source: str) -> list[str]:
-    """[the path of the base model] when source holds LoRA adapters, else []: an input too, which
-    no output may replace (the adapters would be orphaned). Only the checkpoint's index is read
-    (memory-mapped); a file that cannot be read is left to the loader to report."""
-    path = run_file(source)
-    if not os.path.isfile(path):
-        return []
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return [checkpoint["lora"]["base"]["path"]]
-    except Exception:  # not a LoRA checkpoint, or not a zip file torch can map
-        return []
 
 
 def load_model(path: str, **overrides) -> tuple[GPT, dict]:

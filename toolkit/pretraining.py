@@ -194,7 +194,7 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
     device, dtype = run_device(cfg.device, cfg.dtype, distributed.local_rank())
     if master:
         if cfg.init_from not in ("scratch", "resume"):  # the weights it starts from stay
-            from toolkit.model_sources import lora_base
+            from toolkit.lora import lora_base
             check_output(engine.path, [cfg.init_from, *lora_base(cfg.init_from)], "--out-dir")
         claim_out_dir(cfg.out_dir, engine.path, resume is not None, cfg.overwrite)
     if cfg.data_dir == DEFAULT_CORPUS_DIR and master and not is_prepared(DEFAULT_CORPUS_DIR):
