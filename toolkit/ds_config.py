@@ -46,7 +46,7 @@ CONFIG_VALUES = {
     "gradient_clipping": (lambda v: number(v) and v >= 0, "a number >= 0"),
     "optimizer.type": (lambda v: isinstance(v, str) and v.lower() in ("adam", "adamw"),
                        '"AdamW" (train_ds.py trains with AdamW)'),
-    "optimizer.params.lr": (lambda v: number(v) and 0 < v <= 1e30, "a number > 0"),
+    "optimizer.params.lr": (lambda v: number(v) and 0 < v <= 1e30, "a number > 0, at most 1e30"),
     "optimizer.params.weight_decay": (lambda v: number(v) and v >= 0, "a number >= 0"),
     "optimizer.params.betas": (lambda v: isinstance(v, list) and len(v) == 2 and
                                all(number(b) and 0 <= b < 1 for b in v),
