@@ -25,7 +25,7 @@ from toolkit import cli
 from toolkit.chat import template_variables
 from toolkit.cli import CLIError
 from toolkit.files import check_output, refuse_existing, write_json
-from toolkit.model_scores import score_model
+from toolkit.model_scores import score_model, task_data_files
 from toolkit.lora import lora_base
 
 
@@ -90,8 +90,8 @@ def parse_args(argv: list[str] | None):
             raise CLIError(f"--{name.replace('_', '-')} is for lm-evaluation-harness's tasks: "
                            "give one of them (a name or a task YAML) in --tasks")
     if args.output:
-        check_output(args.output, [args.ckpt, *lora_base(args.ckpt), args.data_dir, *args.tasks],
-                     "--output")
+        check_output(args.output, [args.ckpt, *lora_base(args.ckpt), args.data_dir, *args.tasks,
+                                   *task_data_files(args.tasks)], "--output")
         refuse_existing([args.output], args.overwrite)
     return args
 

@@ -246,6 +246,14 @@ def test_bad_input_is_one_line(gpt2_model, tmp_path):
     assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", items, "--output",
                                    tmp_path / "junk.pt" / "results.json"),
                           "cannot be written", "junk.pt is a file, not a folder")
+    # the data a task YAML reads is an input too, named directly or by a glob
+    for data in (items, tmp_path / "o*.jsonl"):
+        task = tmp_path / "task.yaml"
+        task.write_text(f"task: t\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                        f"    validation: [{data}]\n")
+        assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", task, "--output",
+                                       items, "--overwrite"), f"would overwrite the input {items}")
+    assert json.loads(open(items).readline())["endings"]
     pytest.importorskip("lm_eval")
     # a Hub with no address (RFC 2606's .invalid) and no offline mode set: eval.py sets it, or the
     # hub libraries retry for 25 s with a warning each time (on the real stderr: hence a process of

@@ -5,12 +5,14 @@ imported only for them, after the Hub's reach is known).
     results, full = score_model(args)      # {task: {metric: value}}, and everything measured
 """
 import argparse
+import glob
 import os
 import socket
 from urllib.parse import urlparse
 
 import numpy as np
 import torch
+import yaml
 
 from model import GPT
 from toolkit.chat import can_chat, template_variables
@@ -84,6 +86,33 @@ def val_scores(model: GPT, tokenizer: Tokenizer, facts: dict, data_dir: str, sou
     loss_sum, count, nbytes = window_losses(eval_loss, corpus.val, offsets, block, batch_size,
                                             device, token_bytes)
     return {**loss_metrics(loss_sum, count, nbytes), "tokens": int(count), "bytes": int(nbytes)}
+
+
+def task_data_files(specs: list[str]) -> list[str]:
+    """The local files and folders the task YAMLs among specs read (the values under their
+    `data_files`, `data_dir` and `dataset_path` keys that exist, globs expanded), which an output
+    must not replace; a YAML that does not parse names none here (the harness run says why)."""
+    found = []
+    for spec in (s for s in specs if s.endswith((".yaml", ".yml")) and os.path.isfile(s)):
+        try:
+            with open(spec, encoding="utf-8") as f:
+                root = yaml.compose(f)
+        except (yaml.YAMLError, UnicodeDecodeError, RecursionError):
+            continue
+        found += [path for value in data_values(root) for path in glob.glob(value)]
+    return found
+
+
+def data_values(node: yaml.Node | None, inside: bool = False) -> list[str]:
+    """The scalar values under the data keys of a composed YAML node."""
+    if isinstance(node, yaml.ScalarNode):
+        return [node.value] if inside and node.value else []
+    if isinstance(node, yaml.SequenceNode):
+        return [v for item in node.value for v in data_values(item, inside)]
+    if isinstance(node, yaml.MappingNode):
+        return [v for key, value in node.value for v in data_values(
+            value, inside or key.value in ("data_files", "data_dir", "dataset_path"))]
+    return []
 
 
 def hub_out_of_reach() -> bool:
