@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_main
+from conftest import ROOT, assert_one_line_error, run_main, run_script
 
 SCRIPTS = ["tokenizer.py", "train.py", "train_ddp.py", "train_ds.py", "test.py", "test_ds.py",
            "finetune.py", "embed.py"]
@@ -76,3 +76,13 @@ def test_torch_failing_to_allocate_host_memory_is_one_line(capsys):
     err = capsys.readouterr().err
     assert stop.value.code == 1 and err.count("\n") == 1, err
     assert err.startswith("error: out of memory (") and "GPU" not in err and "--batch-size" in err
+
+
+def test_a_one_process_script_under_a_launcher_is_one_line():
+    """torchrun --nproc_per_node 2 train.py would start two copies racing for one --out-dir: rank 0
+    says what to run instead, the other copies exit quietly."""
+    launched = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    assert_one_line_error(run_script("train.py", env=launched),
+                          "train.py runs in one process, but a launcher started 2", "train_ddp.py")
+    other = run_script("embed.py", "--help", env={**launched, "RANK": "1"})
+    assert other.returncode == 1 and other.stdout + other.stderr == ""

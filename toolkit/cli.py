@@ -117,6 +117,7 @@ def run(main: Callable[[], None]) -> None:
     SIGTERM interrupts like Ctrl-C, so the script's cleanup (temporary files) runs either way."""
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
+        refuse_launcher()
         main()
     except (CLIError, ValueError, OSError) as e:
         print(f"error: {error_message(e)}", file=sys.stderr)
@@ -133,6 +134,24 @@ def run(main: Callable[[], None]) -> None:
         signal.signal(signal.SIGTERM, previous)
         while _at_end:
             _at_end.pop()()
+
+
+def refuse_launcher() -> None:
+    """A one-process script started by torchrun or the deepspeed launcher: every copy would do the
+    same work and race for the same outputs (only rank 0 says so)."""
+    size = os.environ.get("WORLD_SIZE", "1")
+    if not size.isdigit() or int(size) < 2:
+        return
+    script = os.path.basename(sys.argv[0])
+    more = ("; several processes train with train_ddp.py (torchrun) or train_ds.py (deepspeed)"
+            if script == "train.py" else "")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {script} runs in one process, but a launcher started {size} "
+              f"(WORLD_SIZE={size}): run it with python{more}", file=sys.stderr, flush=True)
+    else:  # quiet: the launcher stops this copy once rank 0 has said why and exited
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(3)
+    sys.exit(1)
 
 
 def _interrupt(signum, frame):
