@@ -255,6 +255,18 @@ def test_two_node_no_ssh_then_exact_resume_here_and_on_one_process(zero3_run, ch
     # the conversion is removed once loaded
     assert not (tmp_path / "one" / "ds" / "universal").exists()
 
+    # a config of another precision resumes the float32 checkpoint through the universal one too
+    # (DeepSpeed names its optimizer files by precision)
+    config = json.loads((ROOT / "ds_config.json").read_text())
+    (tmp_path / "bf16.json").write_text(json.dumps({**config, "bf16": {"enabled": True}}))
+    bf16 = launch(one, char_data, tmp_path / "one", "--init-from", "resume", "--max-iters", "13",
+                  "--dtype", "bfloat16", config=tmp_path / "bf16.json")
+    assert bf16.returncode == 0, bf16.stdout[-3000:] + bf16.stderr[-3000:]
+    assert "in bfloat16 through DeepSpeed's universal checkpoint" in bf16.stdout
+    state = train_state(tmp_path / "one")
+    assert state["iter_num"] == 13 and state["train_config"]["dtype"] == "bfloat16"
+    assert abs(state["history"]["loss"][-1] - state["history"]["loss"][-2]) < 0.2
+
 
 def test_a_resume_in_another_layout_names_the_export(tmp_path):
     """A pipeline or tensor-parallel layout other than the checkpoint's cannot resume it: one line,

@@ -118,7 +118,8 @@ class DeepSpeedEngine:
         # that of the process group, unless told
         self.world_size = world_size or distributed.world_size()
         self.master = distributed.rank() == 0
-        self.universal = False  # resuming a checkpoint of another number of processes
+        self.universal = False  # resuming a checkpoint of another number of processes or precision
+        self.saved_dtype = None  # the precision of the checkpoint resumed
         try:
             self.layout = Layout(self.world_size, pipeline_stages, tp_size)
         except ValueError as e:
@@ -128,9 +129,10 @@ class DeepSpeedEngine:
         return self.layout.data_parallel_rank(distributed.rank()), self.layout.data_parallel
 
     def read_resume(self) -> dict:
-        """The newest tag's training state. Another number of data-parallel processes resumes
-        through DeepSpeed's universal checkpoint (self.universal); another pipeline or
-        tensor-parallel layout starts anew from the exported weights."""
+        """The newest tag's training state. Another number of data-parallel processes (or, as
+        settle_config finds, another precision) resumes through DeepSpeed's universal checkpoint
+        (self.universal); another pipeline or tensor-parallel layout starts anew from the exported
+        weights."""
         state = read_train_state(self.path)
         saved = (state.get("pipeline_stages", 1), state.get("tp_size", 1))
         if saved != (self.layout.pipeline_stages, self.layout.tp_size):
@@ -139,6 +141,7 @@ class DeepSpeedEngine:
                            f"weights: python test_ds.py --ckpt {self.path} --export-hf DIR, then "
                            "--init-from DIR")
         self.universal = state["world_size"] != self.world_size
+        self.saved_dtype = state["train_config"].get("dtype")
         if self.universal and (zero_stage(self.ds_input) == 0 or self.layout.model_parallel > 1):
             raise CLIError(f"{self.path} was written by {state['world_size']} processes but this "
                            f"run has {self.world_size}; DeepSpeed's universal checkpoint resumes "
@@ -166,6 +169,17 @@ class DeepSpeedEngine:
         device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
         cfg, self.ds_config = reconcile(cfg, given, self.ds_input, self.ds_path,
                                         self.layout.data_parallel, device, resumed)
+        if self.saved_dtype is not None and cfg.dtype != self.saved_dtype:
+            # DeepSpeed names (and shapes) its optimizer files by precision: another precision
+            # resumes through the universal checkpoint, which holds everything in float32
+            if zero_stage(self.ds_config) == 0 or self.layout.model_parallel > 1:
+                raise CLIError(f"{self.path} was trained in {self.saved_dtype} but this run is in "
+                               f"{cfg.dtype}; DeepSpeed's universal checkpoint changes precision "
+                               "for ZeRO stage 1-3 data parallel only: resume in "
+                               f"{self.saved_dtype}, or start a new run from its weights: python "
+                               f"test_ds.py --ckpt {self.path} --export-hf DIR, then --init-from "
+                               "DIR")
+            self.universal = True
         if self.universal:
             self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}),
                                             "load_universal": True}
@@ -216,8 +230,8 @@ class DeepSpeedEngine:
         if self.universal:  # rank 0 converts (to OUT_DIR/ds/universal, removed once loaded)
             folder = os.path.join(self.path, "universal")
             if self.master:
-                print(f"resuming on {self.world_size} processes through DeepSpeed's universal "
-                      "checkpoint", flush=True)
+                print(f"resuming on {self.world_size} processes in {str(self.dtype)[6:]} through "
+                      "DeepSpeed's universal checkpoint", flush=True)
                 to_universal(self.path, tag, folder)
             dist.barrier()
         decays = [group.get("weight_decay") for group in self.engine.optimizer.param_groups]
