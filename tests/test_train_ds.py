@@ -268,6 +268,36 @@ def test_two_node_no_ssh_then_exact_resume_here_and_on_one_process(zero3_run, ch
     assert abs(state["history"]["loss"][-1] - state["history"]["loss"][-2]) < 0.2
 
 
+def test_an_input_one_node_lacks_ends_both_nodes_at_once(char_data, tmp_path):
+    """Rank 1 fails a check alone (a file missing on its node): it says why, once, and rank 0 stops
+    within --timeout instead of waiting 30 minutes in deepspeed.initialize's process groups."""
+    wrapper = tmp_path / "rank1_flag.py"
+    wrapper.write_text(
+        "import os, runpy, sys\n"
+        "if os.environ['RANK'] == '1':\n"
+        f"    sys.argv += ['--eval-tasks', {str(tmp_path / 'missing.jsonl')!r}]\n"
+        f"sys.argv[0] = {str(ROOT / 'train_ds.py')!r}\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    nodes = tmp_path / "nodes"
+    nodes.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    args = [str(wrapper), *train_ds_args(char_data, tmp_path / "out", "--timeout", "100")[1:]]
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile",
+                               str(nodes), "--no_ssh", "--node_rank", str(rank), "--master_addr",
+                               "127.0.0.1", "--master_port", port, *args], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, **ENV}) for rank in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    errors = [line for out in outputs for line in out.splitlines() if line.startswith("error:")]
+    assert all(p.returncode == 1 for p in procs) and len(errors) == 1, outputs
+    assert errors[0].startswith("error: rank 1: file not found") and "missing.jsonl" in errors[0]
+
+
 def test_a_resume_in_another_layout_names_the_export(tmp_path):
     """A pipeline or tensor-parallel layout other than the checkpoint's cannot resume it: one line,
     naming the export that starts a new run from its weights."""

@@ -205,6 +205,9 @@ class DeepSpeedEngine:
         # a new run's tags: an earlier run's in OUT_DIR/ds (--overwrite) go once it has saved one
         self.own_tags = None if resume is not None else set()
         module = pipeline_module(model, self.layout.pipeline_stages) if self.pipelined else model
+        # every rank is past its checks: a rank that failed one is found here, within --timeout,
+        # not by the groups deepspeed.initialize makes, which wait 30 minutes whatever it says
+        dist.barrier()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=module, model_parameters=decay_groups(module, cfg.weight_decay),
             config=self.ds_config)
