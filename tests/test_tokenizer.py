@@ -284,13 +284,36 @@ def test_gz_text_folder_char_level(tmp_path):
     meta = json.load(open(out / "meta.json"))
     tok = load_tokenizer(meta)
     assert meta["chars"] == "".join(sorted(set("first document\nsecond document, ünïcode\n")))
+    # both documents drawn for train (a document counts where it starts)
     assert ((meta["eot_id"], meta["documents"], meta["train_documents"], meta["val_documents"]) ==
-            (17, 2, 1, 1))
+            (17, 2, 2, 0))
     # the end-of-text id, past the characters (unused here)
     assert meta["vocab_size"] == len(meta["chars"]) + 1
-    split_texts = [tok.decode(np.fromfile(out / name, np.uint16).tolist())
-                   for name in ("train.bin", "val.bin")]
-    assert sorted(split_texts) == ["first document\n", "second document, ünïcode\n"]
+    train, val = [tok.decode(np.fromfile(out / name, np.uint16).tolist())
+                  for name in ("train.bin", "val.bin")]
+    # a val of no document, or of one of the two (37% or 62% of the tokens), would be far from
+    # --val-fraction: the split is by tokens then, val the last 10% of them
+    assert (meta["train_tokens"], meta["val_tokens"]) == (36, 4)
+    assert train + val == "first document\nsecond document, ünïcode\n" and len(val) == 4
+
+
+def test_few_documents_of_uneven_sizes_keep_the_val_fraction(tmp_path):
+    """Three novels, one drawn for val, would make val a third of the data; the split moves to
+    tokens, --val-fraction of them, and many documents keep the per-document split."""
+    folder = tmp_path / "novels"
+    folder.mkdir()
+    novels = {"a": "短文，一篇。" * 20, "b": "你好，世界。" * 2000, "c": "长篇。" * 500}
+    for name, text in novels.items():
+        (folder / f"{name}.txt").write_text(text)
+    for val_fraction in ("0.1", "0.3"):
+        out = tmp_path / f"out{val_fraction}"
+        assert run_script("--input", folder, "--tokenizer", "char", "--output-dir", out,
+                          "--val-fraction", val_fraction).returncode == 0
+        meta = json.load(open(out / "meta.json"))
+        total = meta["train_tokens"] + meta["val_tokens"]
+        assert total == 120 + 12000 + 1500
+        assert meta["val_tokens"] == int(total * float(val_fraction))
+        assert os.path.getsize(out / "val.bin") == 2 * meta["val_tokens"]
 
 
 def test_a_folder_of_other_files_names_the_glob_that_takes_them(tmp_path):
@@ -449,6 +472,40 @@ def test_a_dataset_replaced_by_one_of_another_tokenizer_keeps_no_tokenizer_json(
     assert run_script("--input", src, "--tokenizer", "char", "--output-dir",
                       str(tmp_path / "own")).returncode == 0
     assert (tmp_path / "own" / "tokenizer.json").read_text() == "{}"
+
+
+def test_a_dataset_replaced_in_another_format_leaves_nothing_of_the_old_one(tmp_path):
+    """llm.c shards replaced by a nanoGPT dataset (and back): readers would take the old shards
+    first, so they go; a corpus read back is the new one."""
+    src = write_jsonl(tmp_path / "a.jsonl", ["一二三四五六七八九十" * 20] * 40)
+    out = tmp_path / "out"
+    assert run_script("--input", src, "--tokenizer", "gpt2", "--format", "llmc",
+                      "--output-dir", out).returncode == 0
+    assert run_script("--input", src, "--tokenizer", "char", "--output-dir", out,
+                      "--overwrite").returncode == 0
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert load_corpus(str(out)).meta["tokenizer"] == "char"
+    assert run_script("--input", src, "--tokenizer", "gpt2", "--format", "llmc",
+                      "--output-dir", out, "--overwrite").returncode == 0
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "out_train_000001.bin",
+                                                     "out_val_000000.bin"]
+    # shards its meta.json does not list (an older tool's) are refused, not read as this data
+    shutil.copy(out / "out_train_000001.bin", out / "out_train_000002.bin")
+    with pytest.raises(CLIError, match="other than those its meta.json lists"):
+        load_corpus(str(out))
+
+
+def test_a_failed_replacement_keeps_the_old_dataset_and_its_tokenizer_json(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", ["one two", "three 四五"] * 30)
+    out = tmp_path / "out"
+    assert run_script("--input", src, "--tokenizer", "bpe", "--vocab-size", "300",
+                      "--output-dir", out).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    (tmp_path / "one.txt").write_text("a")  # too short for two splits: fails at the end
+    failed = run_script("--input", tmp_path / "one.txt", "--tokenizer", "bpe", "--vocab-size",
+                        "260", "--output-dir", out, "--overwrite")
+    assert failed.returncode == 1 and "too few for a train and a val split" in failed.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_an_output_named_like_an_input_is_refused_even_with_overwrite(tmp_path):

@@ -73,7 +73,9 @@ def load_corpus(path: str, split: str = "969,30,1") -> Corpus:
     parts are contiguous token ranges of the .bin (found via the .idx).
     """
     if os.path.isdir(path):
-        if any(LLMC_SHARD.fullmatch(name) for name in os.listdir(path)):
+        nanogpt = all(os.path.exists(os.path.join(path, name)) for name in NANOGPT_FILES)
+        if any(LLMC_SHARD.fullmatch(name) for name in os.listdir(path)) and \
+                not (nanogpt and folder_format(path) == "nanogpt"):  # (beside an earlier run's)
             return load_llmc(path)
         if any(os.path.exists(os.path.join(path, name)) for name in NANOGPT_FILES):
             return load_nanogpt(path)
@@ -94,6 +96,13 @@ def load_corpus(path: str, split: str = "969,30,1") -> Corpus:
         return load_megatron(megatron_document_prefix(prefix), split)
     raise CLIError(f"data not found: {path} (expected a folder with train.bin/val.bin/meta.json or "
                    f"llm.c shards, or a Megatron prefix)")
+
+
+def folder_format(folder: str) -> str | None:
+    """The format meta.json records in a folder, if it names one."""
+    path = os.path.join(folder, "meta.json")
+    meta = read_json(path, "token data metadata") if os.path.isfile(path) else None
+    return meta.get("format") if isinstance(meta, dict) else None
 
 
 class Shards:
@@ -138,16 +147,21 @@ def read_llmc_shard(path: str) -> np.ndarray:
 def load_llmc(folder: str) -> Corpus:
     """llm.c's shards: NAME_val_*.bin validate, NAME_train_*.bin train, each split one sequence in
     shard order; meta.json holds the tokenizer facts (GPT-2's without one, as llm.c writes them)."""
+    found = sorted(name for name in os.listdir(folder) if LLMC_SHARD.fullmatch(name))
     shards, named = {"train": [], "val": []}, []
-    for name in sorted(os.listdir(folder)):
-        match = LLMC_SHARD.fullmatch(name)
-        if match:
-            named.append((name, read_llmc_shard(os.path.join(folder, name))))
-            shards[match.group(1)].append(named[-1][1])
+    for name in found:
+        named.append((name, read_llmc_shard(os.path.join(folder, name))))
+        shards[LLMC_SHARD.fullmatch(name).group(1)].append(named[-1][1])
     for split, arrays in shards.items():
         if not arrays:
             raise CLIError(f"{folder} holds llm.c shards but none for {split} (*_{split}_*.bin)")
     meta = read_meta(os.path.join(folder, "meta.json"), gpt2_source="as llm.c's shards use")
+    listed = meta.get("shards")  # tokenizer.py's list: any other shard is not of this dataset
+    if isinstance(listed, list) and sorted(listed) != found:
+        others = sorted(set(found) ^ set(listed))
+        raise CLIError(f"{folder} holds llm.c shards other than those its meta.json lists "
+                       f"({', '.join(others[:3])}{' ...' if len(others) > 3 else ''}): prepare "
+                       "the data again")
     for name, tokens in named:
         check_token_ids(tokens, meta["vocab_size"], os.path.join(folder, name))
     train, val = (arrays[0] if len(arrays) == 1 else Shards(arrays) for arrays in shards.values())

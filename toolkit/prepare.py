@@ -21,8 +21,8 @@ from tqdm import tqdm
 from toolkit.cli import CLIError
 from toolkit.data import DEFAULT_CORPUS_DIR, NANOGPT_FILES, is_prepared, megatron_document_prefix
 from toolkit.documents import ReadStats, input_files, read_documents, read_text, without_compression
-from toolkit.files import (check_output, refuse_existing, remove_temporaries, write_error,
-                           write_text)
+from toolkit.files import (check_output, refuse_existing, remove_temporaries, temporary_name,
+                           write_error)
 from toolkit.tokenizers import CUT, Tokenizer, load_tokenizer, train_bpe
 from toolkit.writers import (LlmcWriter, MegatronWriter, NanoGPTWriter, llmc_shards, output_dtype,
                              write_nanogpt)
@@ -264,12 +264,14 @@ def prepare(args: argparse.Namespace) -> dict | None:
         if documents == 0:
             raise CLIError(f"no non-empty documents in the input ({len(files)} file(s)); nothing "
                            "to write")
-        # beside the token files, for HF's tools (the facts hold it too)
+        # beside the token files, for HF's tools (the facts hold it too), put in place with them;
+        # without a BPE, a replaced dataset's tokenizer.json goes
+        extra, stale = {}, [tokenizer_file] if replacing else []
         if tokenizer.name == "bpe":
-            write_text(tokenizer_file, tokenizer.tokenizer_json)
-        meta = writer.finish({**tokenizer.facts(), "append_eod": args.append_eod})
-        if tokenizer.name != "bpe" and replacing and os.path.isfile(tokenizer_file):
-            os.remove(tokenizer_file)  # the replaced dataset's BPE, not this one's tokenizer
+            extra, stale = {temporary_name(tokenizer_file): tokenizer_file}, []
+            with open(next(iter(extra)), "w", encoding="utf-8") as f:
+                f.write(tokenizer.tokenizer_json)
+        meta = writer.finish({**tokenizer.facts(), "append_eod": args.append_eod}, extra, stale)
     except OSError as e:  # reading errors are CLIErrors already: this is the output failing
         remove_own_temporaries(folder)
         raise write_error(outputs(args)[0] if args.format == "megatron" else folder, e) from None

@@ -15,11 +15,15 @@ from toolkit.data import (LLMC_HEADER_INTS, LLMC_MAGIC, LLMC_SHARD, MEGATRON_DTY
 from toolkit.files import atomic_write, make_folder, temporary_name, write_json
 
 
-def commit(moves: dict[str, str], meta_path: str, meta: dict) -> None:
+def commit(moves: dict[str, str], meta_path: str, meta: dict, stale: list[str] = ()) -> None:
     """The finished files (temporary path -> final path) put in place, then their metadata, whose
-    presence means complete: an earlier run's metadata goes before its files are replaced."""
+    presence means complete: an earlier run's metadata goes before its files are replaced, and its
+    files this run does not replace (stale) go with it."""
     if os.path.exists(meta_path):
         os.remove(meta_path)
+    for path in stale:
+        if os.path.isfile(path):
+            os.remove(path)
     for tmp, final in moves.items():
         os.replace(tmp, final)
     write_json(meta_path, meta)
@@ -72,7 +76,6 @@ class NanoGPTWriter:
         self.dtype, self.val_fraction, self.seed = dtype, val_fraction, seed
         self.documents = {"train": 0, "val": 0}
         self.tokens = {"train": 0, "val": 0}
-        self.last_length = {"train": 0, "val": 0}  # tokens of each split's last document
 
     def add(self, arrays: list[np.ndarray], lengths: np.ndarray) -> None:
         """The documents of arrays (their tokens back to back), each of lengths tokens."""
@@ -91,21 +94,22 @@ class NanoGPTWriter:
                 self.files[split].write(np.concatenate(arrays)[np.repeat(mine, lengths)])
             self.documents[split] += int(mine.sum())
             self.tokens[split] += int(lengths[mine].sum())
-            self.last_length[split] = int(lengths[mine][-1])
 
-    def move_tail(self, source: str, target: str, n: int, documents: int) -> None:
-        """Move the last n tokens (`documents` documents) from one split's file to the other's."""
+    def move_tail(self, source: str, target: str, n: int) -> None:
+        """Move the last n tokens from one split's file to the other's (a document's counted where
+        it starts)."""
         f = self.files[source]
-        f.seek(-n * self.dtype.itemsize, os.SEEK_END)
-        self.files[target].write(f.read())
-        f.seek(-n * self.dtype.itemsize, os.SEEK_END)
+        start = f.seek(-n * self.dtype.itemsize, os.SEEK_END)
+        while piece := f.read(2**26):  # in pieces: the tail may be most of a large corpus
+            self.files[target].write(piece)
+        f.seek(start)
         f.truncate()
-        self.documents[source] -= documents
-        self.documents[target] += documents
         self.tokens[source] -= n
         self.tokens[target] += n
 
-    def finish(self, meta: dict) -> dict:
+    def finish(self, meta: dict, extra: dict[str, str], stale: list[str]) -> dict:
+        """Split, then commit the files with extra ones (temporary -> final: a tokenizer.json),
+        removing stale ones and an earlier run's llm.c shards (which readers would take first)."""
         total = self.documents["train"] + self.documents["val"]
         # one text file (e.g. shakespeare's input.txt): its last val_fraction becomes val
         if total == 1:
@@ -114,12 +118,15 @@ class NanoGPTWriter:
                     d["train"], d["val"] = d["val"], d["train"]
                 self.tmp["train.bin"], self.tmp["val.bin"] = \
                     self.tmp["val.bin"], self.tmp["train.bin"]
-            self.move_tail("train", "val", max(1, int(self.tokens["train"] * self.val_fraction)),
-                           documents=0)
+            self.move_tail("train", "val", max(1, int(self.tokens["train"] * self.val_fraction)))
         else:
-            for empty, full in (("val", "train"), ("train", "val")):
-                if self.documents[empty] == 0:  # give the empty split one whole document
-                    self.move_tail(full, empty, self.last_length[full], documents=1)
+            # few documents of uneven sizes can give val far more or less than its share (one
+            # novel of three): then the split is by tokens, the tail of the larger side cut off
+            share = max(1, int((self.tokens["train"] + self.tokens["val"]) * self.val_fraction))
+            if self.tokens["val"] > 2 * share:
+                self.move_tail("val", "train", self.tokens["val"] - share)
+            elif self.tokens["val"] < share / 2:
+                self.move_tail("train", "val", share - self.tokens["val"])
         meta = {"format": "nanogpt", **meta, "dtype": self.dtype.name, "documents": total,
                 "train_documents": self.documents["train"], "val_documents": self.documents["val"],
                 "train_tokens": self.tokens["train"], "val_tokens": self.tokens["val"],
@@ -127,8 +134,10 @@ class NanoGPTWriter:
         refuse_empty_split(self.tokens)
         for f in self.files.values():
             f.close()
-        commit({self.tmp[name]: self.final[name] for name in ("train.bin", "val.bin")},
-               self.final["meta.json"], meta)
+        folder = os.path.dirname(self.final["meta.json"])
+        commit({**{self.tmp[name]: self.final[name] for name in ("train.bin", "val.bin")}, **extra},
+               self.final["meta.json"], meta,
+               [*stale, *(os.path.join(folder, name) for name in llmc_shards(folder))])
         return meta
 
 
@@ -166,14 +175,14 @@ class MegatronWriter:
         self.sizes.append(lengths[lengths > 0].astype(np.int32))  # empty documents are dropped
         self.tokens += int(lengths.sum())
 
-    def finish(self, meta: dict) -> dict:
+    def finish(self, meta: dict, extra: dict[str, str], stale: list[str]) -> dict:
         sizes = np.concatenate(self.sizes) if self.sizes else np.zeros(0, np.int32)
         self.file.close()
         meta = {"format": "megatron", **meta, "dtype": self.dtype.name, "documents": len(sizes),
                 "tokens": self.tokens}
         write_megatron_index(self.tmp[".idx"], self.dtype, sizes)
-        commit({self.tmp[ext]: self.final[ext] for ext in (".bin", ".idx")}, self.final[".json"],
-               meta)
+        commit({**{self.tmp[ext]: self.final[ext] for ext in (".bin", ".idx")}, **extra},
+               self.final[".json"], meta, stale)
         return meta
 
 
@@ -227,7 +236,7 @@ class LlmcWriter:
         self.file.close()
         self.file, self.filled = None, 0
 
-    def finish(self, meta: dict) -> dict:
+    def finish(self, meta: dict, extra: dict[str, str], stale: list[str]) -> dict:
         if self.file is not None:
             self.close_shard()
         if len(self.written) == 1:  # all of it in the validation shard: give training its share
@@ -250,11 +259,9 @@ class LlmcWriter:
                 "shards": names, "val_tokens": self.written[0][1],
                 "train_tokens": sum(n for _, n in self.written[1:])}
         refuse_empty_split({"val": meta["val_tokens"], "train": meta["train_tokens"]})
-        meta_path = os.path.join(self.folder, "meta.json")
-        if os.path.exists(meta_path):  # (before an earlier run's shards go)
-            os.remove(meta_path)
-        for stale in set(llmc_shards(self.folder)) - set(names):  # an earlier run's (--overwrite)
-            os.remove(os.path.join(self.folder, stale))
-        commit({path: self.shard_path(index) for index, (path, _) in enumerate(self.written)},
-               meta_path, meta)
+        # an earlier run's shards and nanoGPT files (--overwrite) go with its meta.json
+        stale = [*stale, *(os.path.join(self.folder, name) for name in
+                           [*set(llmc_shards(self.folder)) - set(names), "train.bin", "val.bin"])]
+        commit({**{path: self.shard_path(index) for index, (path, _) in enumerate(self.written)},
+                **extra}, os.path.join(self.folder, "meta.json"), meta, stale)
         return meta
