@@ -17,7 +17,8 @@ from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main
 from toolkit.checkpoint import load_checkpoint
 from toolkit.model_sources import load_model
 from toolkit.prepare import default_corpus_documents
-from toolkit.tokenizers import EOT_TEXT, Tokenizer, load_tokenizer
+from toolkit.tokenizers import (EOT_TEXT, TRAINING_RUN, Tokenizer, cut_long_runs, load_tokenizer,
+                               train_bpe)
 
 # Chinese of everyday kinds (reviews, news, school), written for these tests
 CHINESE = ["今天的天气很好，我们一起去公园散步。", "这本书写得非常好，我已经看了三遍了。",
@@ -96,6 +97,21 @@ def random_unicode(rng: random.Random) -> str:
     pieces += rng.sample(["👩‍👩‍👧", "e\u0301", "🇨🇳", " ", "\n", "\t", EOT_TEXT, "  ", "中文"], 2)
     rng.shuffle(pieces)
     return "".join(pieces)
+
+
+def test_chinese_without_punctuation_trains_in_pieces_of_its_letter_runs():
+    """A run of letters is one word to the trainer, which slows down faster than its length grows:
+    it sees runs cut every TRAINING_RUN letters, and text with shorter runs whole."""
+    rng = random.Random(0)
+    letters = "的一是在不了有和人这中大为上个国我以要他时来用们生到作地"
+    run = "".join(rng.choice(letters) for _ in range(3000))
+    text = "标题：" + run + "。 end 12"
+    pieces = list(cut_long_runs([text, "你好，世界。 plain words"]))
+    assert "".join(pieces[:-1]) == text and pieces[-1] == "你好，世界。 plain words"
+    assert max(len(p) for p in pieces) <= TRAINING_RUN + len("标题：")
+    tok = Tokenizer("bpe", tokenizer_json=train_bpe([text] * 20, 400))
+    assert tok.vocab_size == 400 and tok.decode(tok.encode(text)) == text
+    assert len(tok.encode(run)) < len(run)  # merges past whole characters (3 bytes each)
 
 
 def test_decode_of_encode_is_the_text_for_any_unicode_and_surrogates_are_refused(bpe_data):

@@ -36,6 +36,11 @@ EOT_TEXTS = (EOT_TEXT, "<|end_of_text|>")  # GPT-2's, Qwen's and SmolLM's; Llama
 # other characters, after a newline between two, after Chinese punctuation followed by a letter or a
 # digit. A long text cut there has the tokens of the whole, a piece at a time.
 CUT = re.compile(r"(?<=\S)(?= \S)|(?<=\S\n)(?=\S)|(?<=[，。！？；：、])(?=[^\W_])")
+# A run of letters (Chinese without punctuation, OCR output) is one word to GPT-2's pattern, and
+# HF's BPE trainer takes time that grows faster than its length (200,000 such characters: minutes);
+# the trainer sees such runs cut every this many letters (merges across a cut are not counted)
+TRAINING_RUN = 256
+LONG_RUN = re.compile(rf"[^\W\d_]{{{TRAINING_RUN + 1},}}")
 KINDS = ("gpt2", "bpe", "char", "byte")
 MAX_BPE_VOCAB = 1 << 20  # the largest BPE trained here
 # GPT-2's byte-level alphabet: the printable stand-in of each byte in its tokens
@@ -65,8 +70,19 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> str:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TEXT],
                                   show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(texts, trainer=trainer)
+    bpe.train_from_iterator(cut_long_runs(texts), trainer=trainer)
     return bpe.to_str()
+
+
+def cut_long_runs(texts: Iterable[str]) -> Iterable[str]:
+    """texts in pieces, cut inside every run of more than TRAINING_RUN letters."""
+    for text in texts:
+        start = 0
+        for run in LONG_RUN.finditer(text):
+            for cut in range(run.start() + TRAINING_RUN, run.end(), TRAINING_RUN):
+                yield text[start:cut]
+                start = cut
+        yield text[start:]
 
 
 def read_bpe(tokenizer_json: str, source: str) -> HFTokenizer:
