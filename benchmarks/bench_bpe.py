@@ -1,9 +1,10 @@
 """
-What a byte-level BPE trained on your own text buys (docs/data.md), in four parts:
+What a byte-level BPE trained on your own text buys (docs/data.md), in five parts:
 
     python benchmarks/bench_bpe.py ratios --chinese reviews.txt   # tokens per character, held out
     python benchmarks/bench_bpe.py train --chinese reviews.txt --gb 1  # BPE training time, memory
     python benchmarks/bench_bpe.py speed --chinese reviews.txt    # encoding MB/s against tiktoken
+    python benchmarks/bench_bpe.py runs --chinese reviews.txt     # training on unpunctuated text
     # bits per byte, the same wall time each:
     python benchmarks/bench_bpe.py models --chinese reviews.txt --seconds 300
 
@@ -32,6 +33,7 @@ sys.path.insert(0, ROOT)
 from toolkit import cli
 from toolkit.device import cpu_kind
 from toolkit.prepare import default_corpus_documents
+from toolkit import tokenizers
 from toolkit.tokenizers import Tokenizer, train_bpe
 from toolkit.writers import is_val_document
 
@@ -120,6 +122,26 @@ def train(args) -> None:
               f"{size / 2**20 / seconds:.1f} MB/s, peak RSS {peak:,.0f} MiB", flush=True)
 
 
+def runs(args) -> None:
+    """train_bpe on the Chinese text with everything but letters removed (one run of letters, as
+    unpunctuated text or OCR output is), --run-chars characters, interleaved rounds: as the
+    toolkit trains (runs cut every TRAINING_RUN letters) and on the whole run."""
+    letters = re.sub(r"[\W\d_]", "", "".join(read_lines(args.chinese)))[:args.run_chars]
+    whole = re.compile(r"(?!)")  # matches nothing: nothing is cut
+    times = {"cut": [], "whole": []}
+    for _ in range(args.rounds):
+        for name, pattern in (("cut", tokenizers.LONG_RUN), ("whole", whole)):
+            saved, tokenizers.LONG_RUN = tokenizers.LONG_RUN, pattern
+            start = time.perf_counter()
+            train_bpe([letters], 2000)
+            times[name].append(time.perf_counter() - start)
+            tokenizers.LONG_RUN = saved
+    cut, full = min(times["cut"]), min(times["whole"])
+    print(f"train_bpe (vocab 2,000) on {len(letters):,} letters without a break: cut every "
+          f"{tokenizers.TRAINING_RUN} letters {cut:.2f} s, whole {full:.2f} s ({full / cut:.0f}x), "
+          f"best of {args.rounds}", flush=True)
+
+
 def speed(args) -> None:
     """Encoding MB/s of one process, interleaved rounds, best of each: tiktoken's r50k_base
     directly, and the toolkit's tokenizers (the GPT-2 one is tiktoken underneath; the trained BPE is
@@ -194,7 +216,7 @@ def models(args) -> None:
 
 def main() -> None:
     p = cli.argument_parser(__doc__)
-    p.add_argument("part", choices=["ratios", "train", "speed", "models"])
+    p.add_argument("part", choices=["ratios", "train", "speed", "models", "runs"])
     p.add_argument("--chinese", nargs="+", required=True, help="text files, one document per line")
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384, 32768],
                    help="ratios: the vocabularies to train (default: %(default)s)")
@@ -203,7 +225,9 @@ def main() -> None:
     p.add_argument("--vocab-sizes", type=int, nargs="+", default=[16384],
                    help="train: vocabularies to train")
     p.add_argument("--rounds", type=int, default=3,
-                   help="speed: interleaved rounds (default: %(default)s)")
+                   help="speed, runs: interleaved rounds (default: %(default)s)")
+    p.add_argument("--run-chars", type=int, default=50000,
+                   help="runs: letters in the one run (default: %(default)s)")
     p.add_argument("--seconds", type=float, default=300,
                    help="models: training time each (default: %(default)s)")
     p.add_argument("--bpe-size", type=int, default=16384,
@@ -211,7 +235,8 @@ def main() -> None:
     args = p.parse_args()
     print(f"CPU: {cpu_kind()}, {os.cpu_count()} CPUs, peak RSS so far "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
-    {"ratios": ratios, "train": train, "speed": speed, "models": models}[args.part](args)
+    {"ratios": ratios, "train": train, "speed": speed, "models": models,
+     "runs": runs}[args.part](args)
 
 
 if __name__ == "__main__":

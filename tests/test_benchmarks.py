@@ -61,6 +61,12 @@ def test_bench_bpe_ratios_table(tmp_path):
     # trained on Chinese, more entries spend fewer tokens on Chinese, and fewer than GPT-2's
     assert (rows["bpe 600 trained on Chinese"][0] < rows["bpe 300 trained on Chinese"][0] <
             rows["gpt2 (50,257)"][0])
+    # the text without its punctuation, trained cut and whole
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_bpe.py"), "runs",
+                             "--chinese", str(tmp_path / "zh.txt"), "--run-chars", "3000",
+                             "--rounds", "1"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "on 3,000 letters without a break: cut every 256 letters" in result.stdout
 
 
 def test_speedrun_without_a_nanogpt_checkout_is_one_line(tmp_path):
