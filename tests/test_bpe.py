@@ -18,7 +18,7 @@ from toolkit.checkpoint import load_checkpoint
 from toolkit.model_sources import load_model
 from toolkit.prepare import default_corpus_documents
 from toolkit.tokenizers import (EOT_TEXT, TRAINING_RUN, Tokenizer, cut_long_runs, load_tokenizer,
-                               train_bpe)
+                               same_vocabulary, train_bpe)
 
 # Chinese of everyday kinds (reviews, news, school), written for these tests
 CHINESE = ["今天的天气很好，我们一起去公园散步。", "这本书写得非常好，我已经看了三遍了。",
@@ -222,6 +222,14 @@ def test_the_hf_export_holds_the_same_tokenizer_and_model(bpe_model, tmp_path):
         ours, _ = model.eval()(torch.tensor([ids]))
         theirs = hf_model(torch.tensor([ids])).logits
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    # data prepared with the export's tokenizer.json (laid out otherwise) is the model's data
+    exported = Tokenizer("bpe", tokenizer_json=(tmp_path / "hf" / "tokenizer.json").read_text())
+    assert exported.facts()["json"] != checkpoint["tokenizer"]["json"]
+    assert same_vocabulary(exported.facts(), checkpoint["tokenizer"])
+    other = json.loads(exported.facts()["json"])
+    other["model"]["merges"] = other["model"]["merges"][:-1]
+    assert not same_vocabulary({**exported.facts(), "json": json.dumps(other)},
+                               checkpoint["tokenizer"])
 
 
 def test_a_tokenizer_file_that_cannot_separate_documents_or_is_not_bpe_is_one_line(tmp_path):

@@ -34,10 +34,16 @@ def write_inputs(folder) -> dict[str, object]:
               "json array": folder / "rows.json", "jsonl with a BOM": folder / "bom.jsonl",
               "json array with a BOM": folder / "bom.json",
               "categorical parquet": folder / "categorical.parquet",
-              "string views": folder / "views.arrow", "a linked folder": folder / "linked"}
+              "string views": folder / "views.arrow", "a linked folder": folder / "linked",
+              "ndjson": folder / "rows.ndjson", "hidden files beside": folder / "hidden"}
     lines = "".join(json.dumps({"id": i, "text": t}, ensure_ascii=False) + "\n"
                     for i, t in enumerate(ROWS))
     inputs["jsonl"].write_text(lines)
+    inputs["ndjson"].write_text(lines)
+    # Jupyter's checkpoint copies and macOS's AppleDouble files are no documents
+    (inputs["hidden files beside"] / ".ipynb_checkpoints").mkdir(parents=True)
+    for name in ("rows.jsonl", ".ipynb_checkpoints/rows-checkpoint.jsonl", "._rows.jsonl"):
+        (inputs["hidden files beside"] / name).write_text(lines)
     # as alpaca_data.json is laid out
     array = json.dumps([{"id": i, "text": t} for i, t in enumerate(ROWS)], indent=1,
                        ensure_ascii=False)
@@ -126,7 +132,22 @@ def test_containers_that_cannot_be_read_are_one_line(tmp_path):
                                                   ["cut.arrow", "cut short"]),
              "missing column in a datasets folder": (["--input", inputs["datasets"],
                                                       "--json-key", "body"],
-                                                     ["has no column 'body'"])}
+                                                     ["has no column 'body'"]),
+             "invalid UTF-8 in a parquet string": (["--input", tmp_path / "bad.parquet"],
+                                                   ["bad.parquet row 2: invalid UTF-8 at byte 3",
+                                                    "--errors replace"]),
+             "a DatasetDict": (["--input", tmp_path / "dict"],
+                               ["holds a DatasetDict", "splits: test, train",
+                                f"--input {tmp_path / 'dict' / 'test'}"])}
+    # arrow checks no UTF-8 when it writes: a writer of raw bytes can leave invalid text
+    bad = pa.array([b"\xe4\xbd\xa0\xe5\xa5\xbd", b"ok \xff\xfe bad"], pa.binary())
+    pq.write_table(pa.table({"text": bad.view(pa.string())}), tmp_path / "bad.parquet")
+    replaced = run_main("tokenizer.py", "--input", tmp_path / "bad.parquet", "--tokenizer", "char",
+                        "--errors", "replace", "--output-dir", tmp_path / "replaced")
+    assert replaced.returncode == 0 and "\ufffd" in load_tokenizer(
+        json.loads((tmp_path / "replaced" / "meta.json").read_text())).chars, replaced.stderr
+    datasets.DatasetDict({split: datasets.Dataset.from_dict({"text": ROWS[:5]})
+                          for split in ("train", "test")}).save_to_disk(tmp_path / "dict")
     for name, (args, fragments) in cases.items():
         out = tmp_path / name.replace(" ", "-")
         result = run_main("tokenizer.py", *args, "--tokenizer", "byte", "--output-dir", out)

@@ -381,7 +381,8 @@ def assert_one_error_line(result: subprocess.CompletedProcess, *phrases: str) ->
 def bad_inputs(tmp_path) -> dict:
     """name -> (extra args, phrases the error line must hold); inputs are written here."""
     many = [json.dumps({"text": f"document {i}"}) for i in range(3000)]
-    (tmp_path / "bad.jsonl").write_text("\n".join(many + ["{not json"] + many) + "\n")
+    # a raw tab inside a string: JSON's "Invalid control character at", said once
+    (tmp_path / "bad.jsonl").write_text("\n".join(many + ['{"text": "a\tb"}'] + many) + "\n")
     (tmp_path / "nokey.jsonl").write_text('{"text": "fine"}\n{"content": "no text key"}\n')
     (tmp_path / "latin1.txt").write_bytes("ok text, then caf\xe9".encode("latin-1"))
     (tmp_path / "empty.jsonl").write_text('{"text": ""}\n\n')
@@ -398,7 +399,8 @@ def bad_inputs(tmp_path) -> dict:
         "non-utf8": (["--input", str(tmp_path / "latin1.txt")],
                      ["latin1.txt", "byte offset 17", "--errors replace"]),
         "bad-json": (["--input", str(tmp_path / "bad.jsonl")],
-                     ["bad.jsonl line 3001", "--skip-bad-lines"]),
+                     ["bad.jsonl line 3001", "(Invalid control character at line 1 column 12)",
+                      "--skip-bad-lines"]),
         "no-key": (["--input", str(tmp_path / "nokey.jsonl")],
                    ["nokey.jsonl line 2", "no string 'text' key (its string keys: content)"]),
         "surrogate": (["--input", str(tmp_path / "surrogate.jsonl")],

@@ -75,7 +75,7 @@ BLOCK = 1 << 24  # a text file is read and decoded 16 MB at a time
 RECORD_LIMIT = 1 << 28  # the bytes of one JSON line (a record, held whole to parse it): 256 MiB
 # the characters of text with no place where the tokenizers split (CUT): 64 Mi
 UNCUT_LIMIT = 1 << 26
-JSON_SUFFIXES = (".jsonl", ".json")
+JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
 BETWEEN_ITEMS = re.compile(r"[\s,]*")  # of a JSON array
 STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # arrow IPC's end-of-stream marker
 # what reading a (compressed) file raises when it is unreadable, corrupt or cut short
@@ -95,6 +95,12 @@ def input_files(paths: list[str], pattern: str) -> list[str]:
             files.append(path)
         elif os.path.isfile(os.path.join(path, "state.json")):  # written by datasets' save_to_disk
             files += saved_dataset_files(path)
+        elif os.path.isfile(os.path.join(path, "dataset_dict.json")):  # its splits, each a folder
+            splits = sorted(name for name in os.listdir(path)
+                            if os.path.isfile(os.path.join(path, name, "state.json")))
+            raise CLIError(f"{path} holds a DatasetDict that datasets saved (splits: "
+                           f"{', '.join(splits) or 'none'}): give the split to read, e.g. "
+                           f"--input {os.path.join(path, splits[0] if splits else 'train')}")
         elif os.path.isdir(path):
             # "a.txt.gz" matches "*.txt": compression is not part of what the file is
             found = [file for file in tree(path)
@@ -112,14 +118,17 @@ def input_files(paths: list[str], pattern: str) -> list[str]:
 
 def tree(folder: str) -> list[str]:
     """The regular files under folder (pipes, devices and broken links are no documents), sorted
-    within each folder, linked folders followed: each folder once, so a link back up is no loop."""
+    within each folder, linked folders followed: each folder once, so a link back up is no loop.
+    Hidden files and folders are left out, as a shell's glob leaves them (Jupyter's
+    .ipynb_checkpoints copies, macOS's ._ files, .git)."""
     files, seen = [], set()
     for root, dirs, names in os.walk(folder, followlinks=True):
         real = os.path.realpath(root)
-        dirs[:] = [] if real in seen else sorted(dirs)
+        dirs[:] = [] if real in seen else sorted(d for d in dirs if not d.startswith("."))
         if real not in seen:
             seen.add(real)
-            files += filter(os.path.isfile, (os.path.join(root, name) for name in sorted(names)))
+            files += filter(os.path.isfile, (os.path.join(root, name) for name in sorted(names)
+                                             if not name.startswith(".")))
     return files
 
 
@@ -149,7 +158,7 @@ def saved_dataset_files(folder: str) -> list[str]:
     return [os.path.join(folder, name) for name in names]
 
 
-def table_documents(path: str, key: str, skip_bad_lines: bool,
+def table_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
                     stats: ReadStats) -> Iterator[tuple[list[str], int]]:
     """([text], input bytes) of each row of a parquet file (256 rows at a time) or an arrow file (a
     record batch at a time, the file or the stream format): the column named key."""
@@ -179,8 +188,12 @@ def table_documents(path: str, key: str, skip_bad_lines: bool,
                            f"{', '.join(columns)}")
         row = 0
         for batch in batches:
-            column = batch.column(batch.schema.get_field_index(key))
-            for text in text_column(column, path, key).to_pylist():
+            column = text_column(batch.column(batch.schema.get_field_index(key)), path, key)
+            try:
+                texts = column.to_pylist()
+            except UnicodeDecodeError:  # arrow's strings are not checked when written
+                texts = decoded_rows(column, path, row, errors)
+            for text in texts:
                 row += 1
                 if text is None and not skip_bad_lines:
                     raise CLIError(f"{path} row {row}: no text in {key!r}; "
@@ -191,6 +204,19 @@ def table_documents(path: str, key: str, skip_bad_lines: bool,
                 yield [text], sizes or len(text)
     except (pa.ArrowException, OSError) as e:  # not parquet or arrow, corrupt, truncated
         raise CLIError(f"cannot read {path}: {' '.join(str(e).split())[:200]}") from None
+
+
+def decoded_rows(column: pa.Array, path: str, before: int, errors: str) -> list[str | None]:
+    """A column of strings that are not all UTF-8, row by row: --errors replace puts U+FFFD for
+    the invalid bytes, else the first bad row is named."""
+    rows = column.cast(pa.large_binary()).to_pylist()
+    for number, value in enumerate(rows, start=before + 1):
+        try:
+            rows[number - before - 1] = None if value is None else value.decode("utf-8", errors)
+        except UnicodeDecodeError as e:
+            raise CLIError(f"{path} row {number}: invalid UTF-8 at byte {e.start} of its text; "
+                           "use --errors replace to go on") from None
+    return rows
 
 
 def text_column(column: pa.Array, path: str, key: str) -> pa.Array:
@@ -340,7 +366,7 @@ def read_documents(files: list[str], key: str = "text", errors: str = "strict",
             if is_json_lines(path):
                 yield from json_documents(path, key, errors, skip_bad_lines, stats)
             elif path.endswith(TABLES):
-                yield from table_documents(path, key, skip_bad_lines, stats)
+                yield from table_documents(path, key, errors, skip_bad_lines, stats)
             else:
                 with open_binary(path) as f:
                     yield text_pieces(f, path, errors)

@@ -290,8 +290,9 @@ def parse_json(text: str | bytes, where: str):
         text = (text.decode("utf-8") if isinstance(text, bytes) else text).removeprefix("\ufeff")
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise CLIError(f"{where}: invalid JSON ({e.msg} at line {e.lineno} column "
-                       f"{e.colno})") from None
+        # (one of json's messages ends in "at" already: "Invalid control character at")
+        raise CLIError(f"{where}: invalid JSON ({e.msg.removesuffix(' at')} at line "
+                       f"{e.lineno} column {e.colno})") from None
     except RecursionError:
         raise CLIError(f"{where}: invalid JSON (nested too deeply to read)") from None
     except UnicodeDecodeError as e:
