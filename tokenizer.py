@@ -98,6 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# the flags of tokenizing an input (the default corpus is always prepared the same way)
+INPUT_ONLY = ("tokenizer_file", "tokenizer_type", "vocab_file", "merge_file", "glob", "json_key",
+              "vocab_size", "append_eod", "output_prefix", "shard_tokens", "val_fraction", "seed",
+              "dtype", "workers", "chunk_mb", "errors", "skip_bad_lines")
+
+
 def check_args(args: argparse.Namespace) -> None:
     megatron_flags = args.dataset_impl or args.output_prefix
     if args.format in ("nanogpt", "llmc") and args.dataset_impl:
@@ -112,14 +118,14 @@ def check_args(args: argparse.Namespace) -> None:
         if given:
             args.tokenizer = kind
     if not args.input:
-        needs_input = {"--tokenizer": args.tokenizer not in (None, "char"),
-                       "--format": args.format != "nanogpt",
-                       "--output-prefix": args.output_prefix, "--vocab-file": args.vocab_file,
-                       "--merge-file": args.merge_file, "--append-eod": args.append_eod}
-        for flag, given in needs_input.items():
-            if given:
-                raise CLIError(f"{flag} needs --input (without --input, tokenizer.py prepares the "
-                               f"default char corpus)")
+        defaults = vars(parse_args([]))
+        needs_input = [f"--{name.replace('_', '-')}" for name in INPUT_ONLY
+                       if getattr(args, name) != defaults[name]]
+        needs_input += ["--tokenizer"] * (args.tokenizer not in (None, "char"))
+        needs_input += ["--format"] * (args.format != "nanogpt")
+        if needs_input:
+            raise CLIError(f"{needs_input[0]} needs --input (without --input, tokenizer.py "
+                           "prepares the default char corpus, as it always is)")
         return
     args.tokenizer = args.tokenizer or "gpt2"
     if args.format in ("nanogpt", "llmc") and not args.output_dir:

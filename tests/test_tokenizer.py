@@ -364,6 +364,12 @@ def test_default_corpus(tmp_path):
     before = os.path.getmtime(folder / "train.bin")
     assert prepare.ensure_default_corpus(str(folder)) == str(folder)
     assert os.path.getmtime(folder / "train.bin") == before
+    # it is always prepared one way: the flags of tokenizing an input are refused, not ignored
+    for flags in (["--val-fraction", "0.5"], ["--dtype", "uint32"], ["--tokenizer", "gpt2"],
+                  ["--tokenizer-file", "x.json"], ["--seed", "1"], ["--format", "llmc"]):
+        assert_one_error_line(run_script(*flags, "--output-dir", str(tmp_path / "other")),
+                              f"{flags[0]} needs --input")
+    assert not (tmp_path / "other").exists()
 
 
 # ----------------------------------------------------------------------------- bad input
