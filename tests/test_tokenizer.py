@@ -520,9 +520,11 @@ def test_an_output_named_like_an_input_is_refused_even_with_overwrite(tmp_path):
     """Megatron's PREFIX.json metadata where the input JSON is: the input stays."""
     src = write_jsonl(tmp_path / "c_text_document.json", ["one", "two", "three"])
     before = open(src).read()
-    assert_one_error_line(run_script("--input", src, "--tokenizer", "byte", "--format", "megatron",
-                                     "--output-prefix", str(tmp_path / "c"), "--overwrite"),
-                          "would overwrite the input")
+    for overwrite in ([], ["--overwrite"]):  # said as such, not as a file --overwrite replaces
+        assert_one_error_line(run_script("--input", src, "--tokenizer", "byte", "--format",
+                                         "megatron", "--output-prefix", str(tmp_path / "c"),
+                                         *overwrite),
+                              f"--output-prefix's file {src} would overwrite the input")
     assert open(src).read() == before
 
 

@@ -229,11 +229,11 @@ def prepare(args: argparse.Namespace) -> dict | None:
         meta = prepare_default_corpus(out_dir)
         print(describe_default_corpus(out_dir, meta))
         return meta
-    refuse_existing(outputs(args), args.overwrite)
     files = input_files(args.input, args.glob)
     flag = "--output-prefix" if args.format == "megatron" else "--output-dir"
-    for path in outputs(args):
-        check_output(path, [*files, args.tokenizer_file], flag)
+    for path in outputs(args):  # (before --overwrite is named: it never replaces an input)
+        check_output(path, [*files, args.tokenizer_file], f"{flag}'s file")
+    refuse_existing(outputs(args), args.overwrite)
     tokenizer = build_tokenizer(args, files)
     replacing = any(os.path.exists(path) for path in outputs(args))  # (--overwrite was given)
     folder = os.path.dirname(outputs(args)[0]) or "."
