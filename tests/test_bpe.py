@@ -253,7 +253,7 @@ def test_a_tokenizer_file_that_cannot_separate_documents_or_is_not_bpe_is_one_li
     assert not (tmp_path / "out").exists()
 
 
-def test_a_bpe_of_another_kind_encodes_trains_and_samples(tmp_path):
+def test_a_bpe_of_another_kind_encodes_trains_and_samples(tmp_path, monkeypatch):
     """An HF BPE that is not byte-level (SentencePiece's word boundary `▁`, as Llama-style
     tokenizer.json files have): its own decoder gives the text back, and a model trains on it and
     samples."""
@@ -270,6 +270,18 @@ def test_a_bpe_of_another_kind_encodes_trains_and_samples(tmp_path):
     prepared = run_main("tokenizer.py", "--input", tmp_path / "docs.jsonl", "--tokenizer-file",
                         tmp_path / "spm.json", "--append-eod", "--output-dir", tmp_path / "data")
     assert prepared.returncode == 0 and "warning" not in prepared.stderr, prepared.stderr
+    # a long text file, read and encoded in pieces (small ones here), has the ids of the whole:
+    # Metaspace would mark each piece's start with ▁, so this tokenizer encodes it whole
+    from toolkit import documents, prepare
+    monkeypatch.setattr(documents, "BLOCK", 4096)
+    monkeypatch.setattr(prepare, "PIECE_CHARS", 1000)
+    whole = "\n".join(texts)
+    (tmp_path / "long.txt").write_text(whole)
+    assert run_main("tokenizer.py", "--input", tmp_path / "long.txt", "--tokenizer-file",
+                    tmp_path / "spm.json", "--output-dir", tmp_path / "long").returncode == 0
+    ids = np.fromfile(tmp_path / "long" / "train.bin", np.uint16).tolist() + \
+        np.fromfile(tmp_path / "long" / "val.bin", np.uint16).tolist()
+    assert len(whole) > 10 * 4096 and ids == spm.encode(whole).ids
     # characters outside its alphabet become <unk>: said, not silently
     (tmp_path / "zh.txt").write_text("the return value 是函数的结果")
     chinese = run_main("tokenizer.py", "--input", tmp_path / "zh.txt", "--tokenizer-file",

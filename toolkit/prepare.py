@@ -31,7 +31,10 @@ PIECE_CHARS = 1 << 22  # a longer piece of text is tokenized 4M characters at a 
 
 def encode_document(tokenizer: Tokenizer, pieces: list[str], dtype: np.dtype) -> list[np.ndarray]:
     """A document's token ids, a piece at a time; a piece longer than PIECE_CHARS is cut where the
-    tokenizer splits anyway (tokenizers.CUT), so the ids are those of the whole text."""
+    tokenizer splits anyway (tokenizers.CUT), so the ids are those of the whole text. A tokenizer
+    that may not split there encodes the document whole."""
+    if not tokenizer.cuts_keep_ids():
+        return [tokenizer.encode_array("".join(pieces)).astype(dtype, copy=False)]
     arrays = []
     for text in pieces:
         start = 0

@@ -281,6 +281,17 @@ class Tokenizer:
         self.special_tokens.update(special_tokens)
         self.vocab_size = max(ids, default=self.vocab_size - 1) + 1
 
+    def cuts_keep_ids(self) -> bool:
+        """Whether a text cut at CUT encodes, a piece at a time, to the ids of the whole: GPT-2's
+        pre-tokenizing pattern splits there (so char and byte do); a tokenizer.json of another
+        pre-tokenizer (Llama 3's pattern joins "，" to the next word, SentencePiece's Metaspace
+        marks each piece's start) or with a normalizer may not."""
+        if self.name != "bpe":
+            return True
+        split = self.bpe.pre_tokenizer
+        return (self.bpe.normalizer is None and isinstance(split, pre_tokenizers.ByteLevel) and
+                split.use_regex and not split.add_prefix_space)
+
     def may_drop_characters(self) -> bool:
         """Whether some text has no tokens: a tokenizer.json BPE neither byte-level nor with byte
         fallback drops a character outside its alphabet, or writes its unknown token. (GPT-2's and
