@@ -9,6 +9,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import unittest.mock
 from pathlib import Path
 
 import pytest
@@ -190,6 +191,9 @@ def run_script(script: str, *args: str, cwd: Path | None = None, timeout: float 
                           env={**os.environ, **(env or {})})
 
 
+LAUNCHED_SCRIPTS = {"train_ddp.py", "train_ds.py", "finetune.py"}  # run under torchrun too
+
+
 def run_main(script: str, *args: str, cwd: Path | None = None, env: dict | None = None,
              input: str = "") -> subprocess.CompletedProcess:
     """Run one of the project's scripts in this process as `python SCRIPT ARGS` would in one
@@ -205,7 +209,11 @@ def run_main(script: str, *args: str, cwd: Path | None = None, env: dict | None 
         sys.stdin = io.StringIO(input)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             main = runpy.run_path(str(ROOT / script), run_name="script")["main"]
-            cli.run(lambda: main([str(a) for a in args]))
+            if script in LAUNCHED_SCRIPTS:  # their cli.run_distributed would end this process
+                with unittest.mock.patch.object(cli, "refuse_launcher", lambda: None):
+                    cli.run(lambda: main([str(a) for a in args]))
+            else:
+                cli.run(lambda: main([str(a) for a in args]))
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:

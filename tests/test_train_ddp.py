@@ -271,6 +271,32 @@ def test_an_input_only_one_rank_lacks_is_said_by_that_rank_alone(char_data, tmp_
     assert "socket.cpp" not in result.stdout + result.stderr
 
 
+def test_rank_0_failing_the_same_way_seconds_later_still_says_it_alone(char_data, tmp_path):
+    """Rank 1 fails a check first, rank 0 the same check 4 s later (a loaded machine): rank 1 waits
+    for rank 0's word, which rank 0's store keeps until rank 1 has read it; one line, no C++
+    warnings of a store that went away."""
+    wrapper = tmp_path / "slow_rank0.py"
+    wrapper.write_text(
+        "import os, runpy, sys, time\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from toolkit import cli\n"
+        "report = cli.report_distributed_error\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    cli.report_distributed_error = lambda message: (time.sleep(4), report(message))\n"
+        f"sys.argv[0] = {str(ROOT / 'train_ddp.py')!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(wrapper), "--data-dir", str(char_data), "--out-dir", str(tmp_path / "out"),
+           *TINY_MODEL, "--eval-tasks", str(tmp_path / "missing.json")]
+    result = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=120,
+                            env={**os.environ, **ENV})
+    errors = [line for line in (result.stdout + result.stderr).splitlines()
+              if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, result.stdout + result.stderr
+    assert not errors[0].startswith("error: rank") and "missing.json" in errors[0], errors
+    assert "TCPStore" not in result.stderr, result.stderr
+
+
 def test_bad_input_is_not_restarted_by_torchrun(char_data, tmp_path):
     result = torchrun(2, "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
                       "--grad-accum", "3", launcher=("--standalone", "--max-restarts", "3"),

@@ -98,6 +98,8 @@ def out_of_memory(error: BaseException) -> str:
 
 CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"  # torch's words
 PEER_REPORTED = "cli_error/peer"  # a rank other than 0 said why it stopped
+ERROR_KEY = "cli_error/0"  # rank 0's error, for the other ranks to compare with theirs
+ERROR_READERS = "cli_error/readers"  # how many other ranks have read it
 OUT_OF_MEMORY = ("out of {}memory ({}): the model, batch or context did not fit; lower "
                  "--batch-size (and raise --grad-accum to keep the batch), --block-size or the "
                  "model's size, use --dtype bfloat16, or train with ZeRO-3 and CPU offload "
@@ -167,12 +169,12 @@ def report_distributed_error(message: str) -> None:
     """In a process group, rank 0 prints the error; another rank prints its own only when rank 0 did
     not report the same one (e.g. data missing on one node only) in the group's key-value store."""
     rank = os.environ.get("RANK", "0")  # as set, even when it is no number
-    key = "cli_error/0"
     store = group_store()
     if rank == "0":
         print(f"error: {message}", file=sys.stderr, flush=True)
         if store is not None:
-            store.set(key, message)
+            store.set(ERROR_KEY, message)
+            wait_for_readers(store)
         return
     # failed before the process group existed: rank 0 most likely failed the same way, and the
     # launcher stops this rank while rank 0 prints it; a rank still here failed alone
@@ -181,14 +183,30 @@ def report_distributed_error(message: str) -> None:
         print_peer_error(message)
         return
     try:  # polled: a store.wait that times out logs two lines of C++ warnings
-        deadline = time.monotonic() + 3
-        while not store.check([key]) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 6  # rank 0 may reach the same check seconds later
+        while not store.check([ERROR_KEY]) and time.monotonic() < deadline:
             time.sleep(0.05)
-        same = store.check([key]) and store.get(key).decode() == message
-    except Exception:  # the store is gone
-        same = False
-    if not same:
+        said = store.check([ERROR_KEY]) and store.get(ERROR_KEY).decode()
+        if said:
+            store.add(ERROR_READERS, 1)
+    except Exception:  # the store (rank 0) is gone: touching it again would log C++ warnings
+        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+        return
+    if said != message:
         print_peer_error(message)
+
+
+def wait_for_readers(store) -> None:
+    """Rank 0's store serves the others: it stays up (5 s at most) until every rank that failed too
+    has read rank 0's error, so none of them finds the store gone and logs C++ warnings."""
+    import torch.distributed as dist
+    deadline = time.monotonic() + 5
+    try:
+        while (store.add(ERROR_READERS, 0) < dist.get_world_size() - 1
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+    except Exception:  # the store failed: nobody is left to wait for
+        pass
 
 
 def print_peer_error(message: str) -> None:
