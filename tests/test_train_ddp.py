@@ -243,6 +243,22 @@ def test_bad_input_is_one_line_from_rank_0(char_data, tmp_path, flags, message):
     assert time.monotonic() - start < 90
 
 
+def torchrun_wrapped(tmp_path: Path, prelude: str, *args) -> tuple[list[str], str]:
+    """train_ddp.py on 2 processes, each running the Python prelude first (it sees RANK); the error
+    lines and all it printed."""
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(f"import os, runpy, sys, time\nsys.path.insert(0, {str(ROOT)!r})\n{prelude}"
+                       f"sys.argv[0] = {str(ROOT / 'train_ddp.py')!r}\n"
+                       "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(wrapper), "--out-dir", str(tmp_path / "out"), *TINY_MODEL, *map(str, args)]
+    result = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=120,
+                            env={**os.environ, **ENV})
+    printed = result.stdout + result.stderr
+    assert result.returncode != 0, printed
+    return [line for line in printed.splitlines() if line.startswith("error:")], printed
+
+
 @pytest.mark.parametrize("flag", [
     "--config",  # read before the process group exists
     "--eval-tasks",  # read after: rank 0 waits in a collective until rank 1 has gone
@@ -250,51 +266,29 @@ def test_bad_input_is_one_line_from_rank_0(char_data, tmp_path, flags, message):
 def test_an_input_only_one_rank_lacks_is_said_by_that_rank_alone(char_data, tmp_path, flag):
     """A file on one node only: rank 1 fails, rank 0 does not; rank 1 says why, once, and rank 0
     adds no line of its own about the peer it lost."""
-    wrapper = tmp_path / "rank1_flag.py"
-    wrapper.write_text(
-        "import os, runpy, sys\n"
-        "if os.environ['RANK'] == '1':\n"
-        f"    sys.argv += [{flag!r}, {str(tmp_path / 'missing.json')!r}]\n"
-        f"sys.argv[0] = {str(ROOT / 'train_ddp.py')!r}\n"
-        f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(wrapper), "--data-dir", str(char_data), "--out-dir", str(tmp_path / "out"),
-           *TINY_MODEL, "--max-iters", "5"]
-    result = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=120,
-                            env={**os.environ, **ENV})
-    errors = [line for line in (result.stdout + result.stderr).splitlines()
-              if line.startswith("error:")]
-    assert result.returncode != 0 and len(errors) == 1, result.stdout + result.stderr
+    errors, printed = torchrun_wrapped(
+        tmp_path, f"if os.environ['RANK'] == '1':\n"
+                  f"    sys.argv += [{flag!r}, {str(tmp_path / 'missing.json')!r}]\n",
+        "--data-dir", char_data, "--max-iters", "5")
+    assert len(errors) == 1, printed
     assert errors[0].startswith("error: rank 1:") and "missing.json" in errors[0], errors
     # waiting for rank 0's word leaves no C++ warnings of a timed-out store wait
-    assert "socket.cpp" not in result.stdout + result.stderr
+    assert "socket.cpp" not in printed
 
 
 def test_rank_0_failing_the_same_way_seconds_later_still_says_it_alone(char_data, tmp_path):
     """Rank 1 fails a check first, rank 0 the same check 4 s later (a loaded machine): rank 1 waits
     for rank 0's word, which rank 0's store keeps until rank 1 has read it; one line, no C++
     warnings of a store that went away."""
-    wrapper = tmp_path / "slow_rank0.py"
-    wrapper.write_text(
-        "import os, runpy, sys, time\n"
-        f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "from toolkit import cli\n"
-        "report = cli.report_distributed_error\n"
-        "if os.environ['RANK'] == '0':\n"
-        "    cli.report_distributed_error = lambda message: (time.sleep(4), report(message))\n"
-        f"sys.argv[0] = {str(ROOT / 'train_ddp.py')!r}\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(wrapper), "--data-dir", str(char_data), "--out-dir", str(tmp_path / "out"),
-           *TINY_MODEL, "--eval-tasks", str(tmp_path / "missing.json")]
-    result = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=120,
-                            env={**os.environ, **ENV})
-    errors = [line for line in (result.stdout + result.stderr).splitlines()
-              if line.startswith("error:")]
-    assert result.returncode != 0 and len(errors) == 1, result.stdout + result.stderr
+    errors, printed = torchrun_wrapped(
+        tmp_path, "from toolkit import cli\n"
+                  "report = cli.report_distributed_error\n"
+                  "if os.environ['RANK'] == '0':\n"
+                  "    cli.report_distributed_error = lambda m: (time.sleep(4), report(m))\n",
+        "--data-dir", char_data, "--eval-tasks", tmp_path / "missing.json")
+    assert len(errors) == 1, printed
     assert not errors[0].startswith("error: rank") and "missing.json" in errors[0], errors
-    assert "TCPStore" not in result.stderr, result.stderr
+    assert "TCPStore" not in printed
 
 
 def test_bad_input_is_not_restarted_by_torchrun(char_data, tmp_path):
