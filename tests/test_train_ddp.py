@@ -325,6 +325,15 @@ def test_torchrun_variables_set_by_hand_are_checked(char_data, env, message):
                                    env=env), message)
 
 
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_ds.py"])
+@pytest.mark.parametrize("value", ["inf", "nan", "1e20", "1e-7", "0", "soon"])
+def test_a_timeout_out_of_range_is_one_line_before_any_rendezvous(script, value):
+    """gloo holds the timeout in milliseconds: past a year it overflows (a traceback, or a "bad
+    rendezvous"), and under a second the store's connection gives up with C++ frames."""
+    assert_one_line_error(run_main(script, "--timeout", value),
+                          f"argument --timeout: {value!r} is not a number of seconds from 1 to")
+
+
 def test_no_flag_collides_with_torchrun_options():
     """argparse matches abbreviations of torchrun's own options even after the script name."""
     from torch.distributed.run import get_args_parser

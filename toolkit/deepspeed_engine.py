@@ -372,8 +372,6 @@ def init_distributed(cfg: TrainConfig, args) -> TrainConfig:
         get_accelerator().set_device(local_rank)
     else:
         set_job_threads()
-    if args.timeout <= 0:
-        raise CLIError("--timeout must be positive")
     # On CPU, DeepSpeed compiles a shared-memory all-reduce (shm_comm) at the first launch, a minute
     # on 2 cores, and leaves a /dev/shm buffer per process after each run. Only inference-mode
     # AutoTP layers call it; training reduces through torch.distributed (gloo), so it stays unbuilt

@@ -5,6 +5,7 @@ Everything here also works in a single process (rank 0 of 1), so callers need no
 """
 import argparse
 import datetime
+import math
 import os
 import socket
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from toolkit.cli import CLIError, first_line
 from toolkit.device import resolve_device, set_job_threads
 
+MAX_TIMEOUT = 365 * 24 * 3600
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -55,9 +57,22 @@ def add_distributed_flags(parser: argparse.ArgumentParser, backend: bool = True)
     if backend:
         parser.add_argument("--backend", choices=["nccl", "gloo"], default=None,
                             help="process group backend (default: nccl on CUDA, gloo otherwise)")
-    parser.add_argument("--timeout", type=float, default=300,
+    parser.add_argument("--timeout", type=timeout_seconds, default=300,
                         help="seconds a process waits for the others at start-up or in any "
                              "collective (e.g. while rank 0 saves) before failing (default: 300)")
+
+
+def timeout_seconds(text: str) -> float:
+    """--timeout: whole seconds to a year (gloo counts milliseconds in a C int64; under a second the
+    store's own connection times out)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 1 <= seconds <= MAX_TIMEOUT:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds from 1 to "
+                                         f"{MAX_TIMEOUT:,}")
+    return seconds
 
 
 def launched_by_torchrun() -> bool:
@@ -97,8 +112,6 @@ def init_torchrun(device_name: str, backend: str | None, timeout: float) -> torc
         torch.cuda.set_device(device)
     else:
         set_job_threads()
-    if timeout <= 0:
-        raise CLIError("--timeout must be positive")
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     wait = datetime.timedelta(seconds=timeout)
     try:
