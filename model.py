@@ -595,7 +595,8 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: f
     softmax of logits / temperature restricted to the top_k likeliest and the top_p nucleus."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    # the largest logit becomes 0 first: a temperature of 1e-40 leaves the others -inf, not all inf
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

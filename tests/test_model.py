@@ -129,12 +129,14 @@ def test_greedy_kv_cache_equals_no_cache(batch, prompt_len):
 
 
 @torch.no_grad()
-def test_top_k_1_and_tiny_top_p_equal_greedy():
+def test_top_k_1_tiny_top_p_and_tiny_temperature_equal_greedy():
     m = tiny_gpt(std=0.3)
     idx = torch.randint(0, VOCAB, (2, 3))
     greedy = m.generate(idx, 20, temperature=0)
     assert torch.equal(m.generate(idx, 20, top_k=1), greedy)
     assert torch.equal(m.generate(idx, 20, temperature=0.8, top_p=1e-6), greedy)
+    # logits / 1e-40 overflow to inf: sampling must still be greedy, not the last id
+    assert torch.equal(m.generate(idx, 20, temperature=1e-40), greedy)
 
 
 @torch.no_grad()
