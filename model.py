@@ -151,11 +151,19 @@ def is_rope_scaling(scaling) -> bool:
     return scaling["factor"] >= 1 and scaling["high_freq_factor"] > scaling["low_freq_factor"]
 
 
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm, its weight in the input's dtype: under bfloat16 autocast the queries and
+    keys reach QK-norm in bfloat16, and a float32 weight would leave the fused kernel, warning."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
 def norm(config: GPTConfig, width: int) -> nn.Module:
     """GPT-2's LayerNorm, or the llama family's RMSNorm."""
     if config.arch == "gpt2":
         return nn.LayerNorm(width, eps=1e-5, bias=config.bias)
-    return nn.RMSNorm(width, eps=config.norm_eps)
+    return RMSNorm(width, eps=config.norm_eps)
 
 
 class CausalSelfAttention(nn.Module):

@@ -102,3 +102,20 @@ def test_an_open_models_folder_is_instruction_tuned_with_lora_chats_and_goes_bac
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
     # the chat template's tokens came back with the weights
     assert len(theirs) == ours.config.vocab_size
+
+
+def test_qk_norm_under_bfloat16_autocast_takes_the_fused_norm_without_warnings():
+    """The queries and keys reach QK-norm in bfloat16 (what --dtype auto picks on AVX512-BF16, AMX
+    and CUDA): a float32 weight beside them printed torch's 'Mismatch dtype' warning each run."""
+    import warnings
+
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50,
+                          arch="llama", bias=False, qk_norm=True))
+    idx = torch.randint(0, 50, (2, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+    assert model.transformer.h[0].attn.q_norm.weight.grad.dtype == torch.float32
