@@ -167,9 +167,10 @@ def test_help_lists_flags_with_megatron_names_in_their_own_group():
 # ----- bad input: one line, non-zero exit, nothing lost -----
 
 def test_missing_data_dir(tmp_path):
-    result = run_main("train.py", "--data-dir", tmp_path / "nope", "--out-dir", tmp_path,
+    result = run_main("train.py", "--data-dir", tmp_path / "nope", "--out-dir", tmp_path / "run",
                       *TINY_MODEL)
     assert_one_line_error(result, "nope")
+    assert not (tmp_path / "run").exists()  # the folder it made for the run (and its lock) went
 
 
 def test_block_size_longer_than_data(char_data, tmp_path):
@@ -178,13 +179,24 @@ def test_block_size_longer_than_data(char_data, tmp_path):
     assert_one_line_error(result, "block")
 
 
-def test_resume_with_conflicting_shape(char_data, tmp_path):
+def test_resume_and_init_from_with_conflicting_shape(char_data, tmp_path):
     train(char_data, tmp_path, "--max-iters", "2", "--eval-interval", "100")
     before = (tmp_path / "ckpt.pt").read_bytes()
     result = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
                         "--init-from", "resume", "--n-layer", "3")
     assert_one_line_error(result, "n_layer")
     assert (tmp_path / "ckpt.pt").read_bytes() == before
+    # the same shape in other words: --n-kv-head as many as --n-head, QK-norm as trained
+    train(char_data, tmp_path, "--init-from", "resume", "--max-iters", "3", "--n-kv-head", "2",
+          "--qk-norm")
+    # pretrained weights fix the shape too: a flag that differs is refused, one that agrees is not
+    copy = tmp_path / "from_ckpt"
+    result = run_main("train.py", "--data-dir", char_data, "--out-dir", copy, *TINY_MODEL,
+                      "--init-from", tmp_path / "ckpt.pt", "--n-layer", "3", "--max-iters", "4")
+    assert_one_line_error(result, "has n_layer=1 but --n-layer 3 was given", "--init-from")
+    assert not copy.exists()
+    assert train(char_data, copy, "--init-from", tmp_path / "ckpt.pt", "--max-iters", "4",
+                 "--no-bias")["model_config"]["n_layer"] == 1
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])

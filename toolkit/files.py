@@ -116,15 +116,18 @@ def make_folder(path: str, flag: str | None = None) -> None:
 
 
 _locks: dict[str, int] = {}  # folder -> the open lock file this process holds
+_made: set[str] = set()  # the locked folders this process created
 
 
 def lock_folder(folder: str, flag: str = "--out-dir") -> None:
     """Hold an advisory lock on folder/.lock until release_locks() or this process ends (also
     proving the folder writable); another process asking gets a CLIError naming the holder's PID."""
-    make_folder(folder, flag)
     key = os.path.realpath(folder)
     if key in _locks:
         return
+    if not os.path.isdir(folder):
+        make_folder(folder, flag)
+        _made.add(key)
     fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
     if fcntl is not None:
         try:
@@ -141,9 +144,18 @@ def lock_folder(folder: str, flag: str = "--out-dir") -> None:
 
 
 def release_locks() -> None:
-    """Let go of every folder lock this process holds (cli.run does when a script's main() ends)."""
+    """Let go of every folder lock this process holds (cli.run does when a script's main() ends); a
+    folder it created and left holding only the lock (the run stopped at a check) goes too."""
     while _locks:
-        os.close(_locks.popitem()[1])
+        folder, fd = _locks.popitem()
+        os.close(fd)
+        if folder in _made and os.listdir(folder) == [".lock"]:
+            try:
+                os.remove(os.path.join(folder, ".lock"))
+                os.rmdir(folder)
+            except OSError:  # another run came in meanwhile
+                pass
+    _made.clear()
 
 
 def remove_temporaries(folder: str, pid: int | None = None) -> None:

@@ -28,7 +28,7 @@ from toolkit.evaluation import loss_metrics, window_losses
 from toolkit.files import check_output, claim_out_dir
 from toolkit.optim import Schedule
 from toolkit.tokenizers import load_tokenizer, same_vocabulary
-from toolkit.train_config import TrainConfig, settle
+from toolkit.train_config import TrainConfig, check_pretrained_shape, settle
 from toolkit.training import Engine, LoopConfig, Objective, Trainer
 
 TRAIN_STREAM, EVAL_TRAIN_STREAM, EVAL_VAL_STREAM = 0, 1, 2  # independent random streams of windows
@@ -209,6 +209,8 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
     if resume is not None:  # the shape its weights hold, checked before anything is built
         resumed = usable_config(resume["model_config"], engine.path, resume.get("model"))
     model, pretrained = build_model(cfg, corpus.meta["vocab_size"], resumed)
+    if pretrained is not None:
+        check_pretrained_shape(cfg, given, model.config)
     model = model.to(device)
     check_attn_kernel(model, device, dtype)
     check_data(cfg, corpus, model, resume, pretrained)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
-from model import ARCHS, ATTN_KERNELS, PRESETS
+from model import ARCHS, ATTN_KERNELS, PRESETS, GPTConfig
 from toolkit import cli, distributed, flags, megatron
 from toolkit.checkpoint import usable_config
 from toolkit.cli import CLIError
@@ -143,7 +143,8 @@ def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict
     frozen, and the saved state a resumed run continues from (or None). The rules, in order:
       1. resume when asked (--init-from resume), when --load names a folder holding a checkpoint, or
          when torchrun restarted the job and a checkpoint is on disk: the checkpoint's options then
-         stand wherever no flag was given, and its model shape is fixed;
+         stand wherever no flag was given, and its model shape is fixed (as pretrained weights fix
+         theirs, checked once they are read: check_pretrained_shape);
       2. a new run on a CUDA GPU takes CUDA_DEFAULTS wherever no flag was given; then --preset
          sets the shape, and GPT-2's family unless --arch is given; a llama model from scratch
          takes LLAMA_DEFAULTS (no biases, QK-norm);
@@ -160,6 +161,9 @@ def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict
         cfg = merge_resumed_config(cfg, given, resume, engine.path)
         resumed = set(resume.get("train_config", {})) & CONFIG_FIELDS - given - \
             {"init_from", "out_dir"}
+    elif cfg.init_from != "scratch" and "preset" in given and cfg.preset:
+        raise CLIError(f"--preset cannot be combined with --init-from {cfg.init_from}; its weights "
+                       "fix the shape")
     else:
         cfg = family_defaults(apply_preset(device_defaults(cfg, given, device), given), given)
     given = given | resumed
@@ -221,15 +225,41 @@ def merge_resumed_config(cfg: TrainConfig, given: set[str], saved: dict,
     # checked before its values enter the options; older checkpoints lack fields: GPT-2's
     model_config = asdict(usable_config(saved["model_config"], source))
     for name in MODEL_SHAPE:
-        if name in given and values[name] != model_config[name]:
-            raise CLIError(f"checkpoint {source} has {name}={model_config[name]} but {flag(name)} "
-                           f"{values[name]} was given; drop the flag or use another --out-dir")
+        if name in given and shape_value(values, name) != shape_value(model_config, name):
+            raise CLIError(f"checkpoint {source} has {name}={model_config[name]} but "
+                           f"{given_flag(name, values[name])} was given; drop the flag or use "
+                           "another --out-dir")
         values[name] = model_config[name]
     if "preset" in given and values["preset"]:
         raise CLIError("--preset cannot be combined with --init-from resume; the checkpoint fixes "
                        "the shape")
     megatron.forget_replaced_counts(values, given)
     return TrainConfig(**values)
+
+
+def shape_value(values: dict, name: str):
+    """A shape field as the model reads it: no --n-kv-head is as many as --n-head."""
+    if name == "n_kv_head":
+        return values["n_kv_head"] or values["n_head"]
+    return values[name]
+
+
+def given_flag(name: str, value) -> str:
+    """A shape field as the flag that sets it: --n-layer 2, --qk-norm, --no-bias."""
+    if isinstance(value, bool):
+        return flag(name) if value else "--no-" + flag(name)[2:]
+    return f"{flag(name)} {value}"
+
+
+def check_pretrained_shape(cfg: TrainConfig, given: set[str], model: GPTConfig) -> None:
+    """Pretrained weights (--init-from a checkpoint, an HF folder or a GPT-2 name) fix the model's
+    shape: a shape flag that says otherwise is an error; --block-size may shorten it."""
+    values, loaded = asdict(cfg), asdict(model)
+    for name in sorted(given & set(MODEL_SHAPE) - {"block_size"}, key=MODEL_SHAPE.index):
+        if shape_value(values, name) != shape_value(loaded, name):
+            raise CLIError(f"{cfg.init_from} has {name}={loaded[name]} but "
+                           f"{given_flag(name, values[name])} was given; --init-from fixes the "
+                           "model's shape (--block-size may shorten it): drop the flag")
 
 
 def device_defaults(cfg: TrainConfig, given: set[str], device: torch.device) -> TrainConfig:
