@@ -1,7 +1,9 @@
 """The containers text ships in (parquet, arrow, a `datasets` folder, zstd), llm.c's token shards,
 and bits per byte: the same rows give the same ids whatever holds them, and shards train exactly
 as nanoGPT's files."""
+import bz2
 import codecs
+import gzip
 import json
 import math
 
@@ -351,3 +353,19 @@ def test_a_datasets_state_json_of_another_shape_is_one_line(tmp_path, data_files
     result = run_main("tokenizer.py", "--input", folder, "--tokenizer", "byte",
                       "--output-dir", tmp_path / "out")
     assert_one_line_error(result, "state.json lists no arrow files")
+
+
+@pytest.mark.parametrize("name, damage", [
+    ("cut.txt.gz", lambda data: gzip.compress(data)[:100]),
+    ("cut.jsonl.bz2", lambda data: bz2.compress(data)[:100]),
+    ("garbage.jsonl.xz", lambda data: b"not xz at all" * 8),
+    ("garbage.txt.gz", lambda data: b"not gzip"),
+    ("cut.jsonl.zst", lambda data: zstandard.ZstdCompressor().compress(data)[:100]),
+])
+def test_line_readers_name_a_compressed_file_that_is_cut_or_corrupt(tmp_path, name, damage):
+    """finetune.py's, eval.py's and embed.py's inputs (documents.read_lines, json_lines)."""
+    path = tmp_path / name
+    path.write_bytes(damage(b"".join(b'{"text": "line %d"}\n' % i for i in range(3000))))
+    reader = documents.json_lines if ".jsonl" in name else documents.read_lines
+    with pytest.raises(documents.CLIError, match=f"cannot read .*{name}"):
+        list(reader(str(path)))

@@ -403,14 +403,17 @@ def read_text(path: str, what: str = "file") -> str:
 def read_lines(path: str) -> Iterator[tuple[int, str]]:
     """(line number, line without its newline) of a text file, .gz/.bz2/.xz decompressed."""
     require_file(path)
-    with open_binary(path) as f:
-        for number, line in enumerate(f, start=1):
-            if number == 1:
-                line = line.removeprefix(codecs.BOM_UTF8)  # a byte-order mark: not text
-            try:
-                yield number, line.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError:
-                raise CLIError(f"{path} line {number}: invalid UTF-8") from None
+    try:
+        with open_binary(path) as f:
+            for number, line in enumerate(f, start=1):
+                if number == 1:
+                    line = line.removeprefix(codecs.BOM_UTF8)  # a byte-order mark: not text
+                try:
+                    yield number, line.decode("utf-8").rstrip("\r\n")
+                except UnicodeDecodeError:
+                    raise CLIError(f"{path} line {number}: invalid UTF-8") from None
+    except READ_ERRORS as e:  # corrupt or cut
+        raise CLIError(f"cannot read {path}: {e}") from None
 
 
 def json_lines(path: str) -> Iterator[tuple[int, object]]:
@@ -428,12 +431,13 @@ def json_lines(path: str) -> Iterator[tuple[int, object]]:
 def holds_json_array(path: str) -> bool:
     """Whether a JSON file's first value is an array: the file is one array (alpaca_data.json),
     however laid out, not JSON lines."""
-    if not os.path.isfile(path):
-        return False  # (its reader says so)
-    with open_binary(path) as f:
-        while chunk := f.read(4096).removeprefix(codecs.BOM_UTF8):
-            if chunk.strip():
-                return chunk.lstrip()[:1] == b"["
+    try:
+        with open_binary(path) as f:
+            while chunk := f.read(4096).removeprefix(codecs.BOM_UTF8):
+                if chunk.strip():
+                    return chunk.lstrip()[:1] == b"["
+    except READ_ERRORS:  # missing, a folder, corrupt: its reader says so
+        pass
     return False
 
 
