@@ -25,7 +25,6 @@ classes) F1, a regression by loss and Pearson's and Spearman's correlations. too
 trains and applies the head; docs/finetune.md gives the file schemas.
 """
 import json
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +43,7 @@ FIELDS = {"classify": ("text",), "entail": ("premise", "hypothesis"),
           "similarity": ("text_a", "text_b"), "choice": ("context", "choices")}
 TASKS = tuple(FIELDS)
 SPECIAL_TOKENS = ("start", "delimiter", "extract")
+MAX_SCORE = 1e18  # a similarity score whose square float32 holds
 
 
 @dataclass
@@ -131,10 +131,11 @@ def label_value(record: dict, task: str, names: list | None) -> int | float:
                              f"got {label!r}")
         return label
     if names is None:
-        finite = type(label) in (int, float) and abs(label) <= sys.float_info.max
+        # its squared error is float32's: 1e39 overflows to inf, 1e308 cannot be held at all
+        finite = type(label) in (int, float) and abs(label) <= MAX_SCORE
         if not finite:  # (nan fails the comparison)
-            raise ValueError(f"label must be a finite number with --labels float, got "
-                             f"{str(label)[:40]}")
+            raise ValueError(f"label must be a finite number from -1e18 to 1e18 with --labels "
+                             f"float, got {str(label)[:40]}")
         return float(label)
     keys = [label_key(name) for name in names]
     if label_key(label) not in keys:
