@@ -584,6 +584,10 @@ def bad_input_cases(tmp_path, datasets, byte_model):
         "nothing held out": (["--train", train, "--val-fraction", "0"],
                              "--val-fraction 0 holds nothing out"),
         "val without train": (["--val", val], "give --train too"),
+        "a --predict file it cannot encode": (
+            ["--train", train, "--val", val, "--predict", lines("p1.jsonl", json.dumps({
+                "text": "\u4e2d"})), "--out", tmp_path / "p.jsonl"],
+            "p1.jsonl line 1: character '\u4e2d' is not in the char vocabulary"),
         "another tokenizer": (["--train", train, "--val",
                                lines("v2.jsonl", json.dumps({"text": "\u4e2d", "label": "real"}))],
                               "v2.jsonl line 1: character '\u4e2d' is not in the char vocabulary"),
@@ -618,7 +622,8 @@ def bad_input_cases(tmp_path, datasets, byte_model):
 
 @pytest.mark.parametrize("case", ["unknown task", "missing field", "not JSON", "unseen label",
                                   "empty file", "too few to hold out", "nothing held out",
-                                  "val without train", "another tokenizer",
+                                  "val without train", "a --predict file it cannot encode",
+                                  "another tokenizer",
                                   "checkpoint unlike its tokenizer", "output over an input",
                                   "unequal choices", "nan as a class", "an infinite score",
                                   "a score too large for a float"])

@@ -87,6 +87,13 @@ def load_finetuned(path: str, device: torch.device) -> tuple[TaskModel, Tokenize
     return model.to(device).eval(), load_tokenizer(checkpoint["tokenizer"]), task
 
 
+def predict_examples(path: str, task: str, tokenizer, block_size: int) -> list:
+    """The unlabelled examples of --predict, encoded as the fine-tuned model reads them."""
+    records = read_records(path, task, labelled=False)
+    return encode_records(records, path, task, tokenizer, tokenizer.special_tokens, block_size,
+                          None, labelled=False)
+
+
 def write_predictions(cfg: FinetuneConfig, checkpoint_path: str, device: torch.device,
                       dtype: torch.dtype) -> dict:
     """Label cfg.predict with a fine-tuned checkpoint into cfg.out (atomically); what was done."""
@@ -94,10 +101,8 @@ def write_predictions(cfg: FinetuneConfig, checkpoint_path: str, device: torch.d
     if cfg.task not in (None, task["task"]):
         raise CLIError(f"{checkpoint_path} was fine-tuned for --task {task['task']}, not "
                        f"{cfg.task}")
-    records = read_records(cfg.predict, task["task"], labelled=False)
-    examples = encode_records(records, cfg.predict, task["task"], tokenizer,
-                              tokenizer.special_tokens, model.body.config.block_size, None,
-                              labelled=False)
+    examples = predict_examples(cfg.predict, task["task"], tokenizer,
+                                model.body.config.block_size)
     rows = score(model, examples, cfg.batch_size, device, dtype)
     with atomic_open(cfg.out) as f:
         f.writelines(json.dumps(prediction(row, task), ensure_ascii=False) + "\n" for row in rows)
@@ -300,6 +305,8 @@ def setup(cfg: FinetuneConfig, resume: dict | None = None) -> Trainer:
         objective = chat_objective(cfg, body, facts, tokenizer, device, dtype)
     else:
         objective = task_objective(cfg, body, facts, tokenizer, special, device, dtype)
+    if cfg.predict:  # read now, not found bad once the training is done
+        predict_examples(cfg.predict, cfg.task, tokenizer, body.config.block_size)
     model = objective.model.to(device)
     if objective.steps_per_epoch == 0:
         raise CLIError(f"{cfg.train} has {len(objective.train_set)} examples, fewer than the "
