@@ -25,7 +25,7 @@ from toolkit import cli
 from toolkit.chat import template_variables
 from toolkit.cli import CLIError
 from toolkit.files import check_output, refuse_existing, write_json
-from toolkit.model_scores import score_model, task_data_files
+from toolkit.model_scores import is_local_task, score_model, task_data_files
 from toolkit.lora import lora_base
 
 
@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None):
     parser = cli.argument_parser(__doc__)
     parser.add_argument("--ckpt", default="ckpt/ckpt.pt", help="the model (default: ckpt/ckpt.pt)")
     parser.add_argument("--tasks", default="",
-                        help="comma-separated: local .jsonl files (HellaSwag's format), task .yaml "
+                        help="comma-separated: local .jsonl or .json files (HellaSwag's format), task .yaml "
                              "files, or lm-evaluation-harness task names (hellaswag, "
                              "lambada_openai, arc_easy, piqa, ...)")
     parser.add_argument("--data-dir",
@@ -76,9 +76,9 @@ def parse_args(argv: list[str] | None):
         if value is not None and value < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     for task in args.tasks:
-        if task.endswith((".jsonl", ".yaml", ".yml")) and not os.path.isfile(task):
+        if task.endswith((".jsonl", ".json", ".yaml", ".yml")) and not os.path.isfile(task):
             raise CLIError(f"task file not found: {task}")
-    harness_tasks = [task for task in args.tasks if not task.endswith(".jsonl")]
+    harness_tasks = [task for task in args.tasks if not is_local_task(task)]
     if args.chat_template_kwargs is not None and not args.apply_chat_template:
         raise CLIError("--chat-template-kwargs sets variables of the chat template: add "
                        "--apply-chat-template")

@@ -234,6 +234,15 @@ def test_a_bad_line_is_named(gpt2_model, tmp_path, line, message):
                           message)
 
 
+def test_a_json_array_task_file_scores_as_its_json_lines(gpt2_model, tmp_path):
+    rows = hellaswag_rows(6)
+    lines = write_jsonl(tmp_path / "lines.jsonl", rows)
+    (tmp_path / "array.json").write_text(json.dumps(rows, indent=1))
+    scores = metrics(run_main("eval.py", "--ckpt", gpt2_model / "ckpt.pt", "--tasks",
+                              f"{lines},{tmp_path / 'array.json'}"))
+    assert scores["array"] == scores["lines"]
+
+
 def test_bad_input_is_one_line(gpt2_model, tmp_path):
     ckpt = gpt2_model / "ckpt.pt"
     assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks",
@@ -254,6 +263,19 @@ def test_bad_input_is_one_line(gpt2_model, tmp_path):
         assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", task, "--output",
                                        items, "--overwrite"), f"would overwrite the input {items}")
     assert json.loads(open(items).readline())["endings"]
+    # two tasks of one name: the second's scores would replace the first's in the results
+    (tmp_path / "sub").mkdir()
+    twin = write_jsonl(tmp_path / "sub" / "ok.jsonl", hellaswag_rows(2))
+    (tmp_path / "ok_task.yaml").write_text("task: ok\ndataset_path: json\n")
+    for other in (twin, tmp_path / "ok_task.yaml"):
+        assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", f"{items},{other}"),
+                              "are both named ok")
+    assert_one_line_error(run_main("train.py", "--eval-tasks", f"{items},{twin}"),
+                          "--eval-tasks", "are both named ok")
+    # the harness indexes a folder's *.yaml files only
+    (tmp_path / "t.yml").write_text("task: t\n")
+    assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", tmp_path / "t.yml"),
+                          "task YAMLs named *.yaml")
     pytest.importorskip("lm_eval")
     # a Hub with no address (RFC 2606's .invalid) and no offline mode set: eval.py sets it, or the
     # hub libraries retry for 25 s with a warning each time (on the real stderr: hence a process of

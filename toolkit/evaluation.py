@@ -230,12 +230,27 @@ def loglikelihoods(logits_at: LogitsAt, requests: list[tuple[list[int], list[int
     return scores[0].numpy(), scores[1].numpy() > 0.5
 
 
+def file_task_name(path: str) -> str:
+    """A task file's name in the results: hellaswag_zh.jsonl is hellaswag_zh."""
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def refuse_same_names(specs: list[str], names: list[str], flag: str) -> None:
+    """Two tasks (specs) of one name in the results: the second's scores would replace the
+    first's."""
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise CLIError(f"{flag} {specs[names.index(name)]} and {specs[i]} are both named "
+                           f"{name}, and the second's scores would replace the first's; rename "
+                           "one")
+
+
 class ChoiceTask:
     """A HellaSwag-format file, tokenized once, scored on demand (the trainers' --eval-tasks)."""
 
     def __init__(self, path: str, tok: Tokenizer, block_size: int, limit: int | None = None,
                  progress: bool = False):
-        self.name = os.path.splitext(os.path.basename(path))[0]
+        self.name = file_task_name(path)
         self.items = read_choices(path, limit, progress)
         self.block_size = block_size
         self.progress = self.name if progress else None  # eval.py's bars, on stderr

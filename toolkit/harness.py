@@ -17,7 +17,6 @@ import traceback
 
 import jinja2
 import torch
-import yaml
 from lm_eval import simple_evaluate, utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
@@ -26,8 +25,8 @@ from model import GPT
 from toolkit.chat import export_template, render, stop_ids
 from toolkit.cli import CLIError, first_line
 from toolkit.device import autocast
-from toolkit.documents import read_text
 from toolkit.evaluation import gpt_logits_at, loglikelihoods
+from toolkit.model_scores import task_name
 from toolkit.tokenizers import Tokenizer
 
 # marks where the last message of a history stops, to leave it open
@@ -160,25 +159,6 @@ class GPTHarness(TemplateLM):
         return text
 
 
-def task_name(spec: str) -> tuple[str, str | None]:
-    """(task name, folder to include) of a --tasks entry: a task YAML file (its `task:` key), or a
-    harness name."""
-    if not spec.endswith((".yaml", ".yml")):
-        return spec, None
-    text = read_text(spec, "task YAML")
-    try:  # the harness's own loader would end in a RecursionError on nesting too deep to read
-        yaml.compose(text)
-    except RecursionError:
-        raise CLIError(f"{spec}: invalid YAML (nested too deeply to read)") from None
-    except yaml.YAMLError as e:
-        raise CLIError(f"{spec}: invalid YAML ({' '.join(str(e).split())})") from None
-    for line in text.splitlines():
-        if line.startswith("task:"):
-            return (line.split(":", 1)[1].strip().strip("'\""),
-                    os.path.dirname(os.path.abspath(spec)))
-    raise CLIError(f"{spec} has no `task:` line: not an lm-eval task YAML")
-
-
 @functools.cache
 def task_manager(folders: tuple[str, ...], defaults: bool) -> TaskManager:
     """The harness's index of tasks: its own 10,000+ (seconds to build: only when a task is named)
@@ -199,7 +179,8 @@ def run(specs: list[str], lm: GPTHarness, limit: int | None,
         close = [t for t in manager.all_tasks if unknown[0].split("_")[0] in t][:5]
         raise CLIError(f"unknown task {unknown[0]!r} for lm-evaluation-harness" +
                        (f"; similar: {', '.join(close)}" if close else "") +
-                       "; a local file is a .jsonl in HellaSwag's format or a task .yaml")
+                       "; a local file is a .jsonl (or .json) in HellaSwag's format or a task "
+                       ".yaml")
     try:
         return simple_evaluate(model=lm, tasks=list(names), task_manager=manager, limit=limit,
                                log_samples=True, bootstrap_iters=0,

@@ -20,6 +20,7 @@ from toolkit.cli import CLIError
 from toolkit.config import RunConfig, replicas, settle_run
 from toolkit.data import DEFAULT_CORPUS_DIR
 from toolkit.device import resolve_device
+from toolkit.evaluation import file_task_name, refuse_same_names
 from toolkit.flags import flag, option
 
 MODEL_SHAPE = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "qk_norm")
@@ -136,6 +137,9 @@ def check_config(cfg: TrainConfig) -> None:
         raise CLIError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
     if cfg.min_lr is not None and cfg.lr is not None and cfg.min_lr > cfg.lr:
         raise CLIError(f"--min-lr {cfg.min_lr:g} is above --lr {cfg.lr:g}: the decay would climb")
+    if cfg.eval_tasks:
+        paths = [path for path in cfg.eval_tasks.split(",") if path]
+        refuse_same_names(paths, list(map(file_task_name, paths)), "--eval-tasks")
 
 
 def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict | None]:
