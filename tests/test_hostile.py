@@ -107,9 +107,11 @@ def test_infinite_learning_rate_is_refused_up_front(char_data, run_dir):
 
 # 3. outputs never overwrite inputs
 
-@pytest.mark.parametrize("target", ["ckpt.pt", "test.py"])
-def test_genfile_never_replaces_the_checkpoint_or_the_code(run_dir, target):
-    path = run_dir / target if target == "ckpt.pt" else ROOT / target
+@pytest.mark.parametrize("target", ["ckpt.pt", "test.py", "README.md", "docs/data.md",
+                                    "train.bin"])
+def test_genfile_never_replaces_the_checkpoint_the_toolkit_or_prepared_data(run_dir, char_data,
+                                                                             target):
+    path = {"ckpt.pt": run_dir / target, "train.bin": char_data / target}.get(target, ROOT / target)
     before = path.read_bytes()
     result = run_main("test.py", "--ckpt", run_dir / "ckpt.pt", "--device", "cpu",
                       "--max-new-tokens", "5", "--genfile", path, "--overwrite")

@@ -126,3 +126,19 @@ def test_engines_and_objectives_implement_the_declared_parts():
                 found = parameters(getattr(cls, name))
                 assert len(found) >= len(wanted) and found[:1] == wanted[:1], \
                     (cls.__name__, name, found)
+
+
+def test_every_file_the_toolkit_ships_is_never_an_output():
+    """files.check_output refuses the shipped files by name: a file added beside the scripts (or a
+    folder) must join SHIPPED_FILES or SHIPPED_FOLDERS."""
+    import subprocess
+
+    from toolkit.files import is_shipped
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    assert len(tracked) > 100
+    unprotected = [path for path in tracked
+                   if not path.startswith("ckpt/") and not is_shipped(str(ROOT / path))]
+    assert not unprotected
+    assert not is_shipped(str(ROOT / "ckpt" / "ckpt.pt"))
+    assert not is_shipped(str(ROOT / "samples.jsonl"))

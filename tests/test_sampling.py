@@ -154,7 +154,9 @@ def test_samples_from_hf_gpt2_directory(tmp_path):
     (["--chat", "--prompt", "hi"], "--chat talks turn by turn on stdin"),  # (neither is used)
     (["--interactive", "--prompt", "hi"], "--interactive reads its prompts from stdin"),
     (["--export-gguf", "m.gguf", "--genfile", "s.jsonl"], "an export writes no samples"),
-    (["--export-hf", str(ROOT / "README.md"), "--overwrite"], "is a file; an HF model is a folder"),
+    (["--export-hf", str(ROOT / "ckpt" / ".gitkeep"), "--overwrite"],
+     "is a file; an HF model is a folder"),
+    (["--export-hf", str(ROOT / "README.md"), "--overwrite"], "would overwrite this toolkit's"),
     (["--prompt", "\u4e2d\u6587"], "not in the char vocabulary"),
     (["--prompt", "FILE:/nonexistent/prompt.txt"],
      "--prompt FILE: not found: /nonexistent/prompt.txt"),

@@ -30,6 +30,10 @@ except ImportError:  # Windows: no advisory locks, no file size limit
 # the scripts; toolkit/ holds the rest
 CODE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMPORARY = re.compile(r"\..+\.tmp(\d+)")
+# what the toolkit ships beside the scripts, and its folders: never an output
+SHIPPED_FILES = re.compile(r".*\.py|README\.md|requirements(-test)?\.txt|hostfile\.txt|"
+                           r"ds_config.*\.json|pyproject\.toml|pytest\.ini|\.gitignore")
+SHIPPED_FOLDERS = ("toolkit", "docs", "tests", "benchmarks", "examples", ".ci")
 MAX_JSON_BYTES = 256 << 20  # the largest tokenizer.json in use (Qwen3's) is 11 MiB
 
 
@@ -178,10 +182,10 @@ def claim_out_dir(out_dir: str, checkpoint: str, resuming: bool, overwrite: bool
                        "it")
 
 
-def check_output(path: str, inputs: list[str], flag: str) -> None:
+def check_output(path: str, inputs: list[str], flag: str, replaces_data: bool = False) -> None:
     """Refuse (CLIError) an output path that is one of the inputs, lies inside an input folder,
-    holds an input (a folder output replaces what it holds), or is a file of this toolkit's
-    code."""
+    holds an input (a folder output replaces what it holds), is a file this toolkit ships, or
+    (unless replaces_data: tokenizer.py's own outputs) prepared data."""
     target = os.path.realpath(path)
     for source in filter(None, inputs):
         source = os.path.realpath(source)
@@ -190,14 +194,37 @@ def check_output(path: str, inputs: list[str], flag: str) -> None:
         if source.startswith(target + os.sep):
             raise CLIError(f"{flag} {path} holds the input {source}, which it would replace; "
                            "choose another path")
-    if os.path.dirname(target) in (CODE_DIR, os.path.join(CODE_DIR, "toolkit")) and \
-            target.endswith(".py"):
-        raise CLIError(f"{flag} {path} would overwrite this toolkit's {os.path.basename(target)}")
+    if is_shipped(target):
+        raise CLIError(f"{flag} {path} would overwrite this toolkit's "
+                       f"{os.path.relpath(target, CODE_DIR)}")
+    if not replaces_data and is_prepared_data(target):
+        raise CLIError(f"{flag} {path} would overwrite prepared data (tokenizer.py's output); "
+                       "choose another path")
     folder = os.path.dirname(target)
     while not os.path.exists(folder):  # found now, not when the work is done
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder):
         raise CLIError(f"{flag} {path} cannot be written: {folder} is a file, not a folder")
+
+
+def is_shipped(path: str) -> bool:
+    """Whether a real path is one of the toolkit's own files (SHIPPED_FILES, SHIPPED_FOLDERS)."""
+    relative = os.path.relpath(path, CODE_DIR)
+    if os.path.dirname(relative) == "":
+        return bool(SHIPPED_FILES.fullmatch(relative))
+    return relative.split(os.sep)[0] in SHIPPED_FOLDERS
+
+
+def is_prepared_data(path: str) -> bool:
+    """Whether a real path is in a folder tokenizer.py prepared (it holds meta.json beside bins),
+    or is half of a Megatron .bin/.idx pair."""
+    folder = os.path.dirname(path)
+    stem, extension = os.path.splitext(path)
+    if extension in (".bin", ".idx") and os.path.exists(stem + {".bin": ".idx",
+                                                                 ".idx": ".bin"}[extension]):
+        return True
+    return os.path.isfile(os.path.join(folder, "meta.json")) and any(
+        entry.endswith(".bin") for entry in os.listdir(folder))
 
 
 def refuse_existing(paths: list[str], overwrite: bool) -> None:

@@ -235,7 +235,7 @@ def prepare(args: argparse.Namespace) -> dict | None:
     files = input_files(args.input, args.glob)
     flag = "--output-prefix" if args.format == "megatron" else "--output-dir"
     for path in outputs(args):  # (before --overwrite is named: it never replaces an input)
-        check_output(path, [*files, args.tokenizer_file], f"{flag}'s file")
+        check_output(path, [*files, args.tokenizer_file], f"{flag}'s file", replaces_data=True)
     refuse_existing(outputs(args), args.overwrite)
     tokenizer = build_tokenizer(args, files)
     replacing = any(os.path.exists(path) for path in outputs(args))  # (--overwrite was given)
