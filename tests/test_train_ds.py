@@ -363,3 +363,19 @@ def test_test_ds_bad_input_is_one_line(tmp_path):
     (tmp_path / "junk").mkdir()
     assert_one_line_error(run_main("test_ds.py", "--ckpt", tmp_path / "junk", env=ENV),
                           "not a DeepSpeed checkpoint")
+    # a training state without a field every run writes: named, not an AssertionError
+    fake_deepspeed_folder(tmp_path / "ds")
+    state_file = tmp_path / "ds" / "global_step4" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({k: v for k, v in state.items() if k != "history"}))
+    assert_one_line_error(run_main("test_ds.py", "--ckpt", tmp_path / "ds", "--export-ckpt",
+                                   tmp_path / "out.pt", env=ENV), "has no history")
+    state_file.write_text(json.dumps(state))
+    # two exports to one path: refused before either is written
+    assert_one_line_error(run_main("test_ds.py", "--ckpt", tmp_path / "ds", "--export-ckpt",
+                                   tmp_path / "same", "--export-hf", tmp_path / "same", env=ENV),
+                          "--export-hf and --export-ckpt both name")
+    assert not (tmp_path / "same").exists()
+    # a file export onto a folder: said as such, not as a folder to --overwrite
+    assert_one_line_error(run_main("test_ds.py", "--ckpt", tmp_path / "ds", "--export-ckpt",
+                                   tmp_path / "junk", env=ENV), "is not a regular file")

@@ -125,7 +125,7 @@ def check_state(state: dict, path: str, required: tuple = ()) -> None:
     """Each STATE_TYPES key that is present has its type, and `required` ones are present."""
     for key in required:
         if key not in state:
-            raise CLIError(f"{path} has no {key}; it cannot be resumed")
+            raise CLIError(f"{path} has no {key}, which every run writes")
     for key, kinds in STATE_TYPES.items():
         value = state.get(key)
         if key in state and not (isinstance(value, kinds) and not isinstance(value, bool)):

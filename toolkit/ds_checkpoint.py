@@ -21,7 +21,7 @@ import tempfile
 import torch
 
 from model import GPT
-from toolkit.checkpoint import check_state, load_plain, model_from_weights, read_weights
+from toolkit.checkpoint import STATE_KEYS, check_state, load_plain, model_from_weights, read_weights
 from toolkit.cli import CLIError, first_line
 from toolkit.files import read_json, write_json, write_text
 from toolkit.model_parallel import gpt_state_from_universal
@@ -93,7 +93,7 @@ def read_train_state(ds_dir: str, tag: str | None = None) -> dict:
     state = read_json(path, "training state")
     if "model_config" not in state or "world_size" not in state:
         raise CLIError(f"{path} is not a train_ds.py training state")
-    check_state(state, path, ("iter_num",))
+    check_state(state, path, STATE_KEYS)
     state["tag"] = tag
     if state.get("best_val_loss") is None:  # JSON has no infinity
         state["best_val_loss"] = float("inf")

@@ -90,10 +90,14 @@ def check_exports(outputs: dict[str, str | None], inputs: list[str], overwrite: 
     """Refuse (CLIError), before any model is read, an export (flag -> path) onto an input, onto a
     folder that is not a model's (an HF export replaces its folder whole), or onto an existing file
     or a folder with files in it unless overwrite."""
+    given = {flag: os.path.realpath(path) for flag, path in outputs.items() if path}
     for flag, path in outputs.items():
         if path:
             check_output(path, inputs, flag)
-            if flag == "--export-gguf":
+            twin = next(other for other in given if given[other] == given[flag])
+            if twin != flag:
+                raise CLIError(f"{twin} and {flag} both name {path}; give each its own path")
+            if flag != "--export-hf":  # a file
                 refuse_special(path, flag)
             elif flag == "--export-hf" and os.path.exists(path) and not os.path.isdir(path):
                 raise CLIError(f"{flag} {path} is a file; an HF model is a folder: choose one")
