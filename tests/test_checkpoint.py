@@ -79,6 +79,15 @@ def test_checkpoint_of_compiled_model_loads_in_plain_model(tmp_path):
     assert torch.equal(plain(idx)[0], model(idx)[0])
 
 
+def test_weights_of_another_model_name_the_keys_that_differ():
+    from toolkit.checkpoint import load_weights
+    from toolkit.cli import CLIError
+    model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8))
+    weights = {**model.state_dict(), "transformer.h.0.attn.c_attn.lora_a": torch.zeros(4, 8)}
+    with pytest.raises(CLIError, match='fit its model config: Unexpected key.*"transformer.h.0'):
+        load_weights(model, weights, "x.pt")
+
+
 def test_checkpoint_is_written_atomically(tmp_path):
     path = tmp_path / "ckpt.pt"
     save_checkpoint({"model": {}, "model_config": {}, "iter_num": 1}, str(path))

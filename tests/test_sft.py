@@ -140,6 +140,10 @@ def test_sft_on_the_defaults_learns_and_test_py_chats(pretrained, chats, tmp_pat
     assert json.loads(genfile.read_text())["text"] == replies[0]  # the answer alone, as printed
     refused = run_main("test.py", "--ckpt", pretrained, "--chat")
     assert_one_line_error(refused, "never instruction-tuned", "--prompt")
+    # fine-tuning it again is refused with the way to use it: chat, not --predict
+    again = run_main("finetune.py", "--task", "sft", "--train", train, "--init-from",
+                     out / "ckpt.pt", "--out-dir", tmp_path / "again", "--device", "cpu")
+    assert_one_line_error(again, "is already fine-tuned; talk to it with test.py", "--chat")
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -275,6 +279,10 @@ def test_an_interrupted_fine_tuning_resumes_exactly(pretrained, chats, tmp_path)
     assert proc.returncode == 0 and "--init-from resume" in out, err[-2000:]
     latest = load_checkpoint(str(tmp_path / "cut" / "last.pt"))
     assert 20 <= latest["iter_num"] < 64 and latest["optimizer"]
+    for changed in (["--lora-rank", "8"], ["--lora-rank", "0"], ["--lora-targets", "mlp"]):
+        assert_one_line_error(run_main("finetune.py", "--init-from", "resume", "--out-dir",
+                                       tmp_path / "cut", *changed, env=ENV),
+                              f"was fine-tuned with {changed[0]} ", "same LoRA settings")
     resumed = ok(run_main("finetune.py", "--init-from", "resume", "--out-dir", tmp_path / "cut",
                           env=ENV))
     assert resumed == whole

@@ -173,8 +173,10 @@ def load_weights(model: GPT, weights: dict, source: str) -> None:
     try:
         model.load_state_dict({k: v.float() for k, v in weights.items()})
     except (RuntimeError, AttributeError) as e:
+        # torch's text begins "Error(s) in loading state_dict for GPT:" and lists keys below
+        reason = " ".join(str(e).split()).removeprefix("Error(s) in loading state_dict for GPT: ")
         raise CLIError(f"the weights in {source} do not fit its model config: "
-                       f"{first_line(e)}") from None
+                       f"{reason[:300]}") from None
 
 
 def usable_config(model_config: dict, source: str, weights: dict | None = None,

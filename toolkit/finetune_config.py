@@ -20,6 +20,7 @@ EPOCHS, MIN_STEPS = 3, 200  # GPT-1's epochs; a set too small for them gets more
 LR_WIDTH = 0.128  # lr = LR_WIDTH / n_embd: a larger model takes smaller steps (docs/finetune.md)
 LORA_LR = 10  # adapters start at zero and move a rank-r slice: larger steps (docs/finetune.md)
 ALL_TASKS = (*TASKS, "sft")
+ADAPTER_SHAPE = ("lora_rank", "lora_alpha", "lora_targets")  # fixed once a run has trained
 LATEST_FILE = "last.pt"  # OUT_DIR/last.pt: the latest state of a run, for --init-from resume
 
 
@@ -91,7 +92,15 @@ def resumed_config(cfg: FinetuneConfig, given: set[str]) -> tuple[FinetuneConfig
              if k in FinetuneConfig.__dataclass_fields__}
     flags.check_types(saved, FinetuneConfig, f"{path}'s train_config")
     now = {k: getattr(cfg, k) for k in given | {"out_dir", "overwrite"} if k != "init_from"}
-    return FinetuneConfig(**{**saved, **now}), checkpoint
+    resumed = FinetuneConfig(**{**saved, **now})
+    before = FinetuneConfig(**saved)
+    for name in ADAPTER_SHAPE:  # the trained weights are of these settings
+        was, now = getattr(before, name), getattr(resumed, name)
+        if now != was:
+            raise CLIError(f"{path} was fine-tuned with {flags.flag(name)} {was}, not {now}; "
+                           "resume with the same LoRA settings, or start a new run in another "
+                           "--out-dir")
+    return resumed, checkpoint
 
 
 def check_config(cfg: FinetuneConfig) -> None:

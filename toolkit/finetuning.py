@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from model import GPT
 from toolkit import distributed, lora
 from toolkit.batches import epoch_batches, step_batches, train_and_val
-from toolkit.chat import add_chat_tokens
+from toolkit.chat import add_chat_tokens, can_chat
 from toolkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, run_state, save_checkpoint
 from toolkit.cli import CLIError
 from toolkit.config import settle_run
@@ -49,10 +49,12 @@ def load_body(cfg: FinetuneConfig) -> tuple[GPT, Tokenizer, dict]:
     facts; a body already fine-tuned, or one its tokenizer does not fit, is an error."""
     source = cfg.init_from
     body, facts = load_model(source, dropout=cfg.dropout)
-    if facts.get("special_tokens"):
-        raise CLIError(f"{source} is already fine-tuned; use it with --predict, or fine-tune the "
-                       f"model it came from")
     tokenizer = load_tokenizer(facts)
+    if facts.get("special_tokens"):
+        use = (f"talk to it with test.py --ckpt {source} --chat" if can_chat(tokenizer) else
+               "use it with --predict")
+        raise CLIError(f"{source} is already fine-tuned; {use}, or fine-tune the model it came "
+                       "from")
     if tokenizer.vocab_size > body.config.vocab_size:
         raise CLIError(f"{source} has a model of {body.config.vocab_size} tokens but its "
                        f"{tokenizer.name} tokenizer has {tokenizer.vocab_size}: the checkpoint "
