@@ -173,6 +173,15 @@ def test_missing_data_dir(tmp_path):
     assert not (tmp_path / "run").exists()  # the folder it made for the run (and its lock) went
 
 
+@pytest.mark.parametrize("split", ["abc", "nan,1,1", "inf,1,1", "1,2,3,4", "0,0,0", "-1,2,0"])
+def test_a_split_that_is_no_weights_is_refused_before_any_data_is_read(tmp_path, split):
+    result = run_main("train.py", "--data-dir", tmp_path / "nope", "--out-dir", tmp_path / "run",
+                      f"--split={split}")
+    assert_one_line_error(result, "--split must be up to 3 comma-separated finite weights",
+                          repr(split))
+    assert not (tmp_path / "run").exists()
+
+
 def test_block_size_longer_than_data(char_data, tmp_path):
     result = run_main("train.py", "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL,
                         "--block-size", "10000000")

@@ -24,6 +24,7 @@ import numpy as np
 
 from toolkit.cli import CLIError
 from toolkit.files import read_json
+from toolkit.flags import split_weights
 from toolkit.gpt2_vocab import GPT2_FACTS
 
 
@@ -263,13 +264,10 @@ def read_megatron_index(idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray
 
 def megatron_split(n_docs: int, split: str) -> tuple[int, int]:
     """Document boundaries (train end, val end) for Megatron's --split weights, e.g. "969,30,1"."""
-    try:
-        weights = [float(w) for w in split.replace("/", ",").split(",")]
-    except ValueError:
-        raise CLIError(f"split {split!r} is not comma-separated numbers like 969,30,1") from None
-    weights = (weights + [0.0, 0.0])[:3]
-    if min(weights) < 0 or sum(weights) <= 0:
-        raise CLIError(f"split {split!r} needs non-negative weights with a positive sum")
+    weights = split_weights(split)
+    if weights is None:
+        raise CLIError(f"--split {split!r} is not up to 3 comma-separated finite weights >= 0 with "
+                       "a positive sum, e.g. 969,30,1")
     if n_docs < 2:
         raise CLIError(f"need at least 2 documents to split into train and val, got {n_docs}")
     # Megatron's get_train_valid_test_split_: rounded cumulative counts, rounding error taken off

@@ -31,9 +31,23 @@ CHECKS = {
     "share": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "folder-name": (lambda v: bool(v) and os.sep not in v and v not in (".", ".."),
                     "a plain folder name"),
+    "split": (lambda v: split_weights(v) is not None,
+              "up to 3 comma-separated finite weights >= 0 with a positive sum, e.g. 969,30,1"),
 }
 MEGATRON_GROUP = ("Megatron-LM's names", "Megatron-LM's options and its spellings of the options "
                                          "above; each sets the same value as the option it names.")
+
+
+def split_weights(split: str) -> list[float] | None:
+    """Megatron's --split "969,30,1" (or "969/30/1") as its 3 weights, or None if it is not one."""
+    try:
+        weights = [float(w) for w in split.replace("/", ",").split(",")]
+    except ValueError:
+        return None
+    weights = (weights + [0.0, 0.0])[:3] if len(weights) <= 3 else []
+    if not weights or not all(0 <= w <= 1e30 for w in weights) or sum(weights) <= 0:
+        return None  # (NaN fails every comparison)
+    return weights
 
 
 def option(default, help: str, *, check: str | None = None, choices: list | None = None,

@@ -30,7 +30,7 @@ class MegatronOptions:
     load: str | None = option(None, "use this folder as --out-dir and resume from its checkpoint "
                                     "when it holds one (else start from scratch)", megatron=True)
     split: str = option("969,30,1", "train,val,test document split of a Megatron "
-                                    "prefix", megatron=True)
+                                    "prefix", check="split", megatron=True)
     global_batch_size: int | None = option(None, "sequences per optimizer step over all processes; "
                                                  "sets --grad-accum to it / --batch-size",
                                            check="positive", megatron=True)
