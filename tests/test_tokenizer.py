@@ -430,6 +430,21 @@ def test_bad_input_is_one_error_line_and_leaves_nothing(tmp_path, case):
     assert not out.exists() or os.listdir(out) == []  # no final names, no temporary files either
 
 
+def test_vocabulary_files_that_are_none_are_one_short_line(tmp_path):
+    text = tmp_path / "zh.txt"
+    text.write_text("常见的问题" * 400 + "\n第二行\n")  # a long first line: not quoted whole
+    (tmp_path / "vocab.json").write_text('{"a": 1}')
+    (tmp_path / "merges.txt").write_text("#version\na b\n")
+    for files, says in [([text], "ValueError: Error parsing line"),
+                        ([tmp_path / "vocab.json", tmp_path / "merges.txt"], ": AssertionError;"),
+                        ([tmp_path], "is a folder, not a vocabulary file")]:
+        flags = ["--vocab-file", files[0]] + (["--merge-file", files[1]] if len(files) > 1 else [])
+        result = run_script("--input", str(text), *map(str, flags), "--output-dir",
+                            str(tmp_path / "o"))
+        assert_one_error_line(result, says)
+        assert len(result.stderr) < 400, result.stderr
+
+
 def test_bad_input_escape_hatches(tmp_path):
     bad_inputs(tmp_path)
     replaced = run_script("--input", str(tmp_path / "latin1.txt"), str(tmp_path / "one.txt"),

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import zstandard
 
 from toolkit.cli import CLIError
-from toolkit.files import parse_json, read_json
+from toolkit.files import parse_json, read_json, require_file
 from toolkit.tokenizers import CUT
 
 
@@ -372,16 +372,6 @@ def read_documents(files: list[str], key: str = "text", errors: str = "strict",
                     yield text_pieces(f, path, errors)
         except READ_ERRORS as e:  # corrupt or cut
             raise CLIError(f"cannot read {path}: {e}") from None
-
-
-def require_file(path: str, what: str = "file") -> None:
-    """A CLIError unless path is a file: a folder is said to be one."""
-    if os.path.isdir(path):
-        raise CLIError(f"{path} is a folder, not a {what}")
-    if os.path.exists(path) and not os.path.isfile(path):
-        raise CLIError(f"{path} is a pipe or a device, not a {what}")
-    if not os.path.isfile(path):
-        raise CLIError(f"{what} not found: {path}")
 
 
 def read_text(path: str, what: str = "file") -> str:

@@ -237,6 +237,16 @@ def refuse_existing(paths: list[str], overwrite: bool) -> None:
         raise CLIError(f"{existing[0]} already exists; use --overwrite to replace it")
 
 
+def require_file(path: str, what: str = "file") -> None:
+    """A CLIError unless path is a file: a folder is said to be one."""
+    if os.path.isdir(path):
+        raise CLIError(f"{path} is a folder, not a {what}")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise CLIError(f"{path} is a pipe or a device, not a {what}")
+    if not os.path.isfile(path):
+        raise CLIError(f"{what} not found: {path}")
+
+
 def refuse_special(path: str, flag: str | None = None) -> None:
     """Refuse (CLIError) an output file path where something other than a regular file is: a
     folder, a pipe, a device such as /dev/null (the rename that ends every write would replace

@@ -24,7 +24,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from toolkit import gpt2_vocab
 from toolkit.cli import CLIError
-from toolkit.files import parse_json
+from toolkit.files import parse_json, require_file
 
 if TYPE_CHECKING:  # data preparation imports this module and never needs torch
     from model import GPT
@@ -125,8 +125,8 @@ def bos_token_id(facts: dict) -> int | None:
 def load_local_ranks(vocab_file: str, merge_file: str | None) -> dict[bytes, int]:
     """BPE ranks from a .tiktoken file, or from Megatron-style gpt2-vocab.json + gpt2-merges.txt."""
     for path in (vocab_file, merge_file):
-        if path is not None and not os.path.isfile(path):
-            raise CLIError(f"vocabulary file not found: {path}")
+        if path is not None:
+            require_file(path, "vocabulary file")
     # tiktoken caches even local files, keyed by their path (a stale copy would win): turn it off
     saved = os.environ.get("TIKTOKEN_CACHE_DIR")
     os.environ["TIKTOKEN_CACHE_DIR"] = ""
@@ -136,8 +136,12 @@ def load_local_ranks(vocab_file: str, merge_file: str | None) -> dict[bytes, int
         return tiktoken.load.data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=merge_file,
                                                              encoder_json_file=vocab_file)
     except (AssertionError, KeyError, json.JSONDecodeError, ValueError, RecursionError) as e:
+        # (tiktoken's messages may quote a whole line of the file, or be empty)
+        what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         raise CLIError("cannot read the vocabulary from "
-                       f"{vocab_file}{' + ' + merge_file if merge_file else ''}: {e!r}") from None
+                       f"{vocab_file}{' + ' + merge_file if merge_file else ''}: "
+                       f"{what[:120]}{'...' * (len(what) > 120)}; --vocab-file takes a .tiktoken "
+                       "file, or GPT-2's vocab.json with --merge-file") from None
     finally:
         if saved is None:
             del os.environ["TIKTOKEN_CACHE_DIR"]
