@@ -163,6 +163,9 @@ def test_samples_from_hf_gpt2_directory(tmp_path):
     (["--prompt", f"FILE:{ROOT / 'docs'}"], "docs is a folder, not a --prompt FILE:"),
     (["--prompt", "FILE:/dev/zero"], "/dev/zero is a pipe or a device, not a --prompt FILE:"),
     (["--top-k", "x"], "--top-k: invalid int value: 'x'"),
+    (["--top-k", "0"], "--top-k must be >= 1, got 0"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
     # SDPA's needs CUDA
     (["--attn-kernel", "efficient"], "attn_kernel 'efficient' cannot run on cpu"),
 ])

@@ -222,7 +222,10 @@ def check_sampling_args(args: argparse.Namespace, inputs: list[str]) -> None:
     seed_ok, wanted = flags.CHECKS["seed"]
     if not seed_ok(args.seed):
         raise CLIError(f"--seed must be {wanted}, got {args.seed}")
-    check_sampling(args.temperature, args.top_k, args.top_p)
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:  # model.py's words name its arguments; here they are flags
+        raise CLIError("--" + str(e).replace("_", "-")) from None
     template_variables(args.chat_template_kwargs)
     if args.chat and (args.prompt or args.genfile):  # (neither would be used)
         raise CLIError("--chat talks turn by turn on stdin; --prompt and --genfile are for "
