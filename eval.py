@@ -33,9 +33,9 @@ def parse_args(argv: list[str] | None):
     parser = cli.argument_parser(__doc__)
     parser.add_argument("--ckpt", default="ckpt/ckpt.pt", help="the model (default: ckpt/ckpt.pt)")
     parser.add_argument("--tasks", default="",
-                        help="comma-separated: local .jsonl or .json files (HellaSwag's format), task .yaml "
-                             "files, or lm-evaluation-harness task names (hellaswag, "
-                             "lambada_openai, arc_easy, piqa, ...)")
+                        help="comma-separated: local .jsonl or .json files (HellaSwag's "
+                             "format), task .yaml files, or lm-evaluation-harness task names "
+                             "(hellaswag, lambada_openai, arc_easy, piqa, ...)")
     parser.add_argument("--data-dir",
                         help="prepared data (tokenizer.py's output): score its val split's loss, "
                              "perplexity and bits per byte")

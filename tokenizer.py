@@ -67,9 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="share of documents for val.bin (default: %(default)s)")
     p.add_argument("--seed", type=int, default=1337,
                    help="seed of the train/val document split (default: %(default)s)")
-    p.add_argument("--dtype", choices=["auto", "uint16", "uint32", "int32"], default="auto",
+    p.add_argument("--token-dtype", choices=["auto", "uint16", "uint32", "int32"],
+                   default="auto",
                    help="token id type on disk; auto = uint16 when the vocabulary fits "
-                        "(default: %(default)s)")
+                        "(default: %(default)s; the other scripts' --dtype is the compute "
+                        "precision)")
     p.add_argument("--workers", type=int, default=1,
                    help="tokenizer processes (default: %(default)s)")
     p.add_argument("--chunk-mb", type=float, default=4.0,
@@ -101,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # the flags of tokenizing an input (the default corpus is always prepared the same way)
 INPUT_ONLY = ("tokenizer_file", "tokenizer_type", "vocab_file", "merge_file", "glob", "json_key",
               "vocab_size", "append_eod", "output_prefix", "shard_tokens", "val_fraction", "seed",
-              "dtype", "workers", "chunk_mb", "errors", "skip_bad_lines")
+              "token_dtype", "workers", "chunk_mb", "errors", "skip_bad_lines")
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -328,9 +328,9 @@ def test_temporary_files_of_a_killed_save_are_removed_by_the_next_run(char_data,
     assert not (run_dir / ".ckpt.pt.tmp99999").exists()
 
 
-@pytest.mark.parametrize("flags, fragment", [(["--temperature", "nan"], "temperature"),
-                                             (["--top-p", "0"], "top_p"),
-                                             (["--top-k", "0"], "top_k")])
+@pytest.mark.parametrize("flags, fragment", [(["--temperature", "nan"], "--temperature"),
+                                             (["--top-p", "0"], "--top-p"),
+                                             (["--top-k", "0"], "--top-k")])
 def test_sampling_values_are_checked_before_sampling(run_dir, flags, fragment):
     result = run_main("test.py", "--ckpt", run_dir / "ckpt.pt", "--device", "cpu", *flags,
                       "--genfile", run_dir / "samples.jsonl")

@@ -334,9 +334,9 @@ def test_a_folder_of_other_files_names_the_glob_that_takes_them(tmp_path):
 def test_large_vocabulary_needs_32_bits(tmp_path):
     text = "".join(chr(c) for c in range(0x4E00, 0x4E00 + 70_000) if not 0xD800 <= c < 0xE000)
     src = write_jsonl(tmp_path / "wide.jsonl", [text[:35_000], text[35_000:]])
-    refused = run_script("--input", src, "--tokenizer", "char", "--dtype", "uint16",
+    refused = run_script("--input", src, "--tokenizer", "char", "--token-dtype", "uint16",
                          "--output-dir", str(tmp_path / "a"))
-    assert_one_error_line(refused, "does not fit")
+    assert_one_error_line(refused, "does not fit --token-dtype uint16")
     result = run_script("--input", src, "--tokenizer", "char", "--format", "megatron",
                         "--output-prefix", str(tmp_path / "w"))
     assert result.returncode == 0, result.stderr
@@ -365,7 +365,7 @@ def test_default_corpus(tmp_path):
     assert prepare.ensure_default_corpus(str(folder)) == str(folder)
     assert os.path.getmtime(folder / "train.bin") == before
     # it is always prepared one way: the flags of tokenizing an input are refused, not ignored
-    for flags in (["--val-fraction", "0.5"], ["--dtype", "uint32"], ["--tokenizer", "gpt2"],
+    for flags in (["--val-fraction", "0.5"], ["--token-dtype", "uint32"], ["--tokenizer", "gpt2"],
                   ["--tokenizer-file", "x.json"], ["--seed", "1"], ["--format", "llmc"]):
         assert_one_error_line(run_script(*flags, "--output-dir", str(tmp_path / "other")),
                               f"{flags[0]} needs --input")

@@ -203,14 +203,14 @@ def make_writer(args: argparse.Namespace, tokenizer: Tokenizer):
     it."""
     if args.format == "megatron":
         prefix = megatron_document_prefix(args.output_prefix, args.json_key)
-        dtype = output_dtype(tokenizer.vocab_size, args.dtype, args.format)
+        dtype = output_dtype(tokenizer.vocab_size, args.token_dtype, args.format)
         return MegatronWriter(prefix, dtype), prefix + ".tokenizer.json"
     if args.format == "llmc":
         if tokenizer.vocab_size > 2**16:
             raise CLIError("llm.c's shards hold uint16 ids; a vocabulary of "
                            f"{tokenizer.vocab_size:,} does not fit: use --format nanogpt")
         return LlmcWriter(args.output_dir, args.shard_tokens, args.val_fraction), None
-    dtype = output_dtype(tokenizer.vocab_size, args.dtype, args.format)
+    dtype = output_dtype(tokenizer.vocab_size, args.token_dtype, args.format)
     return NanoGPTWriter(args.output_dir, dtype, args.val_fraction, args.seed), None
 
 

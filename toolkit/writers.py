@@ -51,10 +51,11 @@ def output_dtype(vocab_size: int, requested: str, fmt: str) -> np.dtype:
     wide = "int32" if fmt == "megatron" else "uint32"
     name = requested if requested != "auto" else ("uint16" if vocab_size <= 2**16 else wide)
     if name not in ("uint16", wide):
-        raise CLIError(f"--dtype {name} is not available for --format {fmt} (use uint16 or {wide})")
+        raise CLIError(f"--token-dtype {name} is not available for --format {fmt} (use uint16 or "
+                       f"{wide})")
     if vocab_size - 1 > np.iinfo(name).max:
-        raise CLIError(f"vocabulary of {vocab_size} ids does not fit --dtype {name}; use --dtype "
-                       f"{wide} or auto")
+        raise CLIError(f"vocabulary of {vocab_size} ids does not fit --token-dtype {name}; use "
+                       f"--token-dtype {wide} or auto")
     return np.dtype(name)
 
 
