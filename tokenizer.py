@@ -151,6 +151,15 @@ def check_args(args: argparse.Namespace) -> None:
                        f"{args.workers} and {args.chunk_mb}")
     if args.shard_tokens < 1:
         raise CLIError(f"--shard-tokens must be at least 1, got {args.shard_tokens}")
+    defaults = vars(parse_args([]))  # a flag that does nothing here is refused, not ignored
+    if args.vocab_size != defaults["vocab_size"] and (args.tokenizer != "bpe" or
+                                                      args.tokenizer_file):
+        raise CLIError("--vocab-size is the size of the BPE that --tokenizer bpe trains; "
+                       f"--tokenizer {args.tokenizer}"
+                       f"{' with --tokenizer-file' if args.tokenizer_file else ''} has its own")
+    if args.shard_tokens != defaults["shard_tokens"] and args.format != "llmc":
+        raise CLIError(f"--shard-tokens sizes llm.c's shards (--format llmc); --format "
+                       f"{args.format} writes none")
 
 
 def main(argv: list[str] | None = None) -> None:

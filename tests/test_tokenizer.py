@@ -430,6 +430,17 @@ def test_bad_input_is_one_error_line_and_leaves_nothing(tmp_path, case):
     assert not out.exists() or os.listdir(out) == []  # no final names, no temporary files either
 
 
+def test_a_flag_that_would_do_nothing_is_refused(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", ["some text"] * 20)
+    for flags, says in [(["--tokenizer", "char", "--vocab-size", "500"],
+                         "--vocab-size is the size of the BPE that --tokenizer bpe trains"),
+                        (["--tokenizer", "char", "--shard-tokens", "1000"],
+                         "--shard-tokens sizes llm.c's shards (--format llmc); --format nanogpt")]:
+        result = run_script("--input", src, *flags, "--output-dir", str(tmp_path / "o"))
+        assert_one_error_line(result, says)
+        assert not (tmp_path / "o").exists()
+
+
 def test_vocabulary_files_that_are_none_are_one_short_line(tmp_path):
     text = tmp_path / "zh.txt"
     text.write_text("常见的问题" * 400 + "\n第二行\n")  # a long first line: not quoted whole
