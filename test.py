@@ -11,7 +11,6 @@ model load alone, offline (toolkit/hf.py, toolkit/hf_llama.py); --export-gguf FI
 llama.cpp, ollama and LM Studio run (toolkit/gguf_export.py).
 """
 from toolkit import cli
-from toolkit.cli import CLIError
 from toolkit.checkpoint import run_file
 from toolkit.lora import lora_base
 from toolkit.model_sources import add_export_arguments, check_exports, export, load_model
@@ -27,12 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     add_export_arguments(parser)
     add_sampling_arguments(parser)
     args = parser.parse_args(argv)
-    if (args.export_hf or args.export_gguf) and args.genfile:
-        raise CLIError("an export writes no samples: drop --genfile, or sample in another run")
     base = lora_base(args.ckpt)  # LoRA adapters' base model: an input too
-    check_sampling_args(args, [run_file(args.ckpt), *base])  # a genfile may go beside ckpt.pt
     check_exports({"--export-hf": args.export_hf, "--export-gguf": args.export_gguf},
-                  [args.ckpt, *base], args.overwrite)
+                  [args.ckpt, *base], args)
+    check_sampling_args(args, [run_file(args.ckpt), *base])  # a genfile may go beside ckpt.pt
     model, facts = load_model(args.ckpt, attn_kernel=args.attn_kernel)
     if args.export_hf or args.export_gguf:
         export(model, facts, args)

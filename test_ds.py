@@ -47,10 +47,10 @@ def main(argv: list[str] | None = None) -> None:
                              "optimizer state) for test.py, and exit")
     add_sampling_arguments(parser)
     args = parser.parse_args(argv)
-    check_sampling_args(args, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir])
     outputs = {"--export-hf": args.export_hf, "--export-gguf": args.export_gguf,
                "--export-ckpt": args.export_ckpt}
-    check_exports(outputs, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir], args.overwrite)
+    check_exports(outputs, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir], args)
+    check_sampling_args(args, [args.ckpt or DEFAULT_DS_DIR, args.ds_dir])
     if args.ckpt is None:
         args.ckpt = (DEFAULT_DS_DIR if args.tag else
                      default_deepspeed_source(DEFAULT_DS_DIR, CONVERTED_NAME))

@@ -154,6 +154,8 @@ def test_samples_from_hf_gpt2_directory(tmp_path):
     (["--chat", "--prompt", "hi"], "--chat talks turn by turn on stdin"),  # (neither is used)
     (["--interactive", "--prompt", "hi"], "--interactive reads its prompts from stdin"),
     (["--export-gguf", "m.gguf", "--genfile", "s.jsonl"], "an export writes no samples"),
+    (["--export-hf", "hf_out", "--prompt", "hi"], "an export writes no samples: drop --prompt"),
+    (["--outtype", "q8_0"], "--outtype q8_0 is the weight type of --export-gguf FILE"),
     (["--export-hf", str(ROOT / "ckpt" / ".gitkeep"), "--overwrite"],
      "is a file; an HF model is a folder"),
     (["--export-hf", str(ROOT / "README.md"), "--overwrite"], "would overwrite this toolkit's"),

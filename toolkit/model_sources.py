@@ -86,10 +86,20 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                              "f16; vectors stay f32)")
 
 
-def check_exports(outputs: dict[str, str | None], inputs: list[str], overwrite: bool) -> None:
+def check_exports(outputs: dict[str, str | None], inputs: list[str],
+                  args: argparse.Namespace) -> None:
     """Refuse (CLIError), before any model is read, an export (flag -> path) onto an input, onto a
     folder that is not a model's (an HF export replaces its folder whole), or onto an existing file
-    or a folder with files in it unless overwrite."""
+    or a folder with files in it unless --overwrite; and the flags it would leave unused (an export
+    samples nothing; --outtype is --export-gguf's)."""
+    unused = [flag for flag in ("--genfile", "--prompt", "--chat", "--interactive")
+              if getattr(args, flag[2:])]
+    if any(outputs.values()) and unused:
+        raise CLIError(f"an export writes no samples: drop {unused[0]}, or sample in another run")
+    if args.outtype != "f16" and not args.export_gguf:
+        raise CLIError(f"--outtype {args.outtype} is the weight type of --export-gguf FILE, which "
+                       "was not given")
+    overwrite = args.overwrite
     given = {flag: os.path.realpath(path) for flag, path in outputs.items() if path}
     for flag, path in outputs.items():
         if path:
