@@ -17,6 +17,7 @@ from toolkit.checkpoint import load_checkpoint, model_from_checkpoint
 from toolkit.data import load_corpus
 from toolkit.hf import save_gpt2
 from toolkit.pretraining import evaluation_windows, schedule
+from toolkit.cli import CLIError
 from toolkit.train_config import TrainConfig, parse_config
 from toolkit.writers import write_nanogpt
 
@@ -150,6 +151,9 @@ def test_config_file_and_flag_precedence(tmp_path):
     cfg, explicit, _ = parse_config(["--config", str(config), "--lr", "0.002"])
     assert (cfg.n_layer, cfg.lr, cfg.batch_size, cfg.n_head) == (6, 0.002, 8, TrainConfig().n_head)
     assert {"n_layer", "lr", "batch_size"} <= explicit and "n_head" not in explicit
+    config.write_text(json.dumps({"max_iters": 3, "max-iters": 5}))  # one option twice
+    with pytest.raises(CLIError, match="max-iters and max_iters are one option, given twice"):
+        parse_config(["--config", str(config)])
 
 
 def test_help_lists_flags_with_megatron_names_in_their_own_group():

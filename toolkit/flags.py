@@ -139,7 +139,12 @@ def read_config_file(path: str, config_class: type) -> dict:
     """Option values from a JSON object; keys are field names (snake_case or kebab-case), values
     typed as the flags are, choices as theirs."""
     known = {f.name for f in fields(config_class)}
-    values = {k.replace("-", "_"): v for k, v in read_json(path, "config file").items()}
+    raw = read_json(path, "config file")
+    values = {k.replace("-", "_"): v for k, v in raw.items()}
+    if len(values) < len(raw):
+        twice = sorted(k for k in raw if k.replace("-", "_") != k and k.replace("-", "_") in raw)
+        raise CLIError(f"{path}: {twice[0]} and {twice[0].replace('-', '_')} are one option, "
+                       "given twice; keep one")
     unknown = sorted(set(values) - known)
     if unknown:
         raise CLIError(f"{path}: unknown option(s) {', '.join(unknown)}")
