@@ -245,6 +245,8 @@ def test_labels_keep_the_json_they_were_written_in():
     names = label_names(records, "f.jsonl")
     assert names == [0, 1, True, "1"]
     assert [label_value(r, "classify", names) for _, r in records] == [1, 2, 0, 3]
+    # 1.0 is the number 1: one class, named as first written
+    assert label_names([*records, (5, {"label": 1.0})], "f.jsonl") == names
 
 
 def test_a_tokenizer_with_a_bos_puts_it_before_every_sequence(tmp_path):

@@ -107,7 +107,9 @@ def label_names(records: list[tuple[int, dict]], path: str) -> list:
         if not isinstance(label, (str, int, float)) or label != label:  # bool is an int; nan
             raise CLIError(f"{path} line {number}: label must be a string, number or boolean, got "
                            f"{label!r}")
-    unique = {label_key(record["label"]): record["label"] for _, record in records}
+    unique = {}  # 1 and 1.0 are one class, named as first written
+    for _, record in records:
+        unique.setdefault(label_key(record["label"]), record["label"])
     names = sorted(unique.values(), key=lambda v: (isinstance(v, str), isinstance(v, bool), v))
     if len(names) < 2:
         raise CLIError(f"{path} has a single label ({names[0]!r}); a classifier needs at least two")
