@@ -369,3 +369,12 @@ def test_line_readers_name_a_compressed_file_that_is_cut_or_corrupt(tmp_path, na
     reader = documents.json_lines if ".jsonl" in name else documents.read_lines
     with pytest.raises(documents.CLIError, match=f"cannot read .*{name}"):
         list(reader(str(path)))
+
+
+def test_line_readers_say_a_table_is_one(tmp_path):
+    """finetune.py's and embed.py's inputs are JSON lines: a parquet file is said to be a table,
+    not 'line 1: invalid UTF-8'."""
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": ["a", "b"], "label": [0, 1]}), path)
+    with pytest.raises(documents.CLIError, match="t.parquet is a table: this reads JSON lines"):
+        list(documents.json_lines(str(path)))

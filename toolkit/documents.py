@@ -393,6 +393,8 @@ def read_text(path: str, what: str = "file") -> str:
 def read_lines(path: str) -> Iterator[tuple[int, str]]:
     """(line number, line without its newline) of a text file, .gz/.bz2/.xz decompressed."""
     require_file(path)
+    if path.endswith(TABLES):  # binary: no lines to read
+        raise CLIError(f"{path} is a table: this reads JSON lines (tokenizer.py reads tables)")
     try:
         with open_binary(path) as f:
             for number, line in enumerate(f, start=1):
