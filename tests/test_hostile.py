@@ -224,6 +224,7 @@ def test_an_out_dir_that_cannot_be_created_fails_at_start(char_data, tmp_path):
     (["--seed", str(10**23)], "--seed must be an integer from 0 to 2**63 - 1"),
     (["--lr", "1e38"], "--lr must be a number > 0 and at most 1e30"),  # AdamW's step overflowed
     (["--max-iters", "0"], "--max-iters must be at least 1"),
+    (["--lr-decay-iters", "0"], "--lr-decay-iters must be at least 1"),  # (not "all steps")
 ])
 def test_out_of_range_flags(char_data, tmp_path, flags, fragment):
     assert_one_line_error(train(char_data, tmp_path / "out", *flags), fragment)

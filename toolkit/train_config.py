@@ -82,7 +82,7 @@ class TrainConfig(RunConfig, megatron.MegatronOptions):
                                   check="non-negative-number")
     warmup_iters: int = option(25, "linear warmup steps", check="non-negative")
     lr_decay_iters: int | None = option(None, "steps of cosine decay (default: all steps)",
-                                        check="non-negative")
+                                        check="positive")
     # evaluation and checkpoints
     eval_interval: int = option(100, "evaluate every N steps (default: 250 on a CUDA GPU)",
                                 check="positive")
