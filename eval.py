@@ -25,7 +25,8 @@ from toolkit import cli
 from toolkit.chat import template_variables
 from toolkit.cli import CLIError
 from toolkit.files import check_output, refuse_existing, write_json
-from toolkit.model_scores import is_local_task, score_model, task_data_files
+from toolkit.evaluation import is_local_task
+from toolkit.model_scores import score_model, task_data_files
 from toolkit.lora import lora_base
 
 

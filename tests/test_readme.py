@@ -21,8 +21,8 @@ from conftest import ROOT, wait_for_ds_ops
 from model import GPT, GPTConfig
 from toolkit.hf import save_gpt2
 
-TINY_TRAINING = "--n-layer 1 --n-head 2 --n-embd 32 --block-size 32 --batch-size 2 " \
-                "--eval-iters 1 --eval-interval 2 --dtype float32"
+TINY_SHAPE = "--n-layer 1 --n-head 2 --n-embd 32"  # (pretrained weights have theirs)
+TINY_TRAINING = "--block-size 32 --batch-size 2 --eval-iters 1 --eval-interval 2 --dtype float32"
 TINY_SAMPLING = "--max-new-tokens 5 --num-samples 2"
 TINY_FINETUNING = "--epochs 1 --batch-size 4 --dtype float32"
 LINKED = ["ds_config.json", "hostfile.txt", "toolkit", *(p.name for p in ROOT.glob("*.py"))]
@@ -45,7 +45,9 @@ def tiny(command: str) -> str:
     parts = []
     for part in command.split(" && "):
         if re.search(r"\btrain(_ddp|_ds)?\.py\b", part):
-            part += f" {TINY_TRAINING} --max-iters {6 if '--init-from resume' in part else 2}"
+            pretrained = re.search(r"--init-from (?!resume)", part)
+            part += f" {'' if pretrained else TINY_SHAPE} {TINY_TRAINING} --max-iters " \
+                    f"{6 if '--init-from resume' in part else 2}"
         elif re.search(r"\btest(_ds)?\.py\b", part):
             part += f" {TINY_SAMPLING}"
         elif re.search(r"\bfinetune\.py\b", part) and "--merge-lora" not in part:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import yaml
 from tqdm import tqdm
 
 from model import GPT
@@ -38,6 +39,7 @@ from toolkit import cli, distributed
 from toolkit.batches import get_batch
 from toolkit.cli import CLIError
 from toolkit.device import autocast
+from toolkit.documents import read_text
 from toolkit.tokenizers import Tokenizer
 
 # logits_at(idx (B, T), rows, cols) -> the (n, V) logits at positions (rows[i], cols[i]) of
@@ -243,6 +245,34 @@ def refuse_same_names(specs: list[str], names: list[str], flag: str) -> None:
             raise CLIError(f"{flag} {specs[names.index(name)]} and {specs[i]} are both named "
                            f"{name}, and the second's scores would replace the first's; rename "
                            "one")
+
+
+def is_local_task(spec: str) -> bool:
+    """A --tasks entry eval.py scores itself: a file in HellaSwag's format."""
+    return spec.endswith((".jsonl", ".json"))
+
+
+def task_name(spec: str) -> tuple[str, str | None]:
+    """(task name, folder to include) of a --tasks entry: a local file (its name), a task YAML (its
+    `task:` key), or a harness name."""
+    if is_local_task(spec):
+        return file_task_name(spec), None
+    if spec.endswith(".yml"):  # the harness indexes a folder's *.yaml only
+        raise CLIError(f"{spec}: lm-evaluation-harness reads task YAMLs named *.yaml; rename it")
+    if not spec.endswith(".yaml"):
+        return spec, None
+    text = read_text(spec, "task YAML")
+    try:  # the harness's own loader would end in a RecursionError on nesting too deep to read
+        yaml.compose(text)
+    except RecursionError:
+        raise CLIError(f"{spec}: invalid YAML (nested too deeply to read)") from None
+    except yaml.YAMLError as e:
+        raise CLIError(f"{spec}: invalid YAML ({' '.join(str(e).split())})") from None
+    for line in text.splitlines():
+        if line.startswith("task:"):
+            return (line.split(":", 1)[1].strip().strip("'\""),
+                    os.path.dirname(os.path.abspath(spec)))
+    raise CLIError(f"{spec} has no `task:` line: not an lm-eval task YAML")
 
 
 class ChoiceTask:

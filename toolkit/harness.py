@@ -25,8 +25,7 @@ from model import GPT
 from toolkit.chat import export_template, render, stop_ids
 from toolkit.cli import CLIError, first_line
 from toolkit.device import autocast
-from toolkit.evaluation import gpt_logits_at, loglikelihoods
-from toolkit.model_scores import task_name
+from toolkit.evaluation import gpt_logits_at, loglikelihoods, task_name
 from toolkit.tokenizers import Tokenizer
 
 # marks where the last message of a history stops, to leave it open

@@ -19,9 +19,8 @@ from toolkit.chat import can_chat, template_variables
 from toolkit.cli import CLIError
 from toolkit.data import load_corpus
 from toolkit.device import autocast, full_logits_fit, resolve_device, resolve_dtype
-from toolkit.documents import read_text
-from toolkit.evaluation import (ChoiceTask, file_task_name, gpt_logits_at, loss_metrics,
-                                 refuse_same_names, window_losses)
+from toolkit.evaluation import (ChoiceTask, gpt_logits_at, is_local_task, loss_metrics,
+                                 refuse_same_names, task_name, window_losses)
 from toolkit.model_sources import load_model
 from toolkit.tokenizers import Tokenizer, load_tokenizer, same_vocabulary
 
@@ -59,34 +58,6 @@ def score_model(args: argparse.Namespace) -> tuple[dict, dict]:
         results.update(metrics)
         full["harness"] = out
     return results, full
-
-
-def is_local_task(spec: str) -> bool:
-    """A --tasks entry eval.py scores itself: a file in HellaSwag's format."""
-    return spec.endswith((".jsonl", ".json"))
-
-
-def task_name(spec: str) -> tuple[str, str | None]:
-    """(task name, folder to include) of a --tasks entry: a local file (its name), a task YAML (its
-    `task:` key), or a harness name."""
-    if is_local_task(spec):
-        return file_task_name(spec), None
-    if spec.endswith(".yml"):  # the harness indexes a folder's *.yaml only
-        raise CLIError(f"{spec}: lm-evaluation-harness reads task YAMLs named *.yaml; rename it")
-    if not spec.endswith(".yaml"):
-        return spec, None
-    text = read_text(spec, "task YAML")
-    try:  # the harness's own loader would end in a RecursionError on nesting too deep to read
-        yaml.compose(text)
-    except RecursionError:
-        raise CLIError(f"{spec}: invalid YAML (nested too deeply to read)") from None
-    except yaml.YAMLError as e:
-        raise CLIError(f"{spec}: invalid YAML ({' '.join(str(e).split())})") from None
-    for line in text.splitlines():
-        if line.startswith("task:"):
-            return (line.split(":", 1)[1].strip().strip("'\""),
-                    os.path.dirname(os.path.abspath(spec)))
-    raise CLIError(f"{spec} has no `task:` line: not an lm-eval task YAML")
 
 
 def val_scores(model: GPT, tokenizer: Tokenizer, facts: dict, data_dir: str, source: str,
