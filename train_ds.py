@@ -52,27 +52,28 @@ def extra_arguments(parser) -> None:
     deepspeed.add_config_arguments(parser)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="set by the deepspeed launcher (LOCAL_RANK in the environment wins)")
-    parser.add_argument("--pipeline-stages", type=int, default=1,
+    parser.add_argument("--pipeline-stages", type=flags.at_least(1), default=1,
                         help="pipeline-parallel stages (deepspeed.pipe; ZeRO stage 0 or 1) "
                              "(default: 1)")
-    parser.add_argument("--tp-size", type=int, default=1,
+    parser.add_argument("--tp-size", type=flags.at_least(1), default=1,
                         help="tensor-parallel shards (DeepSpeed AutoTP; ZeRO stage 0-3) (default: "
                              "1)")
     megatron = flags.megatron_group(parser)
-    megatron.add_argument("--pipeline-model-parallel-size", dest="pipeline_stages", type=int,
+    megatron.add_argument("--pipeline-model-parallel-size", dest="pipeline_stages",
+                          type=flags.at_least(1),
                           default=argparse.SUPPRESS, help="= --pipeline-stages")
-    megatron.add_argument("--tensor-model-parallel-size", dest="tp_size", type=int,
+    megatron.add_argument("--tensor-model-parallel-size", dest="tp_size", type=flags.at_least(1),
                           default=argparse.SUPPRESS, help="= --tp-size")
     parser.add_argument("--estimate-memory", action="store_true",
                         help="print the parameters, FLOPs per token and memory per device of this "
                              "model and layout (ZeRO stage and offload from the config) on "
                              "--num-nodes x --num-gpus, and exit; nothing is allocated and no "
                              "process group is needed")
-    parser.add_argument("--num-nodes", type=int, default=1,
+    parser.add_argument("--num-nodes", type=flags.at_least(1), default=1,
                         help="machines, for --estimate-memory (default: 1)")
-    parser.add_argument("--num-gpus", type=int, default=1,
+    parser.add_argument("--num-gpus", type=flags.at_least(1), default=1,
                         help="devices per machine, for --estimate-memory (default: 1)")
-    parser.add_argument("--keep-checkpoints", type=int, default=1,
+    parser.add_argument("--keep-checkpoints", type=flags.at_least(0), default=1,
                         help="global_stepN folders kept in OUT_DIR/ds; older ones are deleted "
                              "after a save (0 = keep all; default: 1)")
     distributed.add_distributed_flags(parser, backend=False)

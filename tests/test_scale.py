@@ -325,6 +325,11 @@ def test_16b_memory_estimate_without_allocating():
     bad = run_main("train_ds.py", "--estimate-memory", "--preset", "gpt2-16b",
                    "--pipeline-stages", "8", "--num-gpus", "8", env=ENV)
     assert_one_line_error(bad, "pipeline engine supports ZeRO stage 0 or 1")
+    for flag in ("--num-gpus", "--num-nodes", "--pipeline-stages", "--tp-size"):  # counts
+        assert_one_line_error(run_main("train_ds.py", "--estimate-memory", flag, "0", env=ENV),
+                              f"argument {flag}: '0' is not an integer >= 1")
+    assert_one_line_error(run_main("train_ds.py", "--keep-checkpoints", "-1", env=ENV),
+                          "argument --keep-checkpoints: '-1' is not an integer >= 0")
 
 
 # ----- energy and CO2 -----

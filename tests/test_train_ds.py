@@ -346,6 +346,12 @@ def test_a_flag_contradicting_ds_config_is_refused(change, flags, fragments):
     ({"optimizer": {"type": "AdamW", "params": {"betas": 0.9}}}, "optimizer.params.betas must be"),
     ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be an integer >= 1"),
     ({"train_micro_batch_size_per_gpu": 2.5}, "train_micro_batch_size_per_gpu must be an integer"),
+    ({"bf16": {"enabled": "false"}}, "bf16.enabled must be true or false, got 'false'"),
+    ({"optimizer": {"type": "AdamW", "params": {"eps": "1e-8"}}}, "optimizer.params.eps must be"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": "cpu"}},
+     "zero_optimization.offload_optimizer must be an object"),
+    ({"tensor_parallel": "x"}, "tensor_parallel must be an object"),
+    ({"checkpoint": "x"}, "checkpoint must be an object"),
 ])
 def test_a_ds_config_value_of_the_wrong_kind_is_one_line(tmp_path, config, fragment):
     """Before any process group: DeepSpeed would meet these halfway through start-up, on every
@@ -355,6 +361,17 @@ def test_a_ds_config_value_of_the_wrong_kind_is_one_line(tmp_path, config, fragm
                                    tmp_path / "ds.json", "--out-dir", tmp_path / "out", env=ENV),
                           fragment)
     assert not (tmp_path / "out").exists()
+
+
+def test_gradients_deepspeed_skips_as_non_finite_stop_the_run(ds_ops, char_data, tmp_path):
+    """Outside float16 a skipped step is no loss scaling: DeepSpeed found the gradients non-finite,
+    and going on would train nothing while saving a checkpoint every interval."""
+    result = run_main("train_ds.py", "--deepspeed", "--deepspeed_config", "ds_config_zero1.json",
+                      "--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--lr", "1e30",
+                      "--warmup-iters", "0", "--max-iters", "6", "--save-interval", "1",
+                      "--eval-interval", "100", env=ENV)
+    assert_one_line_error(result, "loss is nan at iteration 1; stopped without saving")
+    assert sorted(p.name for p in (tmp_path / "ds").glob("global_step*")) == ["global_step1"]
 
 
 def test_test_ds_bad_input_is_one_line(tmp_path):

@@ -12,6 +12,7 @@ loop's schedule.
 """
 import datetime
 import functools
+import math
 import os
 import shutil
 import warnings
@@ -275,8 +276,10 @@ class DeepSpeedEngine:
         for group in self.engine.optimizer.param_groups:  # the loop's schedule
             group["lr"] = lr
         share = sum(weight for _, weight in batches)
+        skipped = self.engine.skipped_steps
         if self.pipelined:  # forward, backward and step over all micro-batches, stage by stage
-            return self.engine.train_batch(iter([batch for batch, _ in batches])).item() * share
+            loss = self.engine.train_batch(iter([batch for batch, _ in batches])).item() * share
+            return self.checked(loss, skipped)
         total = torch.zeros((), device=self.device)
         for i, ((x, y), weight) in enumerate(batches):
             loss = self.loss(self.engine, (x, y))
@@ -287,7 +290,15 @@ class DeepSpeedEngine:
             # the optimizer steps (and zeroes the gradients) only at the boundary
             self.engine.step()
             total += loss.detach().float() * weight
-        return total.item()
+        return self.checked(total.item(), skipped)
+
+    def checked(self, loss: float, skipped: int) -> float:
+        """The step's loss, or NaN when DeepSpeed skipped the step for non-finite gradients outside
+        float16 (whose loss scaler skips steps on purpose): the run stops as on a NaN loss, where
+        it would go on with a finite loss and weights that no longer train."""
+        if self.engine.skipped_steps > skipped and self.dtype != torch.float16:
+            return math.nan
+        return loss
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.pipelined:  # every stage takes part; the last one's loss is broadcast to all

@@ -51,9 +51,14 @@ CONFIG_VALUES = {
     "optimizer.params.betas": (lambda v: isinstance(v, list) and len(v) == 2 and
                                all(number(b) and 0 <= b < 1 for b in v),
                                "[beta1, beta2], each in [0, 1)"),
+    "optimizer.params.eps": (lambda v: number(v) and 0 < v < 1, "a number in (0, 1)"),
     "zero_optimization.stage": (lambda v: v in (0, 1, 2, 3) and type(v) is int, "0, 1, 2 or 3"),
+    **{f"{section}.enabled": (lambda v: type(v) is bool, "true or false")
+       for section in ("bf16", "bfloat16", "fp16")},
 }
-CONFIG_SECTIONS = ("optimizer", "optimizer.params", "zero_optimization", "bf16", "bfloat16", "fp16")
+CONFIG_SECTIONS = ("optimizer", "optimizer.params", "zero_optimization", "bf16", "bfloat16", "fp16",
+                   "zero_optimization.offload_optimizer", "zero_optimization.offload_param",
+                   "tensor_parallel", "checkpoint")
 
 
 def check_ds_config(ds: dict, path: str) -> None:

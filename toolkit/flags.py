@@ -14,6 +14,7 @@ flags.
 """
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import field, fields
 
 from toolkit.cli import ArgumentParser, CLIError
@@ -36,6 +37,19 @@ CHECKS = {
 }
 MEGATRON_GROUP = ("Megatron-LM's names", "Megatron-LM's options and its spellings of the options "
                                          "above; each sets the same value as the option it names.")
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum (a script's own flags, outside the dataclasses)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {minimum}")
+        return value
+    return parse
 
 
 def split_weights(split: str) -> list[float] | None:
