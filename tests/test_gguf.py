@@ -14,6 +14,7 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from conftest import (ROOT, TINY_MODEL, assert_one_line_error, llama3_folder, rel_err, run_main,
                       tiny_gpt)
 from toolkit.chat import add_chat_tokens, chat_prompt
+from toolkit.cli import CLIError
 from toolkit.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.gguf_export import SPLIT_PATTERNS, save_gguf
 from toolkit.model_sources import load_model
@@ -62,6 +63,25 @@ def test_llama_cpp_computes_our_logits_for_both_families(family, tmp_path):
     theirs, mine = logits_of(llm, ids), ours(model, ids)
     assert rel_err(theirs, mine) < 1e-3 and (theirs.argmax(-1) == mine.argmax(-1)).all()
     llm.close()
+
+
+def test_an_embedding_with_more_rows_than_ids_exports_as_qwen3s_does(tmp_path):
+    """Qwen3's folders pad the embedding past the tokenizer (151,936 rows, 151,669 ids): the rows
+    without text become control tokens, as llama.cpp's converter writes them."""
+    tok = Tokenizer("char", chars=CHARS, char_eot=True)
+    model = tiny_gpt(vocab_size=tok.vocab_size + 13, block_size=64, **FAMILIES["qwen3"])
+    save_gguf(model, tmp_path / "m.gguf", tok.facts(), "f32")
+    llm = llama_cpp(tmp_path / "m.gguf")
+    assert llm.n_vocab() == tok.vocab_size + 13
+    ids = tok.encode(HELD_OUT["code"][:60])
+    assert llm.tokenize(HELD_OUT["code"][:60].encode(), add_bos=False, special=False) == ids
+    theirs, mine = logits_of(llm, ids), ours(model, ids)
+    assert rel_err(theirs, mine) < 1e-3 and (theirs.argmax(-1) == mine.argmax(-1)).all()
+    llm.close()
+    # fewer rows than ids: the tokenizer would name tokens the model has no row for
+    small = tiny_gpt(vocab_size=tok.vocab_size - 1, block_size=64, **FAMILIES["qwen3"])
+    with pytest.raises(CLIError, match="token rows but its tokenizer"):
+        save_gguf(small, tmp_path / "small.gguf", tok.facts(), "f32")
 
 
 def test_weight_types_are_smaller_and_stay_close(tmp_path):

@@ -104,9 +104,10 @@ def bpe_vocabulary(facts: dict) -> tuple[dict[int, str], dict[int, int], list[st
     return tokens, types, merges, bpe_pre_tokenizer(spec)
 
 
-def vocabulary(facts: dict) -> tuple[list[str], list[int], list[str], str]:
-    """(tokens, token types, merges, pre-tokenizer) of the toolkit's tokenizer facts, ids unchanged:
-    end-of-text, the special tokens a fine-tuning added and ids without text are control tokens, a
+def vocabulary(facts: dict, rows: int) -> tuple[list[str], list[int], list[str], str]:
+    """(tokens, token types, merges, pre-tokenizer) of the toolkit's tokenizer facts for a model of
+    `rows` embedding rows, ids unchanged: end-of-text, the special tokens a fine-tuning added and
+    ids without text (the padding rows of Qwen3's embedding too) are control tokens, a
     tokenizer.json's added tokens typed as it marks them."""
     kind, eot_id, types = facts["tokenizer"], facts.get("eot_id"), {}
     if eot_id is None:
@@ -123,12 +124,12 @@ def vocabulary(facts: dict) -> tuple[list[str], list[int], list[str], str]:
         tokens, pre = dict(enumerate(texts)), "gpt-2"
     else:  # byte
         tokens, merges, pre = {b: spelled(bytes([b])) for b in range(256)}, [], "gpt-2"
-    special = {i: f"<|unused{i}|>" for i in range(facts["vocab_size"]) if i not in tokens}
+    special = {i: f"<|unused{i}|>" for i in range(rows) if i not in tokens}
     special.update({eot_id: tokens.get(eot_id, EOT_TEXT),
                     **{i: name if name.startswith("<|") else f"<|{name}|>"
                        for name, i in (facts.get("special_tokens") or {}).items()}})
     tokens.update(special)
-    ids = range(facts["vocab_size"])
+    ids = range(rows)
     types.update(dict.fromkeys(special, CONTROL))
     return [tokens[i] for i in ids], [types.get(i, NORMAL) for i in ids], merges, pre
 
@@ -219,8 +220,8 @@ def end_of_generation(template: dict | None, tokenizer: Tokenizer) -> int:
     return named[0] if len(named) == 1 and named[0] in stops else stops[0]
 
 
-def add_vocabulary(writer, facts: dict) -> None:
-    tokens, types, merges, pre = vocabulary(facts)
+def add_vocabulary(writer, facts: dict, rows: int) -> None:
+    tokens, types, merges, pre = vocabulary(facts, rows)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -264,7 +265,7 @@ def save_gguf(model: GPT, path: str, facts: dict, weight_type: str = "f16") -> s
     wrote."""
     import gguf
 
-    if model.config.vocab_size != facts["vocab_size"]:
+    if model.config.vocab_size < facts["vocab_size"]:  # (more rows: Qwen3's padded embedding)
         raise CLIError(f"the model has {model.config.vocab_size} token rows but its tokenizer "
                        f"{facts['vocab_size']} ids")
     arch, tensors = gguf_tensors(model)
@@ -277,7 +278,7 @@ def save_gguf(model: GPT, path: str, facts: dict, weight_type: str = "f16") -> s
                               "bf16": gguf.LlamaFileType.MOSTLY_BF16,
                               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[weight_type])
         add_hyperparameters(writer, model, arch)
-        add_vocabulary(writer, facts)
+        add_vocabulary(writer, facts, model.config.vocab_size)
         add_tensors(writer, tensors, weight_type)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
