@@ -78,6 +78,23 @@ def test_an_hf_folder_reads_and_writes_back_as_the_same_model(tmp_path, tokenize
         assert theirs(text)["input_ids"] == ours_tokenizer.encode(text), text
 
 
+def test_tokenizer_facts_that_do_not_describe_the_model_are_one_line(tmp_path):
+    """tokenizer_facts.json (what an export of a char or byte model holds) is checked when read:
+    every use of the folder, exports too, meets a damaged or foreign file as one line."""
+    from conftest import tiny_gpt
+    tok = Tokenizer("char", chars="abcdef", char_eot=True)
+    model = tiny_gpt(vocab_size=tok.vocab_size, arch="llama", bias=False, qk_norm=True)
+    save_hf(model, str(tmp_path / "hf"), tok.facts())
+    facts_file = tmp_path / "hf" / "tokenizer_facts.json"
+    for facts, says in [({"tokenizer": "char"}, "the tokenizer facts say chars None"),
+                        (Tokenizer("char", chars="abcdefghij", char_eot=True).facts(),
+                         "its tokenizer has 11 ids but the model 7 token rows")]:
+        facts_file.write_text(json.dumps(facts))
+        for export in ("--export-gguf", "--export-hf"):
+            assert_one_line_error(run_main("test.py", "--ckpt", tmp_path / "hf", export,
+                                           tmp_path / "out"), says)
+
+
 def test_a_folder_this_toolkit_cannot_run_is_one_line(tmp_path, tokenizer_json):
     folder = hf_folder(tmp_path / "hf", tokenizer_json, "llama", tie=False)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())

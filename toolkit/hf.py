@@ -23,7 +23,8 @@ from toolkit.cli import CLIError
 from toolkit.documents import read_text
 from toolkit.files import atomic_write, read_json, write_json, write_text
 from toolkit.gpt2_vocab import GPT2_FACTS
-from toolkit.tokenizers import EOT_TEXT, SPELLING, bos_token_id, gpt2_ranks, load_tokenizer
+from toolkit.tokenizers import (EOT_TEXT, SPELLING, bos_token_id, gpt2_ranks, load_tokenizer,
+                               read_facts)
 
 # this toolkit's tokenizer facts, for folders of other vocabularies
 TOKENIZER_FILE = "tokenizer_facts.json"
@@ -317,7 +318,7 @@ def read_tokenizer(directory: str, vocab_size: int) -> dict:
     with the folder's own chat template if it has one."""
     path = os.path.join(directory, TOKENIZER_FILE)
     if os.path.isfile(path):
-        facts = read_json(path, "tokenizer facts")
+        facts = read_facts(path)
     else:
         facts, template = dict(GPT2_FACTS), read_chat_template(directory, GPT2_FACTS)
         facts.update({"chat_template": template} if template else {})

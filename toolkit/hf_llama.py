@@ -26,7 +26,7 @@ from toolkit.files import atomic_write, read_json, write_json, write_text
 from toolkit.gpt2_vocab import GPT2_FACTS
 from toolkit.hf import (NO_HF_TOKENIZER, TOKENIZER_FILE, read_chat_template,
                         write_generation_config, write_tokenizer_files)
-from toolkit.tokenizers import Tokenizer, bos_token_id
+from toolkit.tokenizers import Tokenizer, bos_token_id, read_facts
 
 # Qwen3: Llama with QK-norm
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -125,7 +125,11 @@ def load_llama(path: str, **overrides) -> tuple[GPT, dict]:
     model.load_state_dict(state, assign=True)
     if config.tie_embeddings:  # assign=True replaced the tied parameter
         model.lm_head.weight = model.transformer.wte.weight
-    return model, read_tokenizer(path)
+    facts = read_tokenizer(path)
+    if facts["vocab_size"] > config.vocab_size:  # (fewer ids: Qwen3's padded embedding)
+        raise CLIError(f"{path}: its tokenizer has {facts['vocab_size']} ids but the model "
+                       f"{config.vocab_size} token rows")
+    return model, facts
 
 
 def read_tokenizer(directory: str) -> dict:
@@ -134,7 +138,7 @@ def read_tokenizer(directory: str) -> dict:
     facts_path, json_path = (os.path.join(directory, TOKENIZER_FILE),
                              os.path.join(directory, "tokenizer.json"))
     if os.path.isfile(facts_path):
-        return read_json(facts_path, "tokenizer facts")
+        return read_facts(facts_path)
     if not os.path.isfile(json_path):
         raise CLIError(f"{directory} has no tokenizer.json: the model's text cannot be tokenized")
     facts = Tokenizer("bpe", tokenizer_json=read_text(json_path, "tokenizer.json"),

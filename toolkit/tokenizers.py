@@ -24,7 +24,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from toolkit import gpt2_vocab
 from toolkit.cli import CLIError
-from toolkit.files import parse_json, require_file
+from toolkit.files import parse_json, read_json, require_file
 
 if TYPE_CHECKING:  # data preparation imports this module and never needs torch
     from model import GPT
@@ -447,6 +447,19 @@ def is_chat_template(template, vocab_size: int) -> bool:
     stop_ids = template.get("stop_ids")
     return tokens and isinstance(stop_ids, list) and all(type(i) is int and 0 <= i < vocab_size
                                                          for i in stop_ids)
+
+
+def read_facts(path: str) -> dict:
+    """Tokenizer facts from a file (an HF folder's tokenizer_facts.json), checked by rebuilding the
+    tokenizer they describe and for their vocab_size, or one line naming the file."""
+    facts = read_json(path, "tokenizer facts")
+    try:
+        load_tokenizer(facts)
+    except CLIError as e:
+        raise CLIError(f"{path}: {e}") from None
+    if "vocab_size" not in facts:
+        raise CLIError(f"{path}: the tokenizer facts have no vocab_size")
+    return facts
 
 
 def load_tokenizer(facts: dict) -> Tokenizer:
