@@ -296,3 +296,18 @@ def test_a_bpe_of_another_kind_encodes_trains_and_samples(tmp_path, monkeypatch)
     sampled = run_main("test.py", "--ckpt", tmp_path / "ckpt" / "ckpt.pt", "--prompt", "the value",
                        "--max-new-tokens", "5", "--num-samples", "1", "--device", "cpu")
     assert sampled.returncode == 0 and sampled.stdout.startswith("the value"), sampled.stderr
+
+
+def test_data_in_other_tokens_than_the_weights_names_how_to_prepare_it(bpe_model, char_data,
+                                                                        tmp_path):
+    result = run_main("train.py", "--data-dir", char_data, "--init-from", bpe_model,
+                      "--out-dir", tmp_path / "a", "--block-size", "32")
+    assert_one_line_error(result, "need data tokenized with their own bpe vocabulary of",
+                          "but", "has char vocabulary of", "--tokenizer-file T, T the "
+                          "tokenizer.json of the data it was trained on")
+    exported = tmp_path / "hf"
+    assert run_main("test.py", "--ckpt", bpe_model, "--export-hf",
+                    exported).returncode == 0
+    result = run_main("train.py", "--data-dir", char_data, "--init-from", exported,
+                      "--out-dir", tmp_path / "b", "--block-size", "32")
+    assert_one_line_error(result, f"--tokenizer-file {exported / 'tokenizer.json'}")

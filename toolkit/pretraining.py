@@ -152,6 +152,26 @@ def build_model(cfg: TrainConfig, vocab_size: int,
     return model, facts
 
 
+def vocabulary_of(facts: dict) -> str:
+    return f"{facts.get('tokenizer')} vocabulary of {facts.get('vocab_size')} ids"
+
+
+def same_tokens_hint(source: str, facts: dict) -> str:
+    """How to prepare data in the tokens of pretrained weights."""
+    kind = facts.get("tokenizer")
+    folder_json = os.path.join(source, "tokenizer.json")
+    if kind == "gpt2":
+        return "prepare it with tokenizer.py --tokenizer gpt2"
+    if kind == "bpe" and os.path.isfile(folder_json):
+        return f"prepare it with tokenizer.py --tokenizer-file {folder_json}"
+    if kind == "bpe":
+        return ("prepare it with tokenizer.py --tokenizer-file T, T the tokenizer.json of the "
+                f"data it was trained on (or of its export: test.py --ckpt {source} --export-hf "
+                "DIR)")
+    return ("a char vocabulary is the characters of the data it was built from: prepare the new "
+            "text together with that data, or train from scratch")
+
+
 def check_data(cfg: TrainConfig, corpus, model: GPT, resume: dict | None,
                pretrained: dict | None) -> None:
     """Each split holds a window; the data, model and a resumed checkpoint or pretrained weights
@@ -172,11 +192,9 @@ def check_data(cfg: TrainConfig, corpus, model: GPT, resume: dict | None,
                        f"{facts.get('vocab_size')}) but the checkpoint was trained with "
                        f"{saved.get('tokenizer')} (vocab {saved.get('vocab_size')})")
     if pretrained is not None and not same_vocabulary(facts, pretrained):
-        hint = ("--tokenizer gpt2" if pretrained.get("tokenizer") == "gpt2" else
-                f"--tokenizer-file {cfg.init_from}/tokenizer.json")
-        raise CLIError(f"the weights of {cfg.init_from} need data tokenized with their "
-                       f"{pretrained.get('tokenizer')} tokenizer, but {cfg.data_dir} uses "
-                       f"{facts.get('tokenizer')}; prepare it with tokenizer.py {hint}")
+        raise CLIError(f"the weights of {cfg.init_from} need data tokenized with their own "
+                       f"{vocabulary_of(pretrained)}, but {cfg.data_dir} has "
+                       f"{vocabulary_of(facts)}; {same_tokens_hint(cfg.init_from, pretrained)}")
     # pretrained open models may hold more embedding rows than their tokenizer has ids (Qwen3's)
     unused_rows = pretrained is not None and facts["vocab_size"] < model.config.vocab_size
     if facts["vocab_size"] != model.config.vocab_size and not unused_rows:
