@@ -445,6 +445,15 @@ def test_predictions_round_trip(finetuned, datasets, tmp_path):
     accuracy = sum(line["label"] == label for line, label in zip(lines, labels)) / len(labels)
     # the kept checkpoint is the best epoch's
     assert accuracy == pytest.approx(metrics["val_accuracy"], abs=1e-4)
+    # fine-tuned once is enough: said with the way to use it, its HF export (no head) too
+    train, _ = datasets["classify"]
+    again = ["--task", "classify", "--train", train, "--out-dir", tmp_path / "again"]
+    assert_one_line_error(finetune(*again, "--init-from", out / "ckpt.pt"),
+                          "is already fine-tuned; use it with --predict")
+    assert run_main("test.py", "--ckpt", out / "ckpt.pt", "--export-hf",
+                    tmp_path / "hf").returncode == 0
+    assert_one_line_error(finetune(*again, "--init-from", tmp_path / "hf"),
+                          "its HF export keeps no task head (--predict takes the ckpt.pt)")
 
     out, metrics = finetuned("choice", "pretrained")
     _, val = datasets["choice"]

@@ -51,7 +51,9 @@ def load_body(cfg: FinetuneConfig) -> tuple[GPT, Tokenizer, dict]:
     body, facts = load_model(source, dropout=cfg.dropout)
     tokenizer = load_tokenizer(facts)
     if facts.get("special_tokens"):
+        exported = os.path.isfile(os.path.join(source, "config.json"))  # an HF folder: no head
         use = (f"talk to it with test.py --ckpt {source} --chat" if can_chat(tokenizer) else
+               "its HF export keeps no task head (--predict takes the ckpt.pt)" if exported else
                "use it with --predict")
         raise CLIError(f"{source} is already fine-tuned; {use}, or fine-tune the model it came "
                        "from")
