@@ -321,7 +321,7 @@ def test_a_validation_split_too_short_names_the_split_and_the_fix(tmp_path):
                           "--val-fraction")
 
 
-def test_init_from_hf_with_a_longer_block_size_fails_at_start(tmp_path):
+def test_init_from_hf_with_a_longer_block_size_fails_at_start_and_without_it_fits(tmp_path):
     save_gpt2(GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)),
               str(tmp_path / "hf"))
     write_nanogpt(str(tmp_path / "data"), np.zeros(5000, np.uint16), np.zeros(500, np.uint16),
@@ -331,6 +331,13 @@ def test_init_from_hf_with_a_longer_block_size_fails_at_start(tmp_path):
                         "--init-from", tmp_path / "hf", "--block-size", "32", "--device", "cpu")
     assert_one_line_error(result, "--block-size 32 is longer than the 16 positions")
     assert "iter 1:" not in result.stdout
+    # without the flag, the default (64) gives way to the weights' 16 positions
+    result = run_main("train.py", "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "out",
+                      "--init-from", tmp_path / "hf", "--device", "cpu", "--max-iters", "2",
+                      "--eval-iters", "1", "--batch-size", "2")
+    assert result.returncode == 0, result.stderr
+    saved = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))
+    assert saved["model_config"]["block_size"] == saved["train_config"]["block_size"] == 16
 
 
 def test_a_small_validation_split_is_scored_whole(tmp_path):

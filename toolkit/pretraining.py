@@ -127,11 +127,12 @@ def schedule(cfg: TrainConfig) -> Schedule:
                     cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr)
 
 
-def build_model(cfg: TrainConfig, vocab_size: int,
-                resumed: GPTConfig | None = None) -> tuple[GPT, dict | None]:
+def build_model(cfg: TrainConfig, vocab_size: int, resumed: GPTConfig | None = None,
+                block_given: bool = True) -> tuple[GPT, dict | None]:
     """A new GPT of the given shape, or of a resumed checkpoint's config (all of it: a run from an
     HF folder holds settings no flag gives, such as its rope scaling), or the pretrained one of
-    --init-from (cut to --block-size) with its tokenizer facts."""
+    --init-from (cut to --block-size; without the flag, shorter models keep their own) with its
+    tokenizer facts."""
     if resumed is not None:
         return GPT(replace(resumed, attn_kernel=cfg.attn_kernel, dropout=cfg.dropout)), None
     if cfg.init_from == "scratch":
@@ -143,7 +144,7 @@ def build_model(cfg: TrainConfig, vocab_size: int,
         return GPT(config), None
     from toolkit.model_sources import load_model  # only a run from pretrained weights reads them
     model, facts = load_model(cfg.init_from, attn_kernel=cfg.attn_kernel, dropout=cfg.dropout)
-    if cfg.block_size > model.config.block_size:
+    if cfg.block_size > model.config.block_size and block_given:
         raise CLIError(f"--block-size {cfg.block_size} is longer than the "
                        f"{model.config.block_size} positions of {cfg.init_from}; use --block-size "
                        f"{model.config.block_size} or less")
@@ -226,9 +227,12 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
     resumed = None
     if resume is not None:  # the shape its weights hold, checked before anything is built
         resumed = usable_config(resume["model_config"], engine.path, resume.get("model"))
-    model, pretrained = build_model(cfg, corpus.meta["vocab_size"], resumed)
+    model, pretrained = build_model(cfg, corpus.meta["vocab_size"], resumed,
+                                    block_given="block_size" in given)
     if pretrained is not None:
         check_pretrained_shape(cfg, given, model.config)
+        # the default --block-size, longer than the weights' positions, settles to theirs
+        cfg = replace(cfg, block_size=min(cfg.block_size, model.config.block_size))
     model = model.to(device)
     check_attn_kernel(model, device, dtype)
     check_data(cfg, corpus, model, resume, pretrained)
