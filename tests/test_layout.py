@@ -106,7 +106,7 @@ def test_engines_and_objectives_implement_the_declared_parts():
 
     from toolkit.sft import ChatObjective
     from toolkit.deepspeed_engine import DeepSpeedEngine
-    from toolkit.embedding import Contrastive
+    from toolkit.contrastive import Contrastive
     from toolkit.finetuning import TaskObjective
     from toolkit.pretraining import LanguageModeling
     from toolkit.training import Engine, Objective, TorchEngine

@@ -1,7 +1,7 @@
-"""Text embeddings from a GPT: pooling of its last hidden states, texts cut into token chunks, the
-encoder's identity, exact top-k search over the vectors, and contrastive tuning (InfoNCE) of the GPT
-as an encoder. embed.py is the command line around it; toolkit/index.py is the index that search
-reads.
+"""Text embeddings from a GPT: pooling of its last hidden states, the corpus of texts with ids,
+texts cut into token chunks, the encoder's identity, and exact top-k search over the vectors.
+embed.py is the command line around it; toolkit/index.py is the index that search reads,
+toolkit/contrastive.py the tuning of the encoder.
 
 Pooling follows SGPT (Muennighoff 2022, arXiv:2202.08904). In a causal model only the last position
 has seen the whole text, so SGPT's position-weighted mean gives position t (1..n) the weight
@@ -11,8 +11,10 @@ the model is causal, so real positions never see the padding, and pooling reads 
 a text's vector does not depend on its batch. Each text (a chunk, a query, a crop) starts with the
 BOS of a tokenizer that puts one before every text (Llama 3's), as HF's tokenizer(text) gives it.
 """
+import itertools
 import os
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,21 +23,14 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from model import GPT
-from toolkit import flags
-from toolkit.checkpoint import CHECKPOINT_FILE, run_state
 from toolkit.cli import CLIError
-from toolkit.config import RunConfig, settle_run
-from toolkit.device import autocast, describe, run_device
+from toolkit.device import autocast
 from toolkit.documents import (holds_json_array, input_files, is_json_lines, json_records,
                                read_lines, read_text)
-from toolkit.files import check_output, claim_out_dir, fingerprint, refuse_existing
-from toolkit.flags import option
+from toolkit.files import fingerprint
 from toolkit.hf import find_model_dir
-from toolkit.lora import lora_base
 from toolkit.model_sources import is_hf_source, load_model
-from toolkit.optim import Schedule
 from toolkit.tokenizers import Tokenizer, load_tokenizer
-from toolkit.training import Engine, LoopConfig, Objective, TorchEngine, Trainer
 
 POOLINGS = ("weighted-mean", "mean", "last")
 SEARCH_BLOCK_BYTES = 64 * 2**20  # vectors scored per product: memory bounded whatever the index
@@ -84,16 +79,19 @@ def embed(model: GPT, token_lists: list[list[int]], pooling: str,
 
 @torch.no_grad()
 def encode(model: GPT, token_lists: list[list[int]], pooling: str, batch_size: int,
-           dtype: torch.dtype = torch.float32, desc: str = "encoding") -> np.ndarray:
+           dtype: torch.dtype = torch.float32, desc: str | None = "encoding") -> np.ndarray:
     """(N, n_embd) float32 unit vectors, in batches of similar lengths (less padding; the order of
-    the result is the order of token_lists). The model's training mode is restored."""
+    the result is the order of token_lists), a progress bar named desc (None: no bar). The model's
+    training mode is restored."""
     was_training = model.training
     model.eval()
     order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
     vectors = np.empty((len(token_lists), model.config.n_embd), dtype=np.float32)
     try:
         starts = range(0, len(order), batch_size)
-        for start in tqdm(starts, desc=desc, unit="batch", disable=None, leave=False):
+        bar = tqdm(starts, desc=desc, unit="batch", disable=True if desc is None else None,
+                   leave=False)
+        for start in bar:
             rows = order[start:start + batch_size]
             texts = [token_lists[i] for i in rows]
             vectors[rows] = embed(model, texts, pooling, dtype).cpu().numpy()
@@ -103,6 +101,13 @@ def encode(model: GPT, token_lists: list[list[int]], pooling: str, batch_size: i
 
 
 # ----- a corpus of texts with ids -----
+
+def batches(items: Iterable, n: int) -> Iterator[list]:
+    """items n at a time (the last batch may hold fewer)."""
+    items = iter(items)
+    while batch := list(itertools.islice(items, n)):
+        yield batch
+
 
 @dataclass
 class Document:
@@ -123,29 +128,40 @@ def record_id(path: str, number: int, value) -> str:
     return str(value)
 
 
-def read_corpus(path: str, json_key: str, id_key: str, glob: str) -> list[Document]:
+def corpus_documents(path: str, json_key: str, id_key: str, glob: str) -> Iterator[Document]:
     """The non-blank texts of a text file (one per line), a JSON-lines file (one per line, or one
-    per item of a JSON array) or a folder (one per file), each with a unique id: a record's id_key,
-    else its line number (its position in an array); a file's path in the folder."""
+    per item of a JSON array) or a folder (one per file), one at a time, each with its id: a
+    record's id_key, else its line number (its position in an array); a file's path in the
+    folder."""
     if os.path.isdir(path):
-        documents = [Document(os.path.relpath(file, path), read_text(file), file, None)
-                     for file in input_files([path], glob)]
+        documents = (Document(os.path.relpath(file, path), read_text(file), file, None)
+                     for file in input_files([path], glob))
     elif is_json_lines(path):
-        documents, array = [], holds_json_array(path)
-        for index, (number, record) in enumerate(json_records(path, (json_key,)), start=1):
-            default = str(index if array else number)  # an array's items may share a line
-            doc_id = record_id(path, number, record[id_key]) if id_key in record else default
-            documents.append(Document(doc_id, record[json_key], path, number))
+        documents = json_documents(path, json_key, id_key)
     else:
-        documents = [Document(str(number), line, path, number) for number, line in read_lines(path)]
-    documents = [d for d in documents if d.text.strip()]
-    if not documents:
-        raise CLIError(f"no texts in {path}; nothing to encode")
-    first_use = {}
-    for d in documents:
+        documents = (Document(str(number), line, path, number)
+                     for number, line in read_lines(path))
+    return (d for d in documents if d.text.strip())
+
+
+def json_documents(path: str, json_key: str, id_key: str) -> Iterator[Document]:
+    array = holds_json_array(path)
+    for index, (number, record) in enumerate(json_records(path, (json_key,)), start=1):
+        default = str(index if array else number)  # an array's items may share a line
+        doc_id = record_id(path, number, record[id_key]) if id_key in record else default
+        yield Document(doc_id, record[json_key], path, number)
+
+
+def read_corpus(path: str, json_key: str, id_key: str, glob: str) -> list[Document]:
+    """corpus_documents as a list, each id once."""
+    documents, first_use = [], {}
+    for d in corpus_documents(path, json_key, id_key, glob):
         if d.id in first_use:
             raise CLIError(f"{d.where()}: id {d.id!r} is already used by {first_use[d.id]}")
         first_use[d.id] = d.where()
+        documents.append(d)
+    if not documents:
+        raise CLIError(f"no texts in {path}; nothing to encode")
     return documents
 
 
@@ -230,218 +246,31 @@ def chunk_records(documents: list[Document], rows: np.ndarray) -> list[dict]:
 
 def top_k(vectors: np.ndarray, queries: torch.Tensor, k: int,
           block_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-k rows of vectors (N, C) by dot product with each query (Q, C): (scores, rows),
-    each (Q, k), best first. Rows are scored in blocks with a running top-k, so a memory-mapped
-    array is read once, never copied whole (default block: SEARCH_BLOCK_BYTES of vectors)."""
+    """Exact top-k rows of vectors (N, C; float16 or float32) by dot product with each query
+    (Q, C): (scores, rows), each (Q, k), best first. Rows are scored in blocks with a running
+    top-k, so a memory-mapped array is read once, never copied whole (default block:
+    SEARCH_BLOCK_BYTES of vectors). float16 vectors are multiplied in float16 (accumulated in
+    float32: 20x faster than converting each block), then the k found are scored again in float32,
+    so the top k are exact to float16's rounding of a score (about 5e-4)."""
     n, dim = vectors.shape
-    block_rows = block_rows or max(1, SEARCH_BLOCK_BYTES // (4 * dim))
+    block_rows = block_rows or max(1, SEARCH_BLOCK_BYTES // (vectors.itemsize * dim))
+    asked = queries.to(torch.float16 if vectors.dtype == np.float16 else torch.float32)
     best_scores = queries.new_empty(len(queries), 0)
     best_rows = torch.empty(len(queries), 0, dtype=torch.long)
     for start in range(0, n, block_rows):
         with warnings.catch_warnings():
             # torch warns that a read-only memory map is not writable
             warnings.simplefilter("ignore")
-            block = torch.from_numpy(vectors[start:start + block_rows])  # its memory, not a copy
-        # block @ queries.T reads the row-major block as it lies (faster than queries @ block.T)
-        scores = (block @ queries.T).T
+            block = torch.from_numpy(np.asarray(vectors[start:start + block_rows]))  # no copy
+        # block @ asked.T reads the row-major block as it lies (faster than asked @ block.T)
+        scores = (block @ asked.T).T.float()
         rows = torch.arange(start, start + scores.size(1)).expand(len(queries), -1)
         candidates = torch.cat([best_scores, scores], dim=1)
         best_scores, picked = candidates.topk(min(k, candidates.size(1)), dim=1)
         best_rows = torch.cat([best_rows, rows], dim=1).gather(1, picked)
-    return best_scores, best_rows
-
-
-# ----- contrastive tuning: embed.py tune -----
-
-@dataclass(frozen=True)
-class TuneConfig(RunConfig):
-    """embed.py tune's options: the trainers' (RunConfig), with its own defaults for some."""
-    ckpt: str = option(None, "the model to tune: a ckpt.pt, or an HF GPT-2, Llama or Qwen3 "
-                             "folder / cached name", required=True)
-    input: str | None = option(None, "documents to learn from, read as index's --input: two "
-                                     "random spans of one document are a positive pair, the other "
-                                     "documents of the batch its negatives (Contriever); no labels "
-                                     "needed")
-    json_key: str = option("text", "field holding the text in --input's JSON lines")
-    glob: str = option("*.txt", "file name pattern inside an --input folder")
-    pairs: str | None = option(None, 'labelled pairs, JSON lines {"query": ..., "positive": '
-                                     '...[, "negative": ...]}; with --input or alone')
-    out_dir: str = option(None, "where the checkpoint, the loss curve and the TensorBoard logs go",
-                          required=True)
-    crop_tokens: int | None = option(None, "the longest span cut from a document (default: the "
-                                           "block size, less a BOS); spans are a quarter of it "
-                                           "to all of it",
-                                     check="positive")
-    val_fraction: float = option(0.1, "documents and pairs held out (10 at least, from 40 "
-                                      "examples on; 0: none) to keep the best checkpoint by their "
-                                      "InfoNCE loss, the untuned encoder's included",
-                                 check="probability")
-    bias_only: bool = option(False, "train the bias parameters only (SGPT's BitFit)")
-    pooling: str = option("weighted-mean", "as encode's", choices=list(POOLINGS))
-    temperature: float = option(0.1, "InfoNCE temperature", check="positive-number")
-    max_iters: int = option(200, "optimizer steps", check="positive")
-    lr: float = option(1e-3, "peak learning rate", check="positive-number")
-    warmup_iters: int = option(10, "linear warmup steps, then cosine decay to lr/10",
-                               check="non-negative")
-    weight_decay: float = option(0.0, "AdamW weight decay (2-D weights only)",
-                                 check="non-negative-number")
-    grad_clip: float = option(0.0, "clip gradients at this global norm (0 = off: at 1 recall@10 "
-                                   "gained nothing, docs/performance.md)",
-                              check="non-negative-number")
-
-
-def read_tune_pairs(path: str, tokenizer: Tokenizer,
-                    max_tokens: int) -> list[tuple[list[int], ...]]:
-    """(query, positive[, negative]) token lists from JSON lines, each cut to max_tokens (its
-    text_room), then after the BOS."""
-    pairs = []
-    for number, record in json_records(path, ("query", "positive")):
-        fields = ["query", "positive"]
-        if "negative" in record:
-            if not isinstance(record["negative"], str):
-                raise CLIError(f"{path} line {number}: 'negative' must be a string")
-            fields.append("negative")
-        texts = []
-        for field in fields:
-            ids = token_ids(tokenizer, record[field], f"{path} line {number}")[:max_tokens]
-            if not ids:
-                raise CLIError(f"{path} line {number}: {field!r} is empty")
-            texts.append(tokenizer.with_bos(ids))
-        pairs.append(tuple(texts))
-    if not pairs:
-        raise CLIError(f"no pairs in {path}")
-    return pairs
-
-
-def train_bias_only(model: GPT) -> None:
-    """SGPT's BitFit variant: only the bias parameters (linear layers and LayerNorms) learn."""
-    for name, p in model.named_parameters():
-        p.requires_grad = name.endswith(".bias")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise CLIError(f"--bias-only: this model has no bias parameters (its family, "
-                       f"{model.config.arch}, was trained without: --arch llama has none, "
-                       "--arch gpt2 has them unless --no-bias)")
-
-
-class Contrastive(Objective):
-    """The loop's objective for tune: InfoNCE of each batch of examples, each query against all
-    positives of the batch, then the hard negatives it holds. An example is a labelled pair, or a
-    document whose two random spans (crops, seeded by the step) are the query and its positive.
-    Every epoch is a new seeded permutation of the examples; an incomplete last batch is left out,
-    so every batch has the same number of in-batch negatives. A held-out share of the examples,
-    with crops drawn once, is the evaluation: its InfoNCE loss among themselves."""
-
-    def __init__(self, cfg: TuneConfig, model: GPT, tokenizer: Tokenizer, facts: dict,
-                 examples: list, dtype: torch.dtype):
-        self.cfg, self.model, self.facts, self.dtype = cfg, model, facts, dtype
-        self.with_bos = tokenizer.with_bos
-        room = text_room(model, tokenizer)
-        self.crop_tokens = min(cfg.crop_tokens or room, room)
-        order = torch.randperm(len(examples),
-                               generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        # a tenth, 10 at least (fewer say little), from 40 examples on (30 or more left to learn
-        # from)
-        held = (max(10, int(len(examples) * cfg.val_fraction))
-                if cfg.val_fraction and len(examples) >= 40 else 0)
-        self.examples = [examples[i] for i in order[held:]]
-        self.val = self.crops([examples[i] for i in order[:held]], np.random.default_rng(cfg.seed))
-        self.batch_size = min(cfg.batch_size, len(self.examples))
-
-    def crops(self, examples: list, rng: np.random.Generator) -> list[tuple[list[int], ...]]:
-        """Pairs as they are; each document as two spans of crop_tokens / 4 to crop_tokens
-        tokens, each after the BOS."""
-        def span(ids: list[int]) -> list[int]:
-            n = min(len(ids),
-                    int(rng.integers(max(1, self.crop_tokens // 4), self.crop_tokens + 1)))
-            start = int(rng.integers(0, len(ids) - n + 1))
-            return self.with_bos(ids[start:start + n])
-
-        return [example if isinstance(example, tuple) else (span(example), span(example))
-                for example in examples]
-
-    def micro_batches(self, step: int) -> list[tuple[list[tuple[list[int], ...]], float]]:
-        epoch, index = divmod(step, len(self.examples) // self.batch_size)
-        seeded = torch.Generator().manual_seed(self.cfg.seed + epoch)
-        order = torch.randperm(len(self.examples), generator=seeded)
-        rows = order[index * self.batch_size:][: self.batch_size].tolist()
-        rng = np.random.default_rng([self.cfg.seed, step])  # a step's crops, the same when resumed
-        return [(self.crops([self.examples[i] for i in rows], rng), 1.0)]
-
-    def loss(self, model: GPT, batch: list[tuple[list[int], ...]]) -> torch.Tensor:
-        positives = [pair[1] for pair in batch]
-        negatives = [pair[2] for pair in batch if len(pair) > 2]
-        queries = embed(model, [pair[0] for pair in batch], self.cfg.pooling, self.dtype)
-        documents = embed(model, positives + negatives, self.cfg.pooling, self.dtype)
-        # InfoNCE in float32, whatever dtype the model ran in: documents[i] is the positive of
-        # queries[i], every other document (other positives, hard negatives after them) a negative;
-        # and both ways (as CLIP): queries[i] is also the one for documents[i] among the queries
-        with torch.autocast(queries.device.type, enabled=False):
-            logits = queries @ documents.T / self.cfg.temperature
-            labels = torch.arange(len(queries), device=queries.device)
-            return (F.cross_entropy(logits, labels) +
-                    F.cross_entropy(logits[:, :len(queries)].T, labels)) / 2
-
-    def throughput(self) -> tuple[int, str, None]:
-        return self.batch_size, "pairs", None
-
-    def evaluate(self, engine: Engine) -> dict[str, float]:
-        """The held-out examples' InfoNCE loss (none held out: no evaluation; `embed.py eval`
-        measures recall against an index)."""
-        if not self.val:
-            return {}
-        self.model.eval()
-        with torch.no_grad():
-            loss = self.loss(self.model, self.val).item()
-        self.model.train()
-        return {"val_loss": round(loss, 4)}
-
-    def checkpoint_state(self, best: dict | None) -> dict:
-        cfg = self.cfg
-        sources = {"input": cfg.input and os.path.abspath(cfg.input),
-                   "pairs": cfg.pairs and os.path.abspath(cfg.pairs)}
-        embedding = {"base": encoder_identity(cfg.ckpt), **sources, "pooling": cfg.pooling,
-                     "temperature": cfg.temperature, "bias_only": cfg.bias_only, "val": best}
-        return {**run_state(self.model, cfg, self.facts), "embedding": embedding}
-
-
-def setup_tune(cfg: TuneConfig) -> Trainer:
-    """The tune run, ready to fit: the options checked, the encoder and its pairs loaded, OUT_DIR
-    claimed (a ckpt.pt there is replaced only with --overwrite), the run described on stdout."""
-    flags.check_values(cfg)
-    if cfg.batch_size < 2:
-        raise CLIError(f"--batch-size must be at least 2 for tune, got {cfg.batch_size}: the other "
-                       "examples of a batch are each one's negatives")
-    if not (cfg.input or cfg.pairs):
-        raise CLIError("tune learns from --input (documents, no labels needed), --pairs, or both")
-    path = os.path.join(cfg.out_dir, CHECKPOINT_FILE)
-    check_output(path, [cfg.ckpt, *lora_base(cfg.ckpt), cfg.pairs, cfg.input], "--out-dir")
-    refuse_existing([path], cfg.overwrite)
-    cfg = settle_run(cfg)
-    device, dtype = run_device(cfg.device, cfg.dtype)
-    model, tokenizer, facts = load_encoder(cfg.ckpt, device)
-    room = text_room(model, tokenizer)
-    pairs = read_tune_pairs(cfg.pairs, tokenizer, room) if cfg.pairs else []
-    documents = [ids for ids in (token_ids(tokenizer, d.text, d.where())
-                                 for d in read_corpus(cfg.input, cfg.json_key, "id", cfg.glob))
-                 if len(ids) > 1] if cfg.input else []
-    if len(pairs) + len(documents) < 2:
-        raise CLIError("tune needs two documents or pairs at least (each batch's others are the "
-                       "negatives)")
-    if cfg.bias_only:
-        train_bias_only(model)
-    model.train()
-    objective = Contrastive(cfg, model, tokenizer, facts, pairs + documents, dtype)
-    engine = TorchEngine(path)
-    engine.start(model, cfg, device, dtype, objective.loss)
-    claim_out_dir(cfg.out_dir, path, resuming=False, overwrite=True)  # refuse_existing checked
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = model.num_params(non_embedding=False)
-    held = f", {len(objective.val):,} held out for the best checkpoint" if objective.val else ""
-    print(f"tuning {trained / 1e6:.3f}M of {total / 1e6:.3f}M parameters on {len(pairs):,} "
-          f"pairs and {len(documents):,} documents{held}, batch {objective.batch_size}, "
-          f"{cfg.pooling} pooling, temperature {cfg.temperature}; device {describe(device)}, "
-          f"dtype {str(dtype).removeprefix('torch.')}")
-    loop = LoopConfig(max_iters=cfg.max_iters, eval_interval=max(1, cfg.max_iters // 10),
-                      keep_best=bool(objective.val), hint="a lower --lr or a higher --temperature")
-    schedule = Schedule(cfg.lr, cfg.warmup_iters, cfg.max_iters, cfg.lr / 10)
-    return Trainer(engine, objective, schedule, loop, cfg, desc="tune")
+    if vectors.dtype != np.float16 or not best_rows.numel():
+        return best_scores, best_rows
+    found = torch.from_numpy(np.asarray(vectors[best_rows.numpy()], np.float32))  # (Q, k, C)
+    best_scores, order = torch.einsum("qkc,qc->qk", found, queries.float()).sort(
+        dim=1, descending=True)
+    return best_scores, best_rows.gather(1, order)
