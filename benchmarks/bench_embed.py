@@ -29,6 +29,8 @@ query, recall@10 of the graph against exact, build time, sizes, and the peak RSS
 in a process of its own (torch and numpy loaded: about 300 MiB of it before any vector).
 lexical: toolkit/lexical.py's Postings against bm25s.BM25.index over --texts texts of pydoc
 sentences: build time and the build's peak RSS (each in a process of its own), query latency.
+stream: embed.py index of a quarter of --texts and of --texts such texts, with a tiny random
+model: peak RSS of each process, to show memory does not grow with the corpus.
 """
 import json
 import os
@@ -49,6 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import GPT, PRESETS, GPTConfig
 from toolkit import ann, cli
+from toolkit.checkpoint import save_checkpoint
 from toolkit.device import cpu_kind
 from toolkit.embedding import encode, top_k
 from toolkit import index as index_module
@@ -339,17 +342,53 @@ def bench_lexical_builder(builder: str, n: int) -> None:
     print(json.dumps({"name": name, "build": build, "rss": rss, "query": np.median(times)}))
 
 
+# ----- indexing's memory -----
+
+def bench_stream(texts: int, tmp_dir: str) -> None:
+    """embed.py index (hybrid) of texts / 4 and of texts documents, each in a process of its own
+    that reports its peak RSS: memory must not grow with the corpus beyond BM25's counts."""
+    folder = Path(tempfile.mkdtemp(dir=tmp_dir))
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=257))
+    save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config),
+                     "tokenizer": {"tokenizer": "byte", "vocab_size": 257, "eot_id": 256}},
+                    str(folder / "ckpt.pt"))
+    report = ("import atexit, runpy, sys; atexit.register(lambda: print('VmHWM', "
+              "open('/proc/self/status').read().split('VmHWM:')[1].split()[0], file=sys.stderr)); "
+              f"sys.argv[0] = {os.path.join(ROOT, 'embed.py')!r}; "
+              "runpy.run_path(sys.argv[0], run_name='__main__')")
+    print("\nstream: embed.py index (hybrid) with a 2 x 64 byte-level model, pydoc texts of 5-40 "
+          "sentences, each run in a process of its own")
+    print("| documents | text MiB | chunks | s | peak RSS (MiB) | index MiB |\n"
+          "|---|---|---|---|---|---|")
+    for n in (texts // 4, texts):
+        docs = folder / f"docs{n}.jsonl"
+        docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in pydoc_texts(n)))
+        t0 = time.perf_counter()
+        result = subprocess.run([sys.executable, "-c", report, "index", "--ckpt",
+                                 folder / "ckpt.pt", "--input", docs, "--out", folder / f"i{n}",
+                                 "--dtype", "float32"], capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+        if result.returncode:
+            raise cli.CLIError(f"embed.py index failed: {result.stderr.strip()[-500:]}")
+        peak = int(result.stderr.split("VmHWM")[-1].split()[0]) / 1024
+        size = sum(p.stat().st_size for p in (folder / f"i{n}").rglob("*") if p.is_file())
+        chunks = json.loads((folder / f"i{n}" / "index.json").read_text())["chunks"]
+        print(f"| {n:,} | {docs.stat().st_size / 2**20:,.0f} | {chunks:,} | {seconds:,.0f} | "
+              f"{peak:,.0f} | {size / 2**20:,.0f} |", flush=True)
+    shutil.rmtree(folder)
+
+
 def main() -> None:
     p = cli.argument_parser(__doc__)
-    p.add_argument("--parts", default="encode,retrieval,ann,lexical",
-                   help="comma-separated: encode, retrieval, ann, lexical")
+    p.add_argument("--parts", default="encode,retrieval,ann,lexical,stream",
+                   help="comma-separated: encode, retrieval, ann, lexical, stream")
     p.add_argument("--pretrain-iters", type=int, default=600,
                    help="the retrieval part's encoders (default: 600)")
     p.add_argument("--chinese", nargs="+", help="the retrieval part's Chinese reviews")
     p.add_argument("--repeats", type=int, default=3,
                    help="encode rounds per model and dtype (default: 3)")
     p.add_argument("--texts", type=int, default=200,
-                   help="texts to encode (default: 200); lexical: texts to index")
+                   help="texts to encode (default: 200); lexical, stream: texts to index")
     p.add_argument("--batch-size", type=int, default=16,
                    help="texts per forward pass (default: 16)")
     p.add_argument("--rows", type=int, default=1_000_000, help="ann: vectors (default: 1000000)")
@@ -373,6 +412,8 @@ def main() -> None:
         bench_ann(args.rows, args.dims, args.queries, args.tmp_dir)
     if "lexical" in parts:
         bench_lexical(args.texts)
+    if "stream" in parts:
+        bench_stream(args.texts, args.tmp_dir)
 
 
 if __name__ == "__main__":

@@ -80,11 +80,11 @@ def test_speedrun_without_a_nanogpt_checkout_is_one_line(tmp_path):
     assert result.stderr.startswith(f"error: --nanogpt-dir {tmp_path} holds no train.py")
 
 
-def test_bench_embed_ann_and_lexical_tables():
+def test_bench_embed_ann_lexical_and_stream_tables():
     """The graph against exact search at a small size (the graph finds what exact search finds),
-    and BM25's two builders."""
+    BM25's two builders, and indexing's memory at two sizes."""
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_embed.py"),
-                             "--parts", "ann,lexical", "--rows", "3000", "--dims", "32",
+                             "--parts", "ann,lexical,stream", "--rows", "3000", "--dims", "32",
                              "--queries", "10", "--texts", "300"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -93,3 +93,4 @@ def test_bench_embed_ann_and_lexical_tables():
     assert float(rows["exact (blocks of the memory-mapped vectors)"][3]) == 1.0
     assert float(rows["graph, efSearch 256"][3]) >= 0.95, result.stdout  # ann.EF_SEARCH
     assert {"toolkit/lexical.py (Postings)", "bm25s.BM25.index"} <= set(rows), result.stdout
+    assert int(rows["300"][1].replace(",", "")) > int(rows["75"][1].replace(",", "")) > 0
