@@ -253,9 +253,9 @@ def add_index_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_mode_argument(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--mode", choices=MODES,
-                   help=f"{what}: hybrid, dense and lexical ranks fused (reciprocal rank fusion; "
-                        "the default where the index has both); dense, cosine of the vectors; "
-                        "lexical, BM25")
+                   help=f"{what}: hybrid, the dense and lexical scores fused (the default "
+                        "where the index has both); dense, the cosine of the vectors; lexical, "
+                        "BM25")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
