@@ -77,7 +77,7 @@ def index_command(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     model, tokenizer, facts = load_encoder(args.ckpt, device)
     encoding = (appended_encoding(previous, args) if previous else
-                new_encoding(args, model, tokenizer, facts))
+                new_encoding(args, model, tokenizer, facts, device))
     dtype = resolve_dtype(encoding["dtype"], device)
     dense, lexical = "dense" in encoding["modes"], "lexical" in encoding["modes"]
     writer = IndexWriter(args.out, encoding, previous)
@@ -112,11 +112,11 @@ def add_documents(writer: IndexWriter, args: argparse.Namespace, model, tokenize
             bar.update(len(batch))
 
 
-def new_encoding(args: argparse.Namespace, model, tokenizer, facts: dict) -> dict:
+def new_encoding(args: argparse.Namespace, model, tokenizer, facts: dict, device) -> dict:
     """What index.json records of how the chunks were cut and encoded, from the flags."""
     chunk_tokens, overlap = settle_chunking(args.chunk_tokens, args.overlap,
                                             text_room(model, tokenizer))
-    dtype = resolve_dtype(args.dtype, resolve_device(args.device))
+    dtype = resolve_dtype(args.dtype, device)
     return {"encoder": encoder_identity(args.ckpt), "tokenizer": facts,
             "pooling": args.pooling or POOLINGS[0], "dtype": str(dtype).removeprefix("torch."),
             "chunk_tokens": chunk_tokens, "overlap": overlap, "dim": model.config.n_embd,
