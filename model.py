@@ -136,6 +136,13 @@ def check_config(config: GPTConfig) -> None:
                          f"{', '.join(k for k, ok in gpt2_like.items() if not ok)}; use arch llama")
     if config.arch == "llama" and config.bias:
         raise ValueError("model config: the llama family has no biases (bias false)")
+    # (a base of 0 or below, or an epsilon below 0, gives garbage or NaN logits, not an error)
+    for name, ok, wanted in (("rope_theta", lambda v: v > 0, "above 0"),
+                             ("norm_eps", lambda v: v >= 0, "of at least 0")):
+        value = getattr(config, name)
+        if type(value) not in (int, float) or not math.isfinite(value) or not ok(value):
+            raise ValueError(f"model config: {name} must be a finite number {wanted}, "
+                             f"got {value!r}")
     scaling = config.rope_scaling
     if scaling is not None and not is_rope_scaling(scaling):
         raise ValueError("model config: rope_scaling must be null or an object of "

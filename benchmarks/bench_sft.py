@@ -1,5 +1,5 @@
-"""Instruction tuning, LoRA and chat, measured: three parts, each printing a table (the CPU kind in
-its header).
+"""Instruction tuning, LoRA and chat, measured: four parts, each printing its figures (the CPU kind
+in its header).
 
   decode  test.py --chat's decode (toolkit/sampling.py's Sampler.reply: KV cache, streaming) against
           transformers' generate on the same weights (the folder test.py --export-hf writes): the
@@ -8,6 +8,8 @@ its header).
   lora    one fine-tuning step of the 124M preset, float32, batch 4 x 256 tokens (AdamW, the chunked
           loss): every weight against LoRA (rank 8 on all linears); each mode in a process of its
           own, interleaved, for its peak RSS and its ms/step.
+  data    finetune.py --task sft's memory on an alpaca .json array of --mb MB and of a tenth of it:
+          the growth of its peak RSS against that of the data's token arrays.
   recipe  docs/finetune.md's worked recipe: train.py on the embedded corpus (block 128), the pydoc
           conversations (examples/pydoc_chat.py), finetune.py --task sft with and without
           --lora-rank 8, then greedy answers to every conversation's question: the exact-match rate
@@ -15,6 +17,7 @@ its header).
 
     python benchmarks/bench_sft.py decode --rounds 3
     python benchmarks/bench_sft.py lora --rounds 2
+    python benchmarks/bench_sft.py data --mb 200
     python benchmarks/bench_sft.py recipe
 """
 import argparse
@@ -27,16 +30,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from pydoc_data.topics import topics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import psutil
 import torch
 
 from model import GPT, PRESETS, GPTConfig
 from toolkit import cli, lora
-from toolkit.chat import add_chat_tokens, chat_prompt
+from toolkit.chat import add_chat_tokens, chat_prompt, encode_conversation, messages_of
 from toolkit.device import cpu_kind
 from toolkit.finetune_config import FinetuneConfig
 from toolkit.gpt2_vocab import GPT2_FACTS
@@ -192,6 +198,70 @@ def recipe(args) -> None:
               f"{a}/{n} = {a / n:.2f} | {b}/{m} = {b / m:.2f} |")
 
 
+# ----- data -----
+
+def peak_rss_until(command: list[str], line_start: str) -> float:
+    """The peak RSS (MiB) of a command's process, sampled every 20 ms until it prints a line that
+    starts with line_start; then it is stopped."""
+    proc = subprocess.Popen([sys.executable, *command], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    watched, peak, output = psutil.Process(proc.pid), 0, []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
+    while proc.poll() is None and not any(line.startswith(line_start) for line in output):
+        peak = max(peak, watched.memory_info().rss)
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    if not any(line.startswith(line_start) for line in output):
+        raise SystemExit(f"error: {' '.join(command)} ended before {line_start!r}:\n"
+                         f"{''.join(output)[-2000:]}")
+    return peak / 2**20
+
+
+def data(args) -> None:
+    """finetune.py --task sft on an alpaca .json array (one JSON array, its records of 300
+    characters) of --mb MB and of a tenth of it: the growth of peak RSS against that of the data's
+    token arrays (4 bytes an id, 1 a loss-mask flag, 21 a sequence's start, cut and record). The
+    model is char-level: a record's tokens are its characters and the template's."""
+    work = args.work or tempfile.mkdtemp(prefix="bench_sft_data_")
+    print(f"{header()}; work folder {work}")
+    run("train.py", "--max-iters", "1", "--eval-interval", "1", "--eval-iters", "1", "--n-layer",
+        "1", "--n-head", "2", "--n-embd", "32", "--block-size", "512", "--out-dir",
+        os.path.join(work, "base"), "--overwrite")
+    words = " ".join(" ".join(topics.values()).split())
+    model, facts = load_model(os.path.join(work, "base", "ckpt.pt"))
+    tok = load_tokenizer(facts)
+    add_chat_tokens(model, tok)
+    template = len(encode_conversation(messages_of({"instruction": "a", "output": "b"}), tok,
+                                       512)[0].ids) - 2  # the tokens a record adds to its own
+    sizes = {}
+    for mb in (args.mb / 10, args.mb):
+        path, records, tokens = os.path.join(work, f"alpaca-{mb:g}mb.json"), 0, 0
+        with open(path, "w") as f:
+            f.write("[")
+            while f.tell() < mb * 1e6:
+                start = (records * 7919) % (len(words) - 300)
+                record = {"instruction": words[start:start + 100], "input": "",
+                          "output": words[start + 100:start + 300]}
+                f.write(("," if records else "") + json.dumps(record) + "\n")
+                records += 1
+                tokens += 300 + template
+            f.write("]")
+        # (through the first evaluation and 10 steps)
+        rss = peak_rss_until(["finetune.py", "--task", "sft", "--train", path, "--init-from",
+                              os.path.join(work, "base", "ckpt.pt"), "--out-dir",
+                              os.path.join(work, "sft"), "--overwrite", "--device", "cpu"],
+                             "iter 10:")
+        sizes[mb] = (records, tokens * 5 + records * 21, rss)
+        print(f"  {mb:g} MB: {records:,} records, token arrays {sizes[mb][1] / 2**20:,.0f} MiB, "
+              f"peak RSS {rss:,.0f} MiB", flush=True)
+    (small, small_arrays, small_rss), (big, big_arrays, big_rss) = sizes.values()
+    grown = big_arrays - small_arrays
+    print(f"peak RSS grew {big_rss - small_rss:,.0f} MiB for {grown / 2**20:,.0f} MiB more token "
+          f"arrays: {(big_rss - small_rss) * 2**20 / grown:.2f}x")
+
+
 def main() -> None:
     parser = cli.argument_parser(__doc__)
     parts = parser.add_subparsers(dest="part", required=True)
@@ -204,6 +274,9 @@ def main() -> None:
     p = parts.add_parser("lora-step", help="(one mode, run by lora)")
     p.add_argument("--mode", choices=["full", "lora"], required=True)
     p.add_argument("--steps", type=int, default=5)
+    p = parts.add_parser("data", help="the memory of SFT data against its token arrays")
+    p.add_argument("--mb", type=float, default=200, help="MB of the larger file")
+    p.add_argument("--work", help="folder for the runs (default: a new temporary one)")
     p = parts.add_parser("recipe", help="docs/finetune.md's recipe and its exact-match rates")
     p.add_argument("--pretrain-iters", type=int, default=1000)
     p.add_argument("--work", help="folder for the runs (default: a new temporary one)")
@@ -211,7 +284,7 @@ def main() -> None:
     if args.part == "lora-step":
         print(json.dumps(lora_step(args.mode, args.steps)))
     else:
-        {"decode": decode, "lora": lora_table, "recipe": recipe}[args.part](args)
+        {"decode": decode, "lora": lora_table, "data": data, "recipe": recipe}[args.part](args)
 
 
 if __name__ == "__main__":

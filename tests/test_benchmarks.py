@@ -94,3 +94,20 @@ def test_bench_embed_ann_lexical_and_stream_tables():
     assert float(rows["graph, efSearch 256"][3]) >= 0.95, result.stdout  # ann.EF_SEARCH
     assert {"toolkit/lexical.py (Postings)", "bm25s.BM25.index"} <= set(rows), result.stdout
     assert int(rows["300"][1].replace(",", "")) > int(rows["75"][1].replace(",", "")) > 0
+
+
+def test_bench_prepare_memory_does_not_grow_with_the_input(tmp_path):
+    """tokenizer.py's peak RSS at 40 MB and at 160 MB of text differs by less than 60 MiB for the
+    inputs that were once held whole, which then grew by 90-420 MiB (a JSON array, a parquet row
+    group, a datasets folder, a text file)."""
+    kinds = ["json", "parquet-1-group", "datasets", "txt"]
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_prepare.py"),
+                             "--mb", "40", "160", "--kinds", *kinds, "--work-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rss = {(kind, float(mb)): float(peak.replace(",", "")) for kind, mb, peak in
+           re.findall(r"^\| (\S+) \| ([\d.]+) \| [\d.]+ \| [\d.]+ \| ([\d,]+) \|$", result.stdout,
+                      re.M)}
+    assert len(rss) == 2 * len(kinds), result.stdout
+    for kind in kinds:
+        assert rss[kind, 160] - rss[kind, 40] < 60, (kind, result.stdout)

@@ -1,7 +1,9 @@
 """A byte-level BPE trained here (tokenizer.py --tokenizer bpe) on mixed Chinese, English and code,
 and a model trained on its data, through every script: sampling, evaluation, fine-tuning,
 embeddings, HF export."""
+import argparse
 import json
+import lzma
 import random
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main
 from toolkit.checkpoint import load_checkpoint
+from toolkit import prepare
 from toolkit.model_sources import load_model
 from toolkit.prepare import default_corpus_documents
 from toolkit.tokenizers import (EOT_TEXT, TRAINING_RUN, Tokenizer, cut_long_runs, load_tokenizer,
@@ -311,3 +314,19 @@ def test_data_in_other_tokens_than_the_weights_names_how_to_prepare_it(bpe_model
     result = run_main("train.py", "--data-dir", char_data, "--init-from", exported,
                       "--out-dir", tmp_path / "b", "--block-size", "32")
     assert_one_line_error(result, f"--tokenizer-file {exported / 'tokenizer.json'}")
+
+
+def test_a_bpe_trains_on_a_bounded_sample_spread_over_the_input(tmp_path, monkeypatch):
+    """BPE training's memory grows with its text: it reads at most BPE_SAMPLE bytes (small here),
+    every k-th document, so the end of the input is in the sample as well as its start."""
+    monkeypatch.setattr(prepare, "BPE_SAMPLE", 10_000)
+    texts = [f"document {i:03d} " + "x" * 87 for i in range(1000)]  # 100 KB of text
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    args = argparse.Namespace(json_key="text", errors="strict", skip_bad_lines=False)
+    sample = list(prepare.bpe_sample([str(tmp_path / "in.jsonl")], args))
+    every = round((tmp_path / "in.jsonl").stat().st_size / 10_000)  # (of the input's bytes)
+    assert every == 11 and sample == texts[::every][:len(sample)]
+    assert 9_000 <= len("".join(sample)) < 10_100 and sample[-1] >= "document 900"
+    # a compressed input's size is unknown: its first 10,000 bytes
+    (tmp_path / "in.jsonl.xz").write_bytes(lzma.compress((tmp_path / "in.jsonl").read_bytes()))
+    assert list(prepare.bpe_sample([str(tmp_path / "in.jsonl.xz")], args)) == texts[:100]

@@ -6,6 +6,8 @@ import codecs
 import gzip
 import json
 import math
+import re
+import tracemalloc
 
 import datasets
 import numpy as np
@@ -17,10 +19,11 @@ import torch
 import zstandard
 
 from conftest import TINY_MODEL, assert_one_line_error, run_main, write_llmc_shard
-from toolkit import documents
+from toolkit import documents, records, textfiles
 from toolkit.checkpoint import load_checkpoint
-from toolkit.documents import ZstdReader, read_documents
+from toolkit.documents import read_documents
 from toolkit.model_sources import load_model
+from toolkit.textfiles import ZstdReader
 from toolkit.tokenizers import load_tokenizer
 
 ROWS = [f"第{i}条评论：质量不错，价格也便宜 😀 row {i} of the table,\n"
@@ -297,9 +300,9 @@ def test_a_parquet_row_group_that_expands_far_is_read_a_few_rows_at_a_time(tmp_p
     # 40 MB of text
     assert pq.ParquetFile(path).num_row_groups == 1 and path.stat().st_size < 1 << 20
     rows, peak = 0, 0
-    for pieces, _ in read_documents([str(path)]):
+    for text, _, ends in read_documents([str(path)]):
         rows, peak = rows + 1, max(peak, pa.total_allocated_bytes())
-        assert pieces == ["x" * 10_000]
+        assert text == "x" * 10_000 and ends
     assert rows == 4000 and peak < 12 << 20, peak  # the whole group would be 40 MB
 
 
@@ -364,10 +367,10 @@ def test_a_datasets_state_json_of_another_shape_is_one_line(tmp_path, data_files
     ("cut.jsonl.zst", lambda data: zstandard.ZstdCompressor().compress(data)[:100]),
 ])
 def test_line_readers_name_a_compressed_file_that_is_cut_or_corrupt(tmp_path, name, damage):
-    """finetune.py's, eval.py's and embed.py's inputs (documents.read_lines, json_lines)."""
+    """finetune.py's, eval.py's and embed.py's inputs (textfiles.read_lines, records.json_lines)."""
     path = tmp_path / name
     path.write_bytes(damage(b"".join(b'{"text": "line %d"}\n' % i for i in range(3000))))
-    reader = documents.json_lines if ".jsonl" in name else documents.read_lines
+    reader = records.json_lines if ".jsonl" in name else textfiles.read_lines
     with pytest.raises(documents.CLIError, match=f"cannot read .*{name}"):
         list(reader(str(path)))
 
@@ -378,4 +381,36 @@ def test_line_readers_say_a_table_is_one(tmp_path):
     path = tmp_path / "t.parquet"
     pq.write_table(pa.table({"text": ["a", "b"], "label": [0, 1]}), path)
     with pytest.raises(documents.CLIError, match="t.parquet is a table: this reads JSON lines"):
-        list(documents.json_lines(str(path)))
+        list(records.json_lines(str(path)))
+
+
+def test_a_json_array_is_read_an_item_at_a_time_wherever_a_read_ends(tmp_path, monkeypatch):
+    """alpaca_data.json's layout, read 7 bytes at a time here (a megabyte in use): every item as
+    json.loads gives it, on the line it starts on, whatever a read cuts (a number, an escape, a
+    character of three bytes); memory holds an item, not the file."""
+    monkeypatch.setattr(records, "ARRAY_READ", 7)
+    items = [{"text": "数据 \"quoted\" \\u00e9"}, 12345, -1.5e3, "a string", [1, [2, {}]], None,
+             True, {"n": 10**20, "e": "\u00e9😀"}, []]
+    path = tmp_path / "a.json"
+    path.write_text(codecs.BOM_UTF8.decode() + "[\n" + ",\n".join(
+        json.dumps(item, ensure_ascii=i % 2 == 0) for i, item in enumerate(items)) + "\n]\n")
+    assert list(records.json_array(str(path))) == [(i + 2, item) for i, item in enumerate(items)]
+    path.write_text("[ ]")
+    assert list(records.json_array(str(path))) == []
+    for text, fragment in (('[1, 2,]', "line 1: invalid JSON (Expecting value"),
+                           ('[{"a": 1}\n{"b": 2}]', "line 2: invalid JSON (expected ']')"),
+                           ('[1]\nx', "line 2: invalid JSON (extra data after the array)"),
+                           ('[1,\n\n{"a": tru}]', "line 3: invalid JSON (Expecting value"),
+                           ('[1, "never ends', "line 1: invalid JSON (Unterminated string"),
+                           ('[', "line 1: invalid JSON (Expecting value")):
+        path.write_text(text)
+        with pytest.raises(documents.CLIError, match=re.escape(f"{path} {fragment}")):
+            list(records.json_array(str(path)))
+    # a megabyte read at a time: 8 MB of items never sit in memory together
+    monkeypatch.setattr(records, "ARRAY_READ", 1 << 20)
+    path.write_text(json.dumps([{"text": "x" * 1000}] * 8000))
+    tracemalloc.start()
+    assert sum(1 for _ in records.json_array(str(path))) == 8000
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 4 << 20, peak

@@ -246,3 +246,16 @@ def test_what_gguf_cannot_hold_is_one_error_line(char_data, tmp_path):
     with pytest.raises(Exception, match="pre-tokenizer .* is not one llama.cpp knows"):
         save_gguf(tiny_gpt(vocab_size=600, **FAMILIES["qwen3"]), tmp_path / "bpe.gguf", facts)
     assert not (tmp_path / "bpe.gguf").exists()
+
+
+def test_a_context_length_past_gguf_s_32_bits_is_one_error_line(tmp_path):
+    """max_position_embeddings 10**12 (a rotary model reads, as transformers does): GGUF's context
+    length is a uint32, once a struct.error traceback."""
+    folder = llama3_folder(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["max_position_embeddings"] = 10**12
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    result = run_main("test.py", "--ckpt", folder, "--export-gguf", tmp_path / "big.gguf")
+    assert_one_line_error(result, "GGUF holds the context length as a 32-bit number",
+                          "1,000,000,000,000 positions")
+    assert not (tmp_path / "big.gguf").exists()

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from conftest import VOCAB, perturb, rel_err, tiny_gpt
+from conftest import VOCAB, perturb, rel_err, run_main, tiny_gpt
 from toolkit.chat import chat_prompt
 from toolkit.hf import load_gpt2, save_gpt2
 from toolkit.model_sources import load_model
@@ -120,3 +120,64 @@ def test_a_gpt2_folder_that_ships_a_chat_template_chats_in_it(tmp_path, gpt2_voc
     tok = load_tokenizer(facts)
     assert chat_prompt([{"role": "user", "content": "你好<|endoftext|>"}], tok) == [
         *tok.encode("user: 你好"), 50256, *tok.encode("hello")]
+
+
+@pytest.mark.parametrize("files", ["tokenizer.json", "vocab.json and merges.txt"])
+def test_a_gpt2_folder_of_its_own_vocabulary_samples_and_exports_as_transformers_does(tmp_path,
+                                                                                     files):
+    """A GPT-2 trained on another vocabulary ships it (tokenizer.json, or GPT2Tokenizer's
+    vocab.json and merges.txt): read as transformers reads it, the same ids and greedy text, and
+    exported, a folder transformers reads as the same tokenizer and model."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from toolkit.tokenizers import EOT_TEXT, train_bpe
+    texts = ["模型在这里读中文的句子。数据准备在平坦的内存中。", "The quick brown fox reads the "
+             "manual, then the model writes its own text."] * 20
+    bpe = HFTokenizer.from_str(train_bpe(texts, 300))
+    folder = tmp_path / "hf"
+    config = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=2,
+                                     n_head=2, bos_token_id=bpe.token_to_id(EOT_TEXT),
+                                     eos_token_id=bpe.token_to_id(EOT_TEXT))
+    torch.manual_seed(0)
+    perturb(transformers.GPT2LMHeadModel(config), std=0.3).save_pretrained(folder)
+    if files == "tokenizer.json":
+        transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOT_TEXT,
+                                             bos_token=EOT_TEXT).save_pretrained(folder)
+    else:
+        spec = json.loads(bpe.to_str())["model"]
+        (folder / "vocab.json").write_text(json.dumps(spec["vocab"]))
+        (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(
+            (m if isinstance(m, str) else " ".join(m)) + "\n" for m in spec["merges"]))
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    reference = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    model, facts = load_model(str(folder))
+    tok = load_tokenizer(facts)
+    assert facts["tokenizer"] == "bpe" and tok.eot_id == bpe.token_to_id(EOT_TEXT)
+    for text in ("模型读中文的句子。", "The fox writes text 123."):
+        assert tok.encode(text) == theirs(text)["input_ids"]
+    prompt = theirs("The model")["input_ids"]
+    free = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    sample = run_main("test.py", "--ckpt", folder, "--prompt", "The model", "--temperature", "0",
+                      "--max-new-tokens", "8", "--num-samples", "1", "--device", "cpu",
+                      "--dtype", "float32")
+    assert sample.returncode == 0, sample.stderr
+    assert sample.stdout.startswith("The model" + theirs.decode(free[0, len(prompt):]) + "\n")
+    exported = run_main("test.py", "--ckpt", folder, "--export-hf", tmp_path / "out")
+    assert exported.returncode == 0, exported.stderr
+    again = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert again("模型读中文。The fox.")["input_ids"] == theirs("模型读中文。The fox.")["input_ids"]
+    assert load_model(str(tmp_path / "out"))[1] == facts
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").state_dict()
+    assert all(torch.equal(back[k], v) for k, v in reference.state_dict().items())
+    if files == "tokenizer.json":  # data in its vocabulary, and training from the folder
+        (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                     for t in texts))
+        assert run_main("tokenizer.py", "--input", tmp_path / "docs.jsonl", "--tokenizer-file",
+                        folder / "tokenizer.json", "--append-eod", "--output-dir",
+                        tmp_path / "data").returncode == 0
+        trained = run_main("train.py", "--init-from", folder, "--data-dir", tmp_path / "data",
+                           "--out-dir", tmp_path / "run", "--max-iters", "2", "--block-size",
+                           "16", "--batch-size", "2", "--eval-interval", "2", "--eval-iters", "1",
+                           "--device", "cpu")
+        assert trained.returncode == 0, trained.stderr[-2000:]

@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import resource
 import shutil
 import signal
@@ -20,11 +21,14 @@ import time
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from conftest import (ROOT, TINY_MODEL, assert_one_line_error, fake_deepspeed_folder, run_main,
-                      run_script)
+from conftest import (ROOT, TINY_MODEL, assert_one_line_error, fake_deepspeed_folder,
+                      llama3_folder, run_main, run_script)
 from model import GPT, GPTConfig
+from toolkit import chat
 from toolkit.hf import save_gpt2
+from toolkit.tokenizers import Tokenizer
 from toolkit.writers import write_nanogpt
 
 
@@ -555,8 +559,9 @@ def test_genfile_generation_shows_tokens_done_and_time_left(run_dir, tmp_path):
     os.close(leader)
     assert proc.wait(timeout=120) == 0, shown.decode(errors="replace")
     text = shown.decode(errors="replace")
-    assert "sampling: 100%" in text and "60/60" in text, text
-    assert len((tmp_path / "g.jsonl").read_text().splitlines()) == 3
+    samples = [json.loads(line) for line in (tmp_path / "g.jsonl").read_text().splitlines()]
+    made = sum(sample["length"] + sample["finished"] for sample in samples)  # (end-of-text too)
+    assert "sampling: 100%" in text and f"{made}/{made}" in text and len(samples) == 3, text
 
 
 
@@ -705,11 +710,94 @@ def test_a_request_that_would_never_finish_shows_progress_and_ctrl_c_keeps_the_s
         return status, shown + proc.stderr.read().decode(errors="replace")
 
     status, shown = interrupted_once_sampling(tmp_path / "huge.jsonl", "1000000000")
-    assert status == 130 and "sampling:" in shown and "/1000000000000000" in shown, shown
     kept = [json.loads(line) for line in (tmp_path / "huge.jsonl").read_text().splitlines()]
+    # the total: 10**15 less what the samples that ended never made
+    total = int(re.findall(r"sampling:.*?/(\d+) ", shown)[-1])
+    assert status == 130 and 10**15 - 10**9 * len(kept) <= total <= 10**15, shown
     # only samples that ended (at end-of-text), each whole
     assert all(line["finished"] for line in kept)
     status, shown = interrupted_once_sampling(tmp_path / "short.jsonl", "4")
     assert status == 130 and "holds the samples finished before the interrupt" in shown, shown
     lines = [json.loads(line) for line in (tmp_path / "short.jsonl").read_text().splitlines()]
     assert lines and all(line["length"] <= 4 for line in lines)
+
+
+@pytest.mark.parametrize("jinja, fragment", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "it ran for over 0.5 s"),
+    ("{{ 'x' * 10**10 }}", "a sequence repeated beyond what a prompt can hold"),
+    ("{{ 'x'|center(10**10) }}", "a number past 16,777,216 given to a function"),
+    ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "it renders over 16,777,216"),
+])
+def test_a_downloaded_chat_template_that_never_ends_or_fills_memory_is_one_line(
+        gpt2_vocabulary, tmp_path, monkeypatch, jinja, fragment):
+    """A template is code from a download: rendering it has a time and a size limit (Jinja's
+    sandbox bounds range() alone; nested loops once rendered forever, 'x' * 10**10 took
+    gigabytes)."""
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.5)
+    save_gpt2(GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)),
+              str(tmp_path))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": jinja}))
+    began = time.monotonic()
+    result = run_main("test.py", "--ckpt", tmp_path, "--chat", "--max-new-tokens", "2",
+                      "--device", "cpu", input="hi\n")
+    assert_one_line_error(result, "the model's chat template fails: " + fragment)
+    assert time.monotonic() - began < 30
+
+
+def llama_folder_with(tmp_path, config_change: dict | None = None, weights_change=None) -> str:
+    """conftest's tiny Llama 3.2 folder with its config.json and its weights changed."""
+    folder = llama3_folder(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **(config_change or {})}))
+    if weights_change:
+        weights = load_file(tmp_path / "hf" / "model.safetensors")
+        weights_change(weights)
+        save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"rope_theta": -10000.0, "rope_parameters": None},
+     "rope_theta must be a finite number above 0"),
+    ({"rope_theta": 0, "rope_parameters": None}, "rope_theta must be a finite number above 0"),
+    ({"rope_theta": float("nan"), "rope_parameters": None}, "rope_theta must be a finite number"),
+    ({"rms_norm_eps": -1}, "norm_eps must be a finite number of at least 0, got -1"),
+])
+def test_a_config_that_would_sample_garbage_or_nan_is_refused(tmp_path, change, fragment):
+    """Once these sampled garbage or NaN logits and exited 0."""
+    folder = llama_folder_with(tmp_path, change)
+    assert_one_line_error(run_main("test.py", "--ckpt", folder, "--max-new-tokens", "2",
+                                   "--num-samples", "1", "--device", "cpu"), fragment)
+
+
+def test_a_tied_head_that_differs_from_the_embedding_is_refused(tmp_path):
+    """tie_word_embeddings true and another lm_head.weight in the file: once the file's head was
+    dropped without a word (and the samples differed from transformers')."""
+    def other_head(weights):
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"] + 1.0
+    folder = llama_folder_with(tmp_path / "llama", weights_change=other_head)
+    fragment = "ties the head to the token embedding (tie_word_embeddings true) but its lm_head"
+    assert_one_line_error(run_main("test.py", "--ckpt", folder, "--max-new-tokens", "2",
+                                   "--device", "cpu"), fragment)
+    # GPT-2's (always tied): the same
+    save_gpt2(GPT(GPTConfig(block_size=16, vocab_size=257, n_layer=1, n_head=2, n_embd=16)),
+              str(tmp_path / "gpt2"), tokenizer=Tokenizer("byte").facts())
+    weights = load_file(tmp_path / "gpt2" / "model.safetensors")
+    weights["lm_head.weight"] = weights["transformer.wte.weight"] * 2
+    save_file(weights, tmp_path / "gpt2" / "model.safetensors", metadata={"format": "pt"})
+    assert_one_line_error(run_main("test.py", "--ckpt", tmp_path / "gpt2", "--max-new-tokens",
+                                   "2", "--device", "cpu"), fragment)
+
+
+def test_a_weights_shard_that_is_a_named_pipe_is_refused(tmp_path):
+    """A shard listed in model.safetensors.index.json that is a FIFO once blocked test.py forever
+    (and SIGTERM with it)."""
+    folder = llama_folder_with(tmp_path)
+    os.rename(tmp_path / "hf" / "model.safetensors", tmp_path / "hf" / "real.safetensors")
+    os.mkfifo(tmp_path / "hf" / "model-00001-of-00001.safetensors")
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}))
+    assert_one_line_error(run_main("test.py", "--ckpt", folder, "--max-new-tokens", "2",
+                                   "--device", "cpu"), "is a pipe or a device, not a weights shard")

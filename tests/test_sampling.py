@@ -1,5 +1,6 @@
 """test.py and toolkit/sampling.py: sampling from checkpoints and HF directories, streaming,
 interactive prompts, JSONL output that is whole or absent."""
+import argparse
 import json
 import os
 import resource
@@ -12,11 +13,12 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, assert_one_line_error, run_main
+from conftest import ROOT, assert_one_line_error, run_main, tiny_gpt
 from model import GPT, GPTConfig
 from toolkit.checkpoint import save_checkpoint
 from toolkit.hf import save_gpt2
-from toolkit.tokenizers import load_tokenizer
+from toolkit.sampling import Sampler, add_sampling_arguments
+from toolkit.tokenizers import Tokenizer, load_tokenizer
 
 SAMPLE = ["--device", "cpu", "--max-new-tokens", "24"]
 
@@ -231,3 +233,24 @@ def test_a_genfile_that_cannot_be_written_is_one_line_and_leaves_no_partial_file
     assert_one_line_error(result, f"cannot write {genfile}", "file size limit",
                           "nothing was replaced")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_counts_generated_tokens_not_the_ones_ended_samples_never_made():
+    """Samples that end at end-of-text at once: the bar counts the tokens made (one each) and its
+    total shrinks to them, so the rate is that of real tokens (it once counted every sample as
+    --max-new-tokens long: billions of tokens a second)."""
+    tok = Tokenizer("byte")
+    model = tiny_gpt(vocab_size=tok.vocab_size)
+    with torch.no_grad():  # every position's logits: end-of-text's alone is positive
+        model.lm_head.weight = torch.nn.Parameter(torch.zeros_like(model.lm_head.weight))
+        model.lm_head.weight[tok.eot_id] = 1.0
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.fill_(1.0)
+    parser = argparse.ArgumentParser()
+    add_sampling_arguments(parser)
+    args = parser.parse_args(["--num-samples", "6", "--batch-size", "4", "--max-new-tokens",
+                              "1000000000", "--temperature", "0", "--device", "cpu",
+                              "--no-stream"])
+    sampler = Sampler(model, tok, args, None)
+    sampler.sample("")
+    assert sampler.progress.n == sampler.progress.total == 6

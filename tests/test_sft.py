@@ -7,7 +7,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tracemalloc
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -16,8 +18,7 @@ from conftest import ROOT, assert_one_line_error, gguf_logits, rel_err, run_main
 from model import GPT, GPTConfig
 from toolkit import lora
 from toolkit.chat import (CHAT_TOKENS, add_chat_tokens, chat_prompt, encode_conversation,
-                          encode_conversations, export_template, fit_history, messages_of,
-                          pad_conversations, render)
+                          export_template, fit_history, messages_of, pad_conversations, render)
 from toolkit.checkpoint import load_checkpoint
 from toolkit.distributed import free_port
 from toolkit.files import fingerprint
@@ -27,7 +28,8 @@ from toolkit.gpt2_vocab import GPT2_FACTS
 from toolkit.hf import save_gpt2
 from toolkit.hf_llama import save_llama
 from toolkit.model_sources import load_model
-from toolkit.tokenizers import load_tokenizer
+from toolkit.sft import PackedConversations, read_packed
+from toolkit.tokenizers import Tokenizer, load_tokenizer
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # not about learning
@@ -95,8 +97,11 @@ def test_the_loss_covers_exactly_the_assistant_tokens_and_their_end(pretrained):
     # too long: cut at block_size + 1 tokens; left out when no assistant token remains
     [cut] = encode_conversation(messages, tok, block_size=30)
     assert cut.cut and len(cut.ids) == 31 and cut.ids == c.ids[:31]
-    kept, left_out = encode_conversations([(1, messages), (2, messages)], tok, block_size=12)
-    assert kept == [] and left_out == 2
+    packed = PackedConversations()
+    for _ in range(2):
+        packed.add(encode_conversation(messages, tok, block_size=12))
+    kept, left_out, cut = packed.select(np.ones(2, bool))
+    assert len(kept) == 0 and left_out == 2 and cut == 0
     # the history of a chat drops its oldest turns first, never the system turn
     fitted, dropped = fit_history(messages, tok,
                                   room=len(chat_prompt(messages[:1] + messages[3:], tok)))
@@ -341,10 +346,37 @@ def test_alpaca_and_sharegpt_files_train_as_their_messages_do(pretrained, chats,
     assert messages_of(alpaca) == [{"role": "system", "content": "简短回答。"},
                                    {"role": "user", "content": "翻译成英文\n数据放在哪里？"},
                                    {"role": "assistant", "content": "Where is the data?"}]
-    (tmp_path / "bad.json").write_text(json.dumps([alpaca, {"instruction": "no output"}], indent=2))
+    # (in the model's characters: each record is encoded as it is read)
+    english = {"instruction": "Where is the data?", "input": "", "output": "Here."}
+    (tmp_path / "bad.json").write_text(json.dumps([english, {"instruction": "no output"}],
+                                                  indent=2))
     assert_one_line_error(run_main("finetune.py", *args, "--train", tmp_path / "bad.json",
                                    "--out-dir", tmp_path / "bad"),
-                          f"{tmp_path / 'bad.json'} line 8: expected")
+                          f"{tmp_path / 'bad.json'} line 7: expected")
+
+
+def test_sft_data_takes_the_memory_of_its_token_arrays(tmp_path):
+    """An alpaca .json array is encoded as it is read into flat arrays: reading 4,000 records of
+    300 characters peaks within 2x their token arrays (held as Python lists of dicts and of ints,
+    such data once took 19x its file)."""
+    tok = Tokenizer("byte")
+    add_chat_tokens(GPT(GPTConfig(block_size=16, vocab_size=257, n_layer=1, n_head=1, n_embd=8)),
+                    tok)
+    words = "".join(f"word{i} " for i in range(200_000))
+    records = [{"instruction": words[i * 300:i * 300 + 100], "input": "",
+                "output": words[i * 300 + 100:i * 300 + 300]} for i in range(4000)]
+    (tmp_path / "a.json").write_text(json.dumps(records, indent=1))
+    del records, words
+    tracemalloc.start()
+    packed = read_packed(str(tmp_path / "a.json"), tok, 512)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    kept, left_out, cut = packed.select(np.ones(packed.records, bool))
+    template = len(encode_conversation(messages_of({"instruction": "a", "output": "b"}), tok,
+                                       512)[0].ids) - 2
+    assert (len(kept), left_out, cut) == (4000, 0, 0) and len(kept[3999].ids) == 300 + template
+    arrays = len(packed.tokens) * 5 + len(kept) * 22  # ids, flags; each sequence's start, ...
+    assert peak < 2 * arrays, (peak, arrays)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -358,6 +390,11 @@ def test_alpaca_and_sharegpt_files_train_as_their_messages_do(pretrained, chats,
     ({"messages": [{"role": "assistant", "content": 3}]},
      "line 2: message 0 (assistant) has content that is not"),
     ({"prompt": "hi"}, 'line 2: expected {"messages"'),
+    # ShareGPT's "from" as a list or an object (once a TypeError traceback: unhashable)
+    ({"conversations": [{"from": ["human"], "value": "hi"}, {"from": "gpt", "value": "b"}]},
+     "line 2: message 0 has the unknown role ['human']"),
+    ({"conversations": [{"from": {"who": "human"}, "value": "hi"}]},
+     "line 2: message 0 has the unknown role {'who': 'human'}"),
 ])
 def test_a_bad_conversation_is_one_line_and_writes_nothing(line, message, pretrained, tmp_path):
     path = tmp_path / "bad.jsonl"

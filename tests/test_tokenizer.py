@@ -20,7 +20,7 @@ import pytest
 import tiktoken
 
 import conftest
-from toolkit import gpt2_vocab, prepare
+from toolkit import documents, gpt2_vocab, prepare
 from toolkit.cli import CLIError
 from toolkit.data import load_corpus
 from toolkit.documents import input_files
@@ -594,6 +594,42 @@ def test_one_text_file_is_split_by_tokens(tmp_path, seed):
     val = np.fromfile(out / "val.bin", dtype=np.uint16)
     assert len(val) == int(len(text) * 0.1)
     assert bytes(np.concatenate([train, val]).astype(np.uint8)) == text.encode()  # val is the tail
+
+
+@pytest.mark.parametrize("fmt", ["nanogpt", "megatron", "llmc"])
+def test_a_text_file_streams_in_pieces_with_the_ids_of_the_whole(r50k, tmp_path, monkeypatch,
+                                                                  fmt):
+    """A text file of any size is one document read a block at a time and tokenized a chunk at a
+    time (both small here, two workers for Megatron's): GPT-2's ids of the whole text, one
+    end-of-text, one document, as when it was held whole."""
+    monkeypatch.setattr(documents, "BLOCK", 4096)
+    big = "\n".join(documents_text(80, seed=3)) + "\n数据在平坦的内存中。\n" * 50
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text(big)
+    (tmp_path / "in" / "b.txt").write_text("a second, small document")
+    source = tmp_path / "in" / ("a.txt" if fmt == "nanogpt" else "")
+    where = ["--output-prefix", str(tmp_path / "out" / "p")] if fmt == "megatron" else \
+        ["--output-dir", str(tmp_path / "out")]
+    result = run_script("--input", str(source), "--format", fmt, *where, "--chunk-mb", "0.001",
+                        *["--append-eod"] * (fmt != "llmc"),
+                        *["--workers", "2"] * (fmt == "megatron"))
+    assert result.returncode == 0, result.stderr
+    ids = [r50k.encode_ordinary(text) for text in (big, "a second, small document")]
+    assert len(big.encode()) > 10 * 4096
+    if fmt == "nanogpt":
+        train, val = (np.fromfile(tmp_path / "out" / name, np.uint16).tolist()
+                      for name in ("train.bin", "val.bin"))
+        meta = json.load(open(tmp_path / "out" / "meta.json"))
+        assert train + val == ids[0] + [50256] and meta["documents"] == 1
+        assert len(val) == int(len(train + val) * 0.1)
+    elif fmt == "megatron":
+        _, read_back = read_megatron(str(tmp_path / "out" / "p_text_document"))
+        assert [list(d) for d in read_back] == [ids[0] + [50256], ids[1] + [50256]]
+    else:
+        meta = json.load(open(tmp_path / "out" / "meta.json"))
+        tokens = [np.fromfile(tmp_path / "out" / name, np.uint16, offset=1024).tolist()
+                  for name in meta["shards"]]  # (the val shard first, the start of the text)
+        assert sum(tokens, []) == [50256] + ids[0] + [50256] + ids[1] and meta["documents"] == 2
 
 
 def test_an_output_folder_in_the_way_of_a_file_is_one_line(tmp_path):

@@ -72,20 +72,26 @@ def rank_share(n: int) -> np.ndarray:
 
 def train_and_val(cfg, read: Callable[[str], list]) -> tuple[list, list]:
     """The training and validation examples of a fine-tuning: read from cfg.train and cfg.val, or
-    without cfg.val a cfg.val_fraction share of cfg.train held out, drawn from cfg.seed alone (the
-    same on every rank and on resume), as HF's validation_split_percentage does."""
+    without cfg.val a held_out share of cfg.train."""
     train = read(cfg.train)
     if cfg.val:
         return train, read(cfg.val)
-    held = max(1, round(len(train) * cfg.val_fraction))
-    if held >= len(train):
-        raise CLIError(f"{cfg.train} has {len(train)} examples, too few to hold "
+    is_val = held_out(cfg, len(train))
+    return [x for x, v in zip(train, is_val) if not v], [x for x, v in zip(train, is_val) if v]
+
+
+def held_out(cfg, n: int) -> np.ndarray:
+    """Which of cfg.train's n examples are held out for validation: a cfg.val_fraction share drawn
+    from cfg.seed alone (the same on every rank and on resume), as HF's
+    validation_split_percentage does."""
+    held = max(1, round(n * cfg.val_fraction))
+    if held >= n:
+        raise CLIError(f"{cfg.train} has {n} examples, too few to hold "
                        f"{cfg.val_fraction:.0%} out for validation; give --val")
     if distributed.rank() == 0:
-        print(f"validation: {held} of the {len(train)} examples of {cfg.train} held out "
+        print(f"validation: {held} of the {n} examples of {cfg.train} held out "
               f"(--val-fraction {cfg.val_fraction}; or give --val)")
-    rng = np.random.Generator(np.random.PCG64([cfg.seed, len(train)]))
-    chosen = rng.permutation(len(train))[:held]
-    is_val = np.zeros(len(train), bool)
-    is_val[chosen] = True
-    return [x for x, v in zip(train, is_val) if not v], [x for x, v in zip(train, is_val) if v]
+    rng = np.random.Generator(np.random.PCG64([cfg.seed, n]))
+    is_val = np.zeros(n, bool)
+    is_val[rng.permutation(n)[:held]] = True
+    return is_val

@@ -21,21 +21,27 @@ generation prompt (own_template_pieces).
 """
 import functools
 import json
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 
 import jinja2
 import torch
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from model import GPT
 from toolkit.cli import CLIError
-from toolkit.documents import json_lines
 from toolkit.files import parse_json
 from toolkit.tokenizers import Tokenizer, add_tokens, load_tokenizer
 
 ROLES = ("system", "user", "assistant")
+# a downloaded template's bounds: no chat prompt takes a second or a million characters to render
+RENDER_SECONDS = 10.0
+RENDER_CHARS = 1 << 24
 END = "<|end|>"
 CHAT_TOKENS = (*(f"<|{role}|>" for role in ROLES), END)
 # the template in Jinja, for the exports: HF's apply_chat_template and llama.cpp's chat then lay a
@@ -113,7 +119,7 @@ def messages_of(record) -> list[dict]:
         if not is_message:
             raise ValueError(f"message {i} is not an object with role and content")
         if message["role"] not in ROLES:
-            raise ValueError(f"message {i} has the unknown role {message['role']!r} (roles: "
+            raise ValueError(f"message {i} has the unknown role {message['role']!r:.80} (roles: "
                              f"{', '.join(ROLES)})")
         if not isinstance(message["content"], str):
             raise ValueError(f"message {i} ({message['role']}) has content that is not a string")
@@ -139,26 +145,14 @@ def as_messages(record: dict) -> dict:
         turns = [{"role": "user", "content": question},
                  {"role": "assistant", "content": record["output"]}]
     elif isinstance(record.get("conversations"), list):
-        turns = [{"role": SHAREGPT_ROLES.get(t.get("from"), t.get("from")),
+        # (a "from" that is not a string stays as it is: its message's role is then refused)
+        turns = [{"role": SHAREGPT_ROLES.get(t.get("from"), t.get("from"))
+                  if isinstance(t.get("from"), str) else t.get("from"),
                   "content": t.get("value")} if isinstance(t, dict) else t
                  for t in record["conversations"]]
     else:
         return record
     return {"messages": system + turns}
-
-
-def read_conversations(path: str) -> list[tuple[int, list[dict]]]:
-    """(line number, messages) of each non-blank JSON line (or item of one JSON array); a problem
-    names the file and line."""
-    conversations = []
-    for number, record in json_lines(path):
-        try:
-            conversations.append((number, messages_of(record)))
-        except ValueError as e:
-            raise CLIError(f"{path} line {number}: {e}") from None
-    if not conversations:
-        raise CLIError(f"{path} has no conversations")
-    return conversations
 
 
 # ----- the template -----
@@ -234,20 +228,6 @@ def text_pieces(pieces: list[tuple[str, bool]],
     return [(tokenizer.encode_with_special_tokens(text), learnt) for text, learnt in pieces if text]
 
 
-def encode_conversations(conversations: list[tuple[int, list[dict]]], tokenizer: Tokenizer,
-                         block_size: int) -> tuple[list[Conversation], int]:
-    """The training sequences that keep an assistant token after the cut, and the number left out;
-    a conversation the template cannot lay out is a ValueError naming its line."""
-    encoded = []
-    for number, messages in conversations:
-        try:
-            encoded += encode_conversation(messages, tokenizer, block_size)
-        except (ValueError, CLIError) as e:  # (a template's own error is a CLIError)
-            raise ValueError(f"line {number}: {e}") from None
-    kept = [c for c in encoded if any(c.trained[1:])]
-    return kept, len(encoded) - len(kept)
-
-
 def pad_conversations(conversations: list[Conversation],
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(idx, targets) right-padded to the longest: each position's target is the next token where
@@ -311,15 +291,90 @@ def render(template: dict, messages: list[dict], prompt: bool = True,
            variables: dict | None = None) -> str:
     """The text apply_chat_template(messages, add_generation_prompt=prompt, **variables) gives: the
     template runs in Jinja's immutable sandbox (it is code from a download), with what transformers
-    adds to it."""
+    adds to it, within RENDER_SECONDS and RENDER_CHARS (BoundedSandbox)."""
     tokens = {key: template[key] for key in ("bos_token", "eos_token") if template.get(key)}
     jinja = compiled(template["jinja"])
+    pieces, size = [], 0
     try:
-        return jinja.render(messages=messages, tools=None, documents=None,
-                            add_generation_prompt=prompt, **{**tokens, **(variables or {})})
+        with time_limit(RENDER_SECONDS):
+            for piece in jinja.generate(messages=messages, tools=None, documents=None,
+                                        add_generation_prompt=prompt,
+                                        **{**tokens, **(variables or {})}):
+                pieces.append(piece)
+                size += len(piece)
+                if size > RENDER_CHARS:
+                    raise SecurityError(f"it renders over {RENDER_CHARS:,} characters")
     except Exception as e:  # the template's raise_exception, a sandbox refusal, a bad expression
         raise CLIError("the model's chat template fails: "
                        f"{' '.join(str(e).split())[:200]}") from None
+    return "".join(pieces)
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """A TimeoutError when the block runs longer (SIGALRM: in the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"it ran for over {seconds:g} s (a loop without end?)")
+
+    before = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
+class BoundedSandbox(ImmutableSandboxedEnvironment):
+    """Jinja's sandbox bounds range() but not what one operation may build: 'x' * 10**10 takes
+    gigabytes in a second, 10 ** 10 ** 10 never ends. Here `*` and `**` and every call and filter
+    are refused arguments that would build more than RENDER_CHARS items."""
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator: str, left, right):
+        if operator == "**" and is_number(right) and abs(right) > 64 and is_number(left) and \
+                abs(left) > 1:
+            raise SecurityError(f"{left!r:.20} ** {right!r:.20} is too large")
+        if operator == "*" and too_long(left, right):
+            raise SecurityError("a sequence repeated beyond what a prompt can hold")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's signature)
+        check_sizes(args, kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def too_long(left, right) -> bool:
+    """Whether left * right repeats a sequence to more than RENDER_CHARS items."""
+    for sequence, times in ((left, right), (right, left)):
+        if isinstance(sequence, (str, list, tuple)) and is_number(times) and \
+                len(sequence) * times > RENDER_CHARS:
+            return True
+    return False
+
+
+def check_sizes(args: tuple, kwargs: dict) -> None:
+    """A number past RENDER_CHARS given to a function or a filter (a width, a count) is refused."""
+    if any(is_number(value) and abs(value) > RENDER_CHARS
+           for value in (*args, *kwargs.values())):
+        raise SecurityError(f"a number past {RENDER_CHARS:,} given to a function")
+
+
+def bounded(function):
+    """A filter that refuses a number past RENDER_CHARS (check_sizes)."""
+    @functools.wraps(function)
+    def checked(*args, **kwargs):
+        check_sizes(args[1:], kwargs)  # (its first argument is the value filtered)
+        return function(*args, **kwargs)
+    return checked
 
 
 @functools.lru_cache(maxsize=4)
@@ -327,14 +382,15 @@ def compiled(jinja: str) -> jinja2.Template:
     """The environment of transformers' chat templates (chat_template_utils.py): blocks trimmed,
     {% break %}, {% generation %}, raise_exception, strftime_now, and a tojson that keeps non-ASCII
     text."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols, GenerationBlock])
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                         extensions=[loopcontrols, GenerationBlock])
     env.filters["tojson"] = (
         lambda value, ensure_ascii=False, indent=None, separators=None, sort_keys=False:
         json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                    sort_keys=sort_keys))
     env.globals.update(raise_exception=raise_template_error,
                        strftime_now=lambda format: datetime.now().strftime(format))
+    env.filters = {name: bounded(f) for name, f in env.filters.items()}
     try:
         return env.from_string(jinja)
     except jinja2.TemplateError as e:

@@ -30,7 +30,7 @@ import torch
 from model import GPT, GPTConfig, check_config
 from toolkit.cli import CLIError, first_line
 from toolkit.device import check_memory
-from toolkit.files import atomic_write, read_json
+from toolkit.files import atomic_write, read_json, require_file
 
 CHECKPOINT_FILE = "ckpt.pt"
 STATE_KEYS = ("model_config", "train_config", "tokenizer", "iter_num", "best_val_loss", "history")
@@ -251,6 +251,17 @@ def read_weights_file(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_tied_head(head: torch.Tensor | None, embedding: torch.Tensor | None, path: str) -> None:
+    """A config that ties the head to the token embedding (tie_word_embeddings), in a folder whose
+    lm_head.weight differs from it: which of the two a loader keeps depends on the loader, so the
+    folder is refused rather than read as one of them."""
+    if head is not None and embedding is not None and not (
+            head.shape == embedding.shape and torch.equal(head.float(), embedding.float())):
+        raise CLIError(f"{path}: its config ties the head to the token embedding "
+                       "(tie_word_embeddings true) but its lm_head.weight differs from it; remove "
+                       "lm_head.weight, or untie them in config.json (Llama and Qwen3)")
+
+
 def read_weights(path: str) -> dict[str, torch.Tensor]:
     """A weights file, or a folder holding one or indexed shards, as HF and zero_to_fp32 write."""
     if os.path.isfile(path):
@@ -265,6 +276,8 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
             for shard in sorted(set(weight_map.values())):
                 if os.path.basename(shard) != shard:
                     raise CLIError(f"{index} names a shard outside its folder: {shard}")
+                # (a named pipe would block the read forever)
+                require_file(os.path.join(path, shard), f"weights shard listed in {index}")
                 state.update(read_weights_file(os.path.join(path, shard)))
             return state
     for name in WEIGHT_FILES:

@@ -15,7 +15,7 @@ from toolkit.checkpoint import CHECKPOINT_FILE, run_state
 from toolkit.cli import CLIError
 from toolkit.config import RunConfig, settle_run
 from toolkit.device import describe, run_device
-from toolkit.documents import json_records
+from toolkit.records import json_records
 from toolkit.embedding import (POOLINGS, embed, encoder_identity, load_encoder, read_corpus,
                                text_room, token_ids)
 from toolkit.files import check_output, claim_out_dir, refuse_existing

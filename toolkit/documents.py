@@ -1,85 +1,36 @@
 """Reading documents: a plain text file is one document, and so is a JSON line (or an item of a
 .json file that holds one JSON array), or a row of a parquet or arrow file (the text under
 --json-key); folders are walked in a fixed order, and one that HF `datasets` wrote (save_to_disk) is
-read as its arrow files; .gz, .bz2, .xz and .zst files are decompressed on the fly. The same rows
-give the same documents whatever holds them. tokenizer.py streams its input from here
-(read_documents); embed.py's corpus of texts with ids (toolkit/embedding.py) reads its files here.
-A leading UTF-8 byte-order mark (Windows editors write one) is no text.
+read as its arrow files; compressed files are read as toolkit/textfiles.py opens them. The same
+rows give the same documents whatever holds them, streamed in pieces of bounded size: a text file
+of any size is one document that never has to fit in memory. tokenizer.py streams its input from
+here (read_documents); embed.py's corpus of texts with ids (toolkit/embedding.py) reads its files
+here.
 """
-import bz2
 import codecs
 import fnmatch
-import gzip
-import io
-import json
-import lzma
 import os
-import re
-import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import zstandard
 
 from toolkit.cli import CLIError
-from toolkit.files import parse_json, read_json, require_file
+from toolkit.files import parse_json, read_json
+from toolkit.records import RECORD_LIMIT, ArrayItems, holds_json_array, missing_key
+from toolkit.textfiles import COMPRESSED, READ_ERRORS, TABLES, open_binary, without_compression
 from toolkit.tokenizers import CUT
 
 
-class ZstdReader(io.RawIOBase):
-    """A .zst file's bytes, frame after frame, with bounded memory: compressed input goes in STEP
-    bytes at a time, and zstd makes at most ~32,000 bytes of one (a 128 KiB block of one repeated
-    byte takes 4), so a step yields at most ~32 MB, however the file was made. One that ends inside
-    a frame raises EOFError, as a truncated .gz does (zstandard's own reader would end there
-    quietly)."""
-
-    STEP = 1 << 10
-
-    def __init__(self, path: str):
-        self.file, self.pending, self.at, self.unused = open(path, "rb"), b"", 0, b""
-        self.frame, self.started = zstandard.ZstdDecompressor().decompressobj(), False
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        while self.at == len(self.pending):
-            data, self.unused = self.unused or self.file.read(self.STEP), b""
-            if not data:
-                if self.started and not self.frame.eof:
-                    raise EOFError("the file ends inside a zstd frame (truncated)")
-                return 0
-            if self.frame.eof:  # the next frame (which may start exactly where a step does)
-                self.frame = zstandard.ZstdDecompressor().decompressobj()
-            self.pending, self.at, self.started = self.frame.decompress(data), 0, True
-            if self.frame.eof:
-                self.unused = self.frame.unused_data
-        # (an offset: slicing off the front would copy the rest of the block on every read)
-        n = min(len(buffer), len(self.pending) - self.at)
-        buffer[:n] = self.pending[self.at:self.at + n]
-        self.at += n
-        return n
-
-    def close(self) -> None:
-        self.file.close()
-        super().close()
-
-
-COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open,
-              ".zst": lambda path, mode: io.BufferedReader(ZstdReader(path))}
-TABLES = (".parquet", ".arrow")  # a row a document, the text in one column
 BLOCK = 1 << 24  # a text file is read and decoded 16 MB at a time
-RECORD_LIMIT = 1 << 28  # the bytes of one JSON line (a record, held whole to parse it): 256 MiB
+PARQUET_BUFFER = 1 << 20  # the bytes of a parquet column read at once
 # the characters of text with no place where the tokenizers split (CUT): 64 Mi
 UNCUT_LIMIT = 1 << 26
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
-BETWEEN_ITEMS = re.compile(r"[\s,]*")  # of a JSON array
 STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # arrow IPC's end-of-stream marker
-# what reading a (compressed) file raises when it is unreadable, corrupt or cut short
-READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError)
+
 
 
 @dataclass
@@ -159,24 +110,27 @@ def saved_dataset_files(folder: str) -> list[str]:
 
 
 def table_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
-                    stats: ReadStats) -> Iterator[tuple[list[str], int]]:
-    """([text], input bytes) of each row of a parquet file (256 rows at a time) or an arrow file (a
-    record batch at a time, the file or the stream format): the column named key."""
+                    stats: ReadStats) -> Iterator[tuple[str, int, bool]]:
+    """(text, input bytes, True) of each row of a parquet file (256 rows at a time) or an arrow file
+    (a record batch at a time, the file or the stream format): the column named key. Both are read,
+    not memory-mapped, and a parquet column a page at a time: memory holds one batch."""
     try:
         if path.endswith(".parquet"):
-            table = pq.ParquetFile(path)
+            # streamed a buffer at a time, not a row group's column at once (one group may be
+            # the whole file)
+            table = pq.ParquetFile(path, buffer_size=PARQUET_BUFFER, pre_buffer=False)
             columns, sizes = table.schema_arrow.names, \
                 os.path.getsize(path) / max(1, table.metadata.num_rows)
             # batches of rows, not whole row groups: one group may expand to gigabytes
             # (lazily: the key is checked first)
             batches = table.iter_batches(batch_size=256, columns=[key])
         else:
-            source = pa.memory_map(path)
+            source = pa.OSFile(path)  # (a memory map's pages would stay in RSS as it is read)
             try:
                 reader = pa.ipc.open_file(source)
                 batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
             except pa.ArrowInvalid:  # the stream format, as datasets writes it
-                reader = pa.ipc.open_stream(pa.memory_map(path))
+                reader = pa.ipc.open_stream(pa.OSFile(path))
                 batches = iter(reader)
                 # a stream cut between two batches reads as a shorter one: only its end tells
                 if source.size() < 8 or source.read_at(8, source.size() - 8) != STREAM_END:
@@ -201,7 +155,7 @@ def table_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
                 if text is None:
                     stats.bad_lines += 1
                     continue
-                yield [text], sizes or len(text)
+                yield text, sizes or len(text), True
     except (pa.ArrowException, OSError) as e:  # not parquet or arrow, corrupt, truncated
         raise CLIError(f"cannot read {path}: {' '.join(str(e).split())[:200]}") from None
 
@@ -228,15 +182,6 @@ def text_column(column: pa.Array, path: str, key: str) -> pa.Array:
     return column.cast(pa.large_string())
 
 
-def without_compression(path: str) -> str:
-    base, suffix = os.path.splitext(path)
-    return base if suffix in COMPRESSED else path
-
-
-def open_binary(path: str):
-    return COMPRESSED.get(os.path.splitext(path)[1], open)(path, "rb")
-
-
 def is_json_lines(path: str) -> bool:
     return without_compression(path).endswith(JSON_SUFFIXES)
 
@@ -248,8 +193,8 @@ def invalid_utf8(path: str, offset: int, where: str = "") -> CLIError:
 
 
 def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
-                   stats: ReadStats) -> Iterator[tuple[list[str], int]]:
-    """([text], input bytes) of each JSON line: the string under key."""
+                   stats: ReadStats) -> Iterator[tuple[str, int, bool]]:
+    """(text, input bytes, True) of each JSON line: the string under key."""
     if holds_json_array(path):
         yield from array_documents(path, key, errors, skip_bad_lines, stats)
         return
@@ -276,23 +221,23 @@ def json_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
                 skip_or_raise(e, skip_bad_lines, stats)
                 continue
             del text
-            yield [unicode_text(document, where, errors)], size
+            yield unicode_text(document, where, errors), size, True
 
 
 def array_documents(path: str, key: str, errors: str, skip_bad_lines: bool,
-                    stats: ReadStats) -> Iterator[tuple[list[str], int]]:
-    """json_documents' for a file of one JSON array (json_array), each item an equal share of its
-    bytes."""
-    items = list(json_array(path))
-    share = os.path.getsize(path) // max(1, len(items))
+                    stats: ReadStats) -> Iterator[tuple[str, int, bool]]:
+    """json_documents' for a file of one JSON array (json_array), each item the bytes read for
+    it."""
+    items, counted = ArrayItems(path), 0
     for number, value in items:
+        share, counted = items.read_bytes - counted, items.read_bytes
         where = f"{path} line {number}"
         try:
             document = document_text(value, key, where)
         except CLIError as e:
             skip_or_raise(e, skip_bad_lines, stats)
             continue
-        yield [unicode_text(document, where, errors)], share
+        yield unicode_text(document, where, errors), share, True
 
 
 def document_text(value, key: str, where: str) -> str:
@@ -325,13 +270,12 @@ def skip_or_raise(error: CLIError, skip_bad_lines: bool, stats: ReadStats) -> No
     stats.bad_lines += 1
 
 
-def text_pieces(f, path: str, errors: str) -> tuple[list[str], int]:
-    """A text file's text as pieces of about BLOCK bytes each, cut where every tokenizer splits
-    anyway (tokenizers.CUT), and its size in bytes. Read and decoded a block at a time, so the
-    file's bytes and its whole text never share memory (a Python string of text with one non-ASCII
-    character takes two bytes a character)."""
+def text_pieces(f, path: str, errors: str) -> Iterator[tuple[str, int, bool]]:
+    """A text file's text as (piece, its input bytes, whether it is the last) of about BLOCK bytes
+    each, cut where every tokenizer splits anyway (tokenizers.CUT). Read and decoded a block at a
+    time: a file of any size is one document that never has to fit in memory."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors)
-    pieces, rest, size = [], "", 0
+    rest, size, counted = "", 0, 0
     while True:
         block = f.read(BLOCK)
         if not size and block.startswith(codecs.BOM_UTF8):  # a byte-order mark: not text
@@ -343,11 +287,12 @@ def text_pieces(f, path: str, errors: str) -> tuple[list[str], int]:
             raise invalid_utf8(path, size - pending + e.start) from None
         size += len(block)
         if not block:
-            return [*pieces, text], size
+            yield text, size - counted, True
+            return
         cuts = [m.start() for m in CUT.finditer(text, max(1, len(text) - 65536))]
         if cuts:  # (none in the last 64K characters: the text goes on whole into the next piece)
-            pieces.append(text[:cuts[-1]])
-            text = text[cuts[-1]:]
+            yield text[:cuts[-1]], size - counted, False
+            text, counted = text[cuts[-1]:], size
         if len(text) > UNCUT_LIMIT:
             raise CLIError(f"{path}: over {UNCUT_LIMIT >> 20} Mi characters without a space or a "
                            f"line break (byte offset {size}): not text a tokenizer can split; "
@@ -357,9 +302,10 @@ def text_pieces(f, path: str, errors: str) -> tuple[list[str], int]:
 
 def read_documents(files: list[str], key: str = "text", errors: str = "strict",
                    skip_bad_lines: bool = False,
-                   stats: ReadStats | None = None) -> Iterator[tuple[list[str], int]]:
-    """(a document's text as a list of pieces, its size in input bytes) for every document of every
-    file, streaming. A JSON line is one piece, a text file as many as it takes (text_pieces)."""
+                   stats: ReadStats | None = None) -> Iterator[tuple[str, int, bool]]:
+    """(a piece of text, its input bytes, whether it ends its document) for every document of every
+    file, streaming. A JSON line or a table's row is one piece, a text file as many as it takes
+    (text_pieces)."""
     stats = stats if stats is not None else ReadStats()
     for path in files:
         try:
@@ -369,104 +315,6 @@ def read_documents(files: list[str], key: str = "text", errors: str = "strict",
                 yield from table_documents(path, key, errors, skip_bad_lines, stats)
             else:
                 with open_binary(path) as f:
-                    yield text_pieces(f, path, errors)
+                    yield from text_pieces(f, path, errors)
         except READ_ERRORS as e:  # corrupt or cut
             raise CLIError(f"cannot read {path}: {e}") from None
-
-
-def read_text(path: str, what: str = "file") -> str:
-    """A whole UTF-8 text file (.gz/.bz2/.xz decompressed), or a one-line CLIError naming it
-    (missing, a folder, unreadable, corrupt, not UTF-8)."""
-    require_file(path, what)
-    try:
-        with open_binary(path) as f:
-            data = f.read()
-    except READ_ERRORS as e:
-        raise CLIError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # (not text)
-    try:
-        return data[bom:].decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise CLIError(f"{path} is not UTF-8 text (byte offset {bom + e.start})") from None
-
-
-def read_lines(path: str) -> Iterator[tuple[int, str]]:
-    """(line number, line without its newline) of a text file, .gz/.bz2/.xz decompressed."""
-    require_file(path)
-    if path.endswith(TABLES):  # binary: no lines to read
-        raise CLIError(f"{path} is a table: this reads JSON lines (tokenizer.py reads tables)")
-    try:
-        with open_binary(path) as f:
-            for number, line in enumerate(f, start=1):
-                if number == 1:
-                    line = line.removeprefix(codecs.BOM_UTF8)  # a byte-order mark: not text
-                try:
-                    yield number, line.decode("utf-8").rstrip("\r\n")
-                except UnicodeDecodeError:
-                    raise CLIError(f"{path} line {number}: invalid UTF-8") from None
-    except READ_ERRORS as e:  # corrupt or cut
-        raise CLIError(f"cannot read {path}: {e}") from None
-
-
-def json_lines(path: str) -> Iterator[tuple[int, object]]:
-    """(line number, value) of every non-blank line of a JSON-lines file, or of every item of a file
-    that holds one JSON array (json_array); a line that is not JSON is a one-line error naming the
-    file and the line."""
-    if holds_json_array(path):
-        yield from json_array(path)
-        return
-    for number, line in read_lines(path):
-        if line.strip():
-            yield number, parse_json(line, f"{path} line {number}")
-
-
-def holds_json_array(path: str) -> bool:
-    """Whether a JSON file's first value is an array: the file is one array (alpaca_data.json),
-    however laid out, not JSON lines."""
-    try:
-        with open_binary(path) as f:
-            while chunk := f.read(4096).removeprefix(codecs.BOM_UTF8):
-                if chunk.strip():
-                    return chunk.lstrip()[:1] == b"["
-    except READ_ERRORS:  # missing, a folder, corrupt: its reader says so
-        pass
-    return False
-
-
-def json_array(path: str) -> Iterator[tuple[int, object]]:
-    """(the line it starts on, value) of each item of a file that holds one JSON array, as HF
-    datasets' json loader reads it too; the whole file is read at once."""
-    text = read_text(path)
-    items = parse_json(text, path)
-    if not isinstance(items, list):
-        raise CLIError(f"{path}: expected JSON lines, or one JSON array")
-    # each item's first line, for the errors that name it: a walk over valid JSON, which cannot fail
-    opening = text.index("[")
-    decoder, end, line = json.JSONDecoder(), opening + 1, 1 + text.count("\n", 0, opening)
-    for item in items:
-        start = BETWEEN_ITEMS.match(text, end).end()
-        line += text.count("\n", end, start)
-        yield line, item
-        end = decoder.raw_decode(text, start)[1]
-        line += text.count("\n", start, end)
-
-
-# ----- JSON records -----
-
-def json_records(path: str, keys: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
-    """(line number, JSON object) of every non-blank line, each with a string under each key, or a
-    one-line error naming file and line."""
-    for number, record in json_lines(path):
-        if not isinstance(record, dict):
-            raise CLIError(f"{path} line {number}: expected a JSON object")
-        for key in keys:
-            if not isinstance(record.get(key), str):
-                raise missing_key(f"{path} line {number}", key, record)
-        yield number, record
-
-
-def missing_key(where: str, key: str, value) -> CLIError:
-    """A JSON line without a string under key, naming the string keys it has instead."""
-    found = [k for k, v in value.items() if isinstance(v, str)] if isinstance(value, dict) else []
-    listed = f" (its string keys: {', '.join(found)})" if found else ""
-    return CLIError(f"{where}: no string {key!r} key{listed}")

@@ -25,11 +25,12 @@ from tqdm import tqdm
 from model import GPT
 from toolkit.cli import CLIError
 from toolkit.device import autocast
-from toolkit.documents import (holds_json_array, input_files, is_json_lines, json_records,
-                               read_lines, read_text)
+from toolkit.documents import input_files, is_json_lines
 from toolkit.files import fingerprint
 from toolkit.hf import find_model_dir
 from toolkit.model_sources import is_hf_source, load_model
+from toolkit.records import holds_json_array, json_records
+from toolkit.textfiles import read_lines, read_text
 from toolkit.tokenizers import Tokenizer, load_tokenizer
 
 POOLINGS = ("weighted-mean", "mean", "last")

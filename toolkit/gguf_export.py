@@ -265,6 +265,10 @@ def save_gguf(model: GPT, path: str, facts: dict, weight_type: str = "f16") -> s
     wrote."""
     import gguf
 
+    if model.config.block_size > 2**32 - 1:  # (GGUF's hyperparameters are uint32s)
+        raise CLIError(f"GGUF holds the context length as a 32-bit number; this model's "
+                       f"{model.config.block_size:,} positions (max_position_embeddings) do not "
+                       "fit: set it to 4,294,967,295 or fewer in its config.json")
     if model.config.vocab_size < facts["vocab_size"]:  # (more rows: Qwen3's padded embedding)
         raise CLIError(f"the model has {model.config.vocab_size} token rows but its tokenizer "
                        f"{facts['vocab_size']} ids")

@@ -7,6 +7,8 @@ HF stores the attention and MLP weights as Conv1D, transposed relative to nn.Lin
 a `transformer.` prefix; `lm_head.weight` is tied to the token embedding and may be absent. Nothing
 is ever downloaded: hub names are looked up in the local cache through huggingface_hub.
 """
+import functools
+import json
 import math
 import os
 
@@ -17,14 +19,14 @@ from torch import nn
 
 from model import GPT, GPTConfig, check_config
 from toolkit.chat import export_template
-from toolkit.checkpoint import check_shape, read_weights
+from toolkit.checkpoint import check_shape, check_tied_head, read_weights
 from toolkit.device import check_memory
 from toolkit.cli import CLIError
-from toolkit.documents import read_text
+from toolkit.textfiles import read_text
 from toolkit.files import atomic_write, read_json, write_json, write_text
 from toolkit.gpt2_vocab import GPT2_FACTS
-from toolkit.tokenizers import (EOT_TEXT, SPELLING, bos_token_id, gpt2_ranks, load_tokenizer,
-                               read_facts)
+from toolkit.tokenizers import (EOT_TEXT, EOT_TEXTS, SPELLING, Tokenizer, bos_token_id,
+                               gpt2_ranks, load_tokenizer, read_facts)
 
 # this toolkit's tokenizer facts, for folders of other vocabularies
 TOKENIZER_FILE = "tokenizer_facts.json"
@@ -115,6 +117,7 @@ def load_gpt2(path: str, **overrides) -> GPT:
         if key.endswith(CONV1D_WEIGHTS):
             tensor = tensor.t()
         state["transformer." + key] = tensor.float().contiguous()
+    check_tied_head(weights.get("lm_head.weight"), state.get("transformer.wte.weight"), directory)
     state["lm_head.weight"] = state.get("transformer.wte.weight")
     missing = sorted(k for k in expected if state.get(k) is None)
     unexpected = sorted(set(state) - set(expected))
@@ -314,16 +317,66 @@ def gpt2_files(out_dir: str, facts: dict) -> HFTokenizer:
 
 
 def read_tokenizer(directory: str, vocab_size: int) -> dict:
-    """An HF folder's tokenizer facts: TOKENIZER_FILE when this toolkit wrote one, else GPT-2's,
-    with the folder's own chat template if it has one."""
+    """An HF folder's tokenizer facts: TOKENIZER_FILE when this toolkit wrote one, else the
+    folder's own vocabulary (folder_vocabulary), else GPT-2's; with the folder's own chat template
+    if it has one."""
     path = os.path.join(directory, TOKENIZER_FILE)
     if os.path.isfile(path):
         facts = read_facts(path)
     else:
-        facts, template = dict(GPT2_FACTS), read_chat_template(directory, GPT2_FACTS)
+        facts = folder_vocabulary(directory)
+        if facts is not None and facts["vocab_size"] > vocab_size:
+            raise CLIError(f"{directory}: its tokenizer has {facts['vocab_size']:,} ids but the "
+                           f"model {vocab_size:,} token rows")
+        if facts is not None:  # (fewer ids than rows: an embedding padded to a round size)
+            vocab_size = facts["vocab_size"]
+        facts = facts or dict(GPT2_FACTS)
+        template = read_chat_template(directory, facts)
         facts.update({"chat_template": template} if template else {})
     if facts.get("vocab_size") != vocab_size:
         raise ValueError(f"{directory} holds a model of {vocab_size} tokens but its tokenizer "
                          f"({facts.get('tokenizer')}) has {facts.get('vocab_size')}; without "
-                         f"{TOKENIZER_FILE} an HF folder is read with GPT-2's tokenizer")
+                         f"{TOKENIZER_FILE} or a tokenizer.json an HF folder is read with "
+                         "GPT-2's tokenizer")
     return facts
+
+
+def folder_vocabulary(directory: str) -> dict | None:
+    """The tokenizer facts of a folder's own BPE files, as transformers reads them: tokenizer.json,
+    else GPT2Tokenizer's vocab.json and merges.txt. GPT-2's own vocabulary gives GPT-2's facts
+    (tiktoken encodes it, five times faster); None without such files."""
+    json_path, vocab_path, merges_path = (os.path.join(directory, name) for name in
+                                          ("tokenizer.json", "vocab.json", "merges.txt"))
+    if os.path.isfile(json_path):
+        text, source = read_text(json_path, "tokenizer.json"), json_path
+    elif os.path.isfile(vocab_path) and os.path.isfile(merges_path):
+        text, source = byte_level_bpe(vocab_path, merges_path), vocab_path
+    else:
+        return None
+    tokenizer = Tokenizer("bpe", tokenizer_json=text, source=source)
+    spec = json.loads(text)["model"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec.get("merges", [])]
+    if len(spec["vocab"]) == GPT2_FACTS["vocab_size"] and (spec["vocab"], merges) == gpt2_spec():
+        return dict(GPT2_FACTS)
+    return tokenizer.facts()
+
+
+@functools.cache
+def gpt2_spec() -> tuple[dict[str, int], list[str]]:
+    """GPT-2's vocab.json and merges.txt as tokenizer.json holds them (built once: about 1 s)."""
+    return gpt2_vocab_merges(GPT2_FACTS)
+
+
+def byte_level_bpe(vocab_path: str, merges_path: str) -> str:
+    """The tokenizer.json of GPT2Tokenizer's vocab.json and merges.txt: a byte-level BPE, its
+    end-of-text a special token."""
+    try:
+        bpe = HFTokenizer(models.BPE.from_file(vocab_path, merges_path))
+    except Exception as e:  # tokenizers raises its own plain Exception
+        raise CLIError(f"{vocab_path} with {merges_path}: HF tokenizers cannot read them "
+                       f"({' '.join(str(e).split())[:200]})") from None
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.add_special_tokens([AddedToken(name, special=True, normalized=False)
+                            for name in EOT_TEXTS if bpe.token_to_id(name) is not None])
+    return bpe.to_str()

@@ -18,10 +18,10 @@ import os
 import torch
 
 from model import GPT, ROPE_SCALING, GPTConfig, check_config
-from toolkit.checkpoint import read_weights
+from toolkit.checkpoint import check_tied_head, read_weights
 from toolkit.cli import CLIError
 from toolkit.device import check_memory
-from toolkit.documents import read_text
+from toolkit.textfiles import read_text
 from toolkit.files import atomic_write, read_json, write_json, write_text
 from toolkit.gpt2_vocab import GPT2_FACTS
 from toolkit.hf import (NO_HF_TOKENIZER, TOKENIZER_FILE, read_chat_template,
@@ -115,7 +115,11 @@ def load_llama(path: str, **overrides) -> tuple[GPT, dict]:
     with torch.device("meta"):  # skip the random init; every tensor is replaced below
         model = GPT(config)
     expected = model.state_dict()
-    state = ours(read_weights(path), config)
+    weights = read_weights(path)
+    if config.tie_embeddings:
+        check_tied_head(weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight"),
+                        path)
+    state = ours(weights, config)
     missing = sorted(set(expected) - set(state))
     wrong = [f"{k} {tuple(state[k].shape)} (the config implies {tuple(expected[k].shape)})"
              for k in sorted(set(expected) & set(state)) if state[k].shape != expected[k].shape]

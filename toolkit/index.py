@@ -30,7 +30,7 @@ from model import GPT
 from toolkit import ann
 from toolkit.cli import CLIError
 from toolkit.device import DTYPES, resolve_dtype
-from toolkit.documents import json_records
+from toolkit.records import json_records
 from toolkit.embedding import (POOLINGS, Document, encode, encoder_identity, load_encoder,
                                record_id, text_room, token_ids, top_k)
 from toolkit.files import lock_folder, parse_json, read_json, write_json

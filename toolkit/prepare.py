@@ -20,13 +20,15 @@ from tqdm import tqdm
 
 from toolkit.cli import CLIError
 from toolkit.data import DEFAULT_CORPUS_DIR, NANOGPT_FILES, is_prepared, megatron_document_prefix
-from toolkit.documents import ReadStats, input_files, read_documents, read_text, without_compression
+from toolkit.documents import ReadStats, input_files, read_documents
 from toolkit.files import (check_output, refuse_existing, remove_temporaries, temporary_name,
                            write_error)
+from toolkit.textfiles import read_text, without_compression
 from toolkit.tokenizers import CUT, Tokenizer, load_tokenizer, train_bpe
 from toolkit.writers import (LlmcWriter, MegatronWriter, NanoGPTWriter, llmc_shards, output_dtype,
                              write_nanogpt)
 PIECE_CHARS = 1 << 22  # a longer piece of text is tokenized 4M characters at a time: bounded memory
+BPE_SAMPLE = 1 << 28  # the text a BPE is trained on: 256 MiB at most (docs/performance.md)
 
 
 def encode_document(tokenizer: Tokenizer, pieces: list[str], dtype: np.dtype) -> list[np.ndarray]:
@@ -50,39 +52,58 @@ def encode_document(tokenizer: Tokenizer, pieces: list[str], dtype: np.dtype) ->
     return arrays
 
 
-def encode_chunk(tokenizer: Tokenizer, documents: list[list[str]], eod: str | None,
-                 dtype: np.dtype) -> tuple[list[np.ndarray], np.ndarray]:
-    """The documents' tokens back to back, end-of-text after each non-empty one (eod "append",
-    Megatron's --append-eod) or before it ("prepend", llm.c's shards), each after the tokenizer's
-    BOS if it has one (Llama 3's), as arrays to write one after the other, and each document's
-    length."""
+def encode_chunk(tokenizer: Tokenizer, pieces: list[tuple[str, bool]], continues: bool,
+                 eod: str | None,
+                 dtype: np.dtype) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """The tokens of a chunk's pieces of text (each with whether it ends its document; the first
+    continues the chunk before's last document when continues), as arrays to write one after the
+    other, with the length of each document's part and whether that part starts its document.
+    End-of-text goes after each non-empty document (eod "append", Megatron's --append-eod) or
+    before it ("prepend", llm.c's shards), after the tokenizer's BOS if it has one (Llama 3's)."""
+    parts, starts, texts = [], [], []
+    for text, ends in pieces:
+        texts.append(text)
+        if ends:
+            parts.append((texts, not continues or bool(parts), True))
+            texts = []
+    if texts:  # a document that goes on into the next chunk
+        parts.append((texts, not continues or bool(parts), False))
     # one thread per process: processes outrun tiktoken's own threads (docs/performance.md)
-    encoded = [encode_document(tokenizer, pieces, dtype) for pieces in documents]
-    lengths = np.array([sum(map(len, arrays)) for arrays in encoded], dtype=np.int64)
+    encoded = [encode_document(tokenizer, texts, dtype) for texts, _, _ in parts]
     eot = [np.array([tokenizer.eot_id], dtype=dtype)] if eod else []
     bos = [] if tokenizer.bos_id is None else [np.array([tokenizer.bos_id], dtype=dtype)]
-    before, after = (eot + bos, []) if eod == "prepend" else (bos, eot)
-    arrays = [a for arrays, n in zip(encoded, lengths) if n for a in (*before, *arrays, *after)]
-    lengths[lengths > 0] += len(eot) + len(bos)  # empty documents get neither (they are dropped)
-    return arrays, lengths
+    first, last = (eot + bos, []) if eod == "prepend" else (bos, eot)
+    arrays, lengths = [], []
+    for (_, start, end), ids in zip(parts, encoded):
+        n = sum(map(len, ids))
+        if start and end and not n:  # an empty document gets no tokens: it is dropped
+            continue
+        arrays += [*(first if start else []), *ids, *(last if end else [])]
+        lengths.append(n + len(first) * start + len(last) * end)
+        starts.append(start)
+    return arrays, np.array(lengths, np.int64), np.array(starts, bool)
 
 
-def chunks_of(documents: Iterator[tuple[list[str], int]], chunk_bytes: int,
-              seen: set[str] | None = None) -> Iterator[tuple[list[list[str]], int]]:
-    """Group documents into lists of about chunk_bytes of input (the unit of work of one worker);
-    seen, when given, gathers the characters of the text."""
-    texts, size = [], 0
-    for pieces, nbytes in documents:
+def chunks_of(pieces: Iterator[tuple[str, int, bool]], chunk_bytes: int, seen: set[str] | None,
+              whole_documents: bool) -> Iterator[tuple[list[tuple[str, bool]], bool, int]]:
+    """Group pieces of text into lists of about chunk_bytes of input (the unit of work of one
+    worker), each with whether its first piece continues a document and its input bytes; seen,
+    when given, gathers the characters of the text. With whole_documents a chunk ends only where
+    a document does (for a tokenizer whose ids change where the text is cut: memory then holds a
+    whole text file)."""
+    chunk, size, continues, ended = [], 0, False, True
+    for text, nbytes, ends in pieces:
         if seen is not None:
-            for piece in pieces:
-                seen.update(piece)
-        texts.append(pieces)
-        size += nbytes
-        if size >= chunk_bytes:
-            yield texts, size
-            texts, size = [], 0
-    if texts:
-        yield texts, size
+            seen.update(text)
+        if not chunk:
+            continues = not ended
+        chunk.append((text, ends))
+        size, ended = size + nbytes, ends
+        if size >= chunk_bytes and (ends or not whole_documents):
+            yield chunk, continues, size
+            chunk, size = [], 0
+    if chunk:
+        yield chunk, continues, size
 
 
 _worker_job = None  # (tokenizer, eod, dtype), set once per worker process
@@ -97,24 +118,35 @@ def _init_worker(facts: dict, eod: str | None, dtype: str) -> None:
     _worker_job = (load_tokenizer(facts), eod, np.dtype(dtype))
 
 
-def _encode_in_worker(texts: list[list[str]]) -> tuple[list[np.ndarray], np.ndarray]:
-    tokenizer, eod, dtype = _worker_job
-    return encode_chunk(tokenizer, texts, eod, dtype)
+def text_bytes(pieces: list[tuple[str, bool]]) -> int:
+    """The bytes of the pieces' text in UTF-8: throughput is counted in them, whatever the input
+    (a compressed file's bytes, or a parquet file's, say little about the work)."""
+    return sum(len(text.encode("utf-8", "surrogatepass")) for text, _ in pieces)
 
 
-def encode_in_order(chunks: Iterator[tuple[list[list[str]], int]], tokenizer: Tokenizer,
-                    eod: str | None, dtype: np.dtype,
-                    workers: int) -> Iterator[tuple[list[np.ndarray], np.ndarray, int]]:
-    """(token arrays, lengths, input bytes) per chunk in order; at most 2*workers in flight."""
+def encode_work(job: tuple, pieces: list[tuple[str, bool]], continues: bool) -> tuple:
+    tokenizer, eod, dtype = job
+    return *encode_chunk(tokenizer, pieces, continues, eod, dtype), text_bytes(pieces)
+
+
+def _encode_in_worker(pieces: list[tuple[str, bool]], continues: bool) -> tuple:
+    return encode_work(_worker_job, pieces, continues)
+
+
+def encode_in_order(chunks: Iterator[tuple[list[tuple[str, bool]], bool, int]],
+                    tokenizer: Tokenizer, eod: str | None, dtype: np.dtype,
+                    workers: int) -> Iterator[tuple]:
+    """(token arrays, lengths, starts, text bytes, input bytes) per chunk in order (encode_chunk's
+    and text_bytes'); at most 2*workers chunks in flight."""
     if workers == 1:
-        for texts, nbytes in chunks:
-            yield *encode_chunk(tokenizer, texts, eod, dtype), nbytes
+        for pieces, continues, nbytes in chunks:
+            yield *encode_work((tokenizer, eod, dtype), pieces, continues), nbytes
         return
     # Pool.imap reads all input ahead (its feeder thread); apply_async + a bounded deque does not
     with multiprocessing.Pool(workers, _init_worker, (tokenizer.facts(), eod, dtype.name)) as pool:
         pending = deque()
-        for texts, nbytes in chunks:
-            pending.append((pool.apply_async(_encode_in_worker, (texts,)), nbytes))
+        for pieces, continues, nbytes in chunks:
+            pending.append((pool.apply_async(_encode_in_worker, (pieces, continues)), nbytes))
             if len(pending) >= 2 * workers:
                 result, size = pending.popleft()
                 yield *result.get(), size
@@ -171,9 +203,27 @@ def outputs(args: argparse.Namespace) -> list[str]:
 
 def texts(files: list[str], args: argparse.Namespace):
     """Every piece of text of the input, streaming: one extra pass for what the vocabulary needs."""
-    return (text for pieces, _ in read_documents(files, args.json_key, args.errors,
-                                                 args.skip_bad_lines)
-            for text in pieces)
+    return (text for text, _, _ in read_documents(files, args.json_key, args.errors,
+                                                  args.skip_bad_lines))
+
+
+def input_bytes(files: list[str]) -> int | None:
+    """The input's size in bytes, None when a file is compressed (its text's size is unknown)."""
+    if any(path != without_compression(path) for path in files):
+        return None
+    return sum(os.path.getsize(path) for path in files)
+
+
+def bpe_sample(files: list[str], args: argparse.Namespace) -> Iterator[str]:
+    """At most BPE_SAMPLE bytes of the input's text (a BPE trainer's memory grows with its text),
+    spread over the input: every k-th piece, k from the input's size, or where that is unknown
+    (compressed) its first pieces."""
+    size = input_bytes(files)
+    every, taken = max(1, round(size / BPE_SAMPLE)) if size else 1, 0
+    for i, text in enumerate(texts(files, args)):
+        if i % every == 0 and taken < BPE_SAMPLE:
+            taken += len(text.encode("utf-8", "surrogatepass"))
+            yield text
 
 
 def build_tokenizer(args: argparse.Namespace, files: list[str]) -> Tokenizer:
@@ -182,8 +232,10 @@ def build_tokenizer(args: argparse.Namespace, files: list[str]) -> Tokenizer:
                          source=args.tokenizer_file)
     if args.tokenizer == "bpe":
         start = time.time()
-        tokenizer = Tokenizer("bpe", tokenizer_json=train_bpe(texts(files, args), args.vocab_size))
-        print(f"trained a byte-level BPE of {tokenizer.vocab_size:,} tokens on the input in "
+        tokenizer = Tokenizer("bpe", tokenizer_json=train_bpe(bpe_sample(files, args),
+                                                              args.vocab_size))
+        print(f"trained a byte-level BPE of {tokenizer.vocab_size:,} tokens on the input (at most "
+              f"{BPE_SAMPLE >> 20} MiB of its text, spread over it) in "
               f"{time.time() - start:.1f} s", file=sys.stderr)
         return tokenizer
     if args.tokenizer != "char":
@@ -242,28 +294,28 @@ def prepare(args: argparse.Namespace) -> dict | None:
     folder = os.path.dirname(outputs(args)[0]) or "."
     eod = "prepend" if args.format == "llmc" else "append" if args.append_eod else None
     stats = ReadStats()
-    start, documents, tokens, nbytes = time.time(), 0, 0, 0
+    start, documents, tokens, nbytes = time.time(), 0, 0, 0  # (nbytes: of text)
     try:  # from the first file the writer opens: a signal may land anywhere after that
         writer, tokenizer_file = make_writer(args, tokenizer)
         tokenizer_file = tokenizer_file or os.path.join(args.output_dir, "tokenizer.json")
         documents_read = read_documents(files, args.json_key, args.errors, args.skip_bad_lines,
                                         stats)
         quiet = args.quiet or not sys.stderr.isatty()
-        known_size = not any(path != without_compression(path) for path in files)
-        total = sum(os.path.getsize(path) for path in files) if known_size else None
+        total = input_bytes(files)
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet,
                   desc="tokenizing") as bar:
             seen = set() if tokenizer.may_drop_characters() else None
-            chunks = chunks_of(documents_read, int(args.chunk_mb * 2**20), seen)
-            for arrays, lengths, size in encode_in_order(chunks, tokenizer, eod, writer.dtype,
-                                                         args.workers):
-                writer.add(arrays, lengths)
-                documents += int((lengths > 0).sum())
+            chunks = chunks_of(documents_read, int(args.chunk_mb * 2**20), seen,
+                               not tokenizer.cuts_keep_ids())
+            for arrays, lengths, starts, text_size, size in encode_in_order(
+                    chunks, tokenizer, eod, writer.dtype, args.workers):
+                writer.add(arrays, lengths, starts)
+                documents += int(starts.sum())
                 tokens += int(lengths.sum())
-                nbytes += size
+                nbytes += text_size
                 bar.update(size)
-                bar.set_postfix_str(f"{documents / max(time.time() - start, 1e-9):,.0f} docs/s",
-                                    refresh=False)
+                bar.set_postfix_str(f"{nbytes / 2**20 / max(time.time() - start, 1e-9):,.1f} "
+                                    "MB/s of text", refresh=False)
         if documents == 0:
             raise CLIError(f"no non-empty documents in the input ({len(files)} file(s)); nothing "
                            "to write")

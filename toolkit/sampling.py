@@ -24,7 +24,7 @@ from toolkit.chat import (can_chat, chat_prompt, fit_history, is_chat_tokenizer,
 from toolkit import cli, flags
 from toolkit.cli import CLIError
 from toolkit.device import autocast, check_attn_kernel, resolve_device, resolve_dtype
-from toolkit.documents import read_text
+from toolkit.textfiles import read_text
 from toolkit.files import atomic_open, check_output, refuse_special
 from toolkit.signals import StopRequest
 from toolkit.tokenizers import Tokenizer
@@ -179,12 +179,18 @@ class Sampler:
         return tokens
 
     def batch(self, idx: torch.Tensor, text: str) -> list[list[int]]:
-        steps = []
+        steps, generated = [], 0
+        running = torch.ones(len(idx), dtype=torch.bool, device=idx.device)
+        stops = torch.tensor(self.stops, dtype=torch.long, device=idx.device)
         for step in self.steps(idx):
             steps.append(step)
-            self.progress.update(len(step))
-        # samples ended early
-        self.progress.update((self.args.max_new_tokens - len(steps)) * len(idx))
+            made = int(running.sum())  # the tokens of samples not yet ended
+            self.progress.update(made)
+            generated += made
+            running &= ~torch.isin(step, stops)
+        # what ended samples did not generate leaves the total: the time left is then the longest
+        # the rest can take, and the rate counts generated tokens only
+        self.progress.total -= self.args.max_new_tokens * len(idx) - generated
         out = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in range(len(idx))]
         for tokens in out:
             print(text + self.tok.decode(self.strip_eot(tokens)[0]) + "\n" + "-" * 40, flush=True)

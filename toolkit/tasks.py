@@ -36,7 +36,7 @@ from toolkit import distributed
 from toolkit.cli import CLIError
 from toolkit.batches import rank_share
 from toolkit.device import autocast
-from toolkit.documents import json_lines
+from toolkit.records import json_lines
 from toolkit.tokenizers import Tokenizer, add_tokens
 
 FIELDS = {"classify": ("text",), "entail": ("premise", "hypothesis"),

@@ -77,13 +77,17 @@ class NanoGPTWriter:
         self.dtype, self.val_fraction, self.seed = dtype, val_fraction, seed
         self.documents = {"train": 0, "val": 0}
         self.tokens = {"train": 0, "val": 0}
+        self.last_is_val = False  # the split of the last document, which the next may go on
 
-    def add(self, arrays: list[np.ndarray], lengths: np.ndarray) -> None:
-        """The documents of arrays (their tokens back to back), each of lengths tokens."""
-        lengths = lengths[lengths > 0]  # empty documents are dropped
+    def add(self, arrays: list[np.ndarray], lengths: np.ndarray, starts: np.ndarray) -> None:
+        """The parts of documents in arrays (their tokens back to back), each of lengths tokens;
+        one that does not start its document (starts) goes on the last one, in its split."""
         first = self.documents["train"] + self.documents["val"]
-        is_val = np.array([is_val_document(self.seed, first + i, self.val_fraction)
-                           for i in range(len(lengths))], bool)
+        is_val = np.zeros(len(lengths), bool)
+        for i, index in enumerate(np.flatnonzero(starts)):
+            is_val[index] = is_val_document(self.seed, first + i, self.val_fraction)
+        if len(starts) and not starts[0]:
+            is_val[0] = self.last_is_val
         for split, mine in (("train", ~is_val), ("val", is_val)):
             if not mine.any():
                 continue
@@ -93,8 +97,10 @@ class NanoGPTWriter:
                     self.files[split].write(tokens)
             else:
                 self.files[split].write(np.concatenate(arrays)[np.repeat(mine, lengths)])
-            self.documents[split] += int(mine.sum())
+            self.documents[split] += int((mine & starts).sum())
             self.tokens[split] += int(lengths[mine].sum())
+        if len(is_val):
+            self.last_is_val = bool(is_val[-1])
 
     def move_tail(self, source: str, target: str, n: int) -> None:
         """Move the last n tokens from one split's file to the other's (a document's counted where
@@ -169,12 +175,21 @@ class MegatronWriter:
         self.sizes = []  # one int32 array per chunk: the .idx needs all sizes before the pointers
         self.tokens = 0
 
-    def add(self, arrays: list[np.ndarray], lengths: np.ndarray) -> None:
-        """The documents of arrays (their tokens back to back), each of lengths tokens."""
+    def add(self, arrays: list[np.ndarray], lengths: np.ndarray, starts: np.ndarray) -> None:
+        """The parts of documents in arrays (their tokens back to back), each of lengths tokens;
+        one that does not start its document (starts) goes on the last one."""
         for tokens in arrays:
             self.file.write(tokens)
-        self.sizes.append(lengths[lengths > 0].astype(np.int32))  # empty documents are dropped
         self.tokens += int(lengths.sum())
+        if len(starts) and not starts[0]:
+            last = self.sizes[-1]
+            if int(last[-1]) + int(lengths[0]) > np.iinfo(np.int32).max:
+                raise CLIError("a document of over 2**31 tokens: Megatron's .idx holds a "
+                               "document's size as int32; use --format nanogpt")
+            last[-1] += lengths[0]
+            lengths = lengths[1:]
+        if len(lengths):
+            self.sizes.append(lengths.astype(np.int32))
 
     def finish(self, meta: dict, extra: dict[str, str], stale: list[str]) -> dict:
         sizes = np.concatenate(self.sizes) if self.sizes else np.zeros(0, np.int32)
@@ -212,9 +227,10 @@ class LlmcWriter:
         return os.path.join(self.folder,
                             f"{self.name}_{'val' if index == 0 else 'train'}_{index:06d}.bin")
 
-    def add(self, arrays: list[np.ndarray], lengths: np.ndarray) -> None:
-        """The documents of arrays (their tokens back to back, each starting with end-of-text)."""
-        self.documents += int((lengths > 0).sum())
+    def add(self, arrays: list[np.ndarray], lengths: np.ndarray, starts: np.ndarray) -> None:
+        """The parts of documents in arrays (their tokens back to back, each document starting with
+        end-of-text), each of lengths tokens, starts telling which start a document."""
+        self.documents += int(starts.sum())
         for tokens in arrays:
             while len(tokens):
                 if self.file is None:
