@@ -111,3 +111,22 @@ def test_bench_prepare_memory_does_not_grow_with_the_input(tmp_path):
     assert len(rss) == 2 * len(kinds), result.stdout
     for kind in kinds:
         assert rss[kind, 160] - rss[kind, 40] < 60, (kind, result.stdout)
+
+
+def test_bench_layout_measures_the_floors_design_md_draws():
+    """bench_layout.py's floors of the import graph are the layers docs/design.md lists, module by
+    module (the map is redrawn when the code moves)."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_layout.py"),
+                             "--floors"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    measured = {int(n): set(names.split(", ")) for n, names in
+                re.findall(r"^(\d+)\. (.+)$", result.stdout, re.M)}
+    design = (ROOT / "docs" / "design.md").read_text()
+    layers = design.split("The imports go one way")[1].split("\n\n")[1]
+    drawn = {}
+    for n, text in re.findall(r"^(\d+)\. (.+(?:\n   .+)*)", layers, re.M):
+        names = re.findall(r"`([\w.]+)`", text)
+        drawn[int(n)] = {name.removesuffix(".py") if name.endswith(".py") else
+                         name if name in ("model", "toolkit.cli") else f"toolkit.{name}"
+                         for name in names}
+    assert drawn == measured

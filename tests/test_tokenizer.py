@@ -20,7 +20,7 @@ import pytest
 import tiktoken
 
 import conftest
-from toolkit import documents, gpt2_vocab, prepare
+from toolkit import documents, gpt2_vocab, prepare, writers
 from toolkit.cli import CLIError
 from toolkit.data import load_corpus
 from toolkit.documents import input_files
@@ -220,8 +220,11 @@ def test_special_tokens_count_in_the_vocabulary_and_decode_to_nothing(r50k):
 # ----------------------------------------------------------------------------- outputs
 
 
-def test_megatron_output_is_tiktoken_plus_eot_per_document(r50k, tmp_path):
-    docs = ["Hello world", "", "The second document.\nTwo lines.", "   ", "<|endoftext|> as text"]
+def test_megatron_output_is_tiktoken_plus_eot_per_document(r50k, tmp_path, monkeypatch):
+    """(The .idx written a block of 3 sizes at a time here: its pointers run on across blocks.)"""
+    monkeypatch.setattr(writers, "INDEX_BLOCK", 3)
+    docs = ["Hello world", "", "The second document.\nTwo lines.", "   ", "<|endoftext|> as text",
+            "a sixth", "数据在平坦的内存中。"]
     src = write_jsonl(tmp_path / "in.jsonl", docs)
     result = run_script("--input", src, "--append-eod", "--format", "megatron",
                         "--output-prefix", str(tmp_path / "gpt"))
@@ -231,7 +234,9 @@ def test_megatron_output_is_tiktoken_plus_eot_per_document(r50k, tmp_path):
     expected = [r50k.encode_ordinary(d) + [50256] for d in docs if d]
     assert code == 8 and [list(d) for d in read_back] == expected
     sidecar = json.load(open(tmp_path / "gpt_text_document.json"))
-    assert sidecar["format"] == "megatron" and sidecar["documents"] == 4
+    assert sidecar["format"] == "megatron" and sidecar["documents"] == 6
+    assert sorted(os.listdir(tmp_path)) == ["gpt_text_document.bin", "gpt_text_document.idx",
+                                            "gpt_text_document.json", "in.jsonl"]
     assert load_tokenizer(sidecar).encode("Hello world") == [15496, 995]
 
 

@@ -6,6 +6,8 @@ them when a run fails) and renamed only when complete; the metadata file comes l
 presence means the data is whole."""
 import hashlib
 import os
+from collections.abc import Iterator
+from typing import BinaryIO
 
 import numpy as np
 
@@ -13,6 +15,8 @@ from toolkit.cli import CLIError
 from toolkit.data import (LLMC_HEADER_INTS, LLMC_MAGIC, LLMC_SHARD, MEGATRON_DTYPES,
                           MEGATRON_EXTENSIONS, MEGATRON_HEADER, MEGATRON_MAGIC, NANOGPT_FILES)
 from toolkit.files import atomic_write, make_folder, temporary_name, write_json
+
+INDEX_BLOCK = 1 << 20  # Megatron's .idx is written a million documents at a time
 
 
 def commit(moves: dict[str, str], meta_path: str, meta: dict, stale: list[str] = ()) -> None:
@@ -148,32 +152,44 @@ class NanoGPTWriter:
         return meta
 
 
-def write_megatron_index(path: str, dtype: np.dtype, sizes: np.ndarray) -> None:
-    """MMapIndexedDataset .idx: header, sizes, byte pointers, doc_idx (one item per document)."""
-    sizes = sizes.astype("<i4")
-    pointers = np.zeros(len(sizes), dtype="<i8")
-    np.cumsum(sizes[:-1].astype("<i8") * dtype.itemsize, out=pointers[1:])
-    doc_idx = np.arange(len(sizes) + 1, dtype="<i8")
+def write_megatron_index(path: str, dtype: np.dtype, sizes: BinaryIO, count: int) -> None:
+    """MMapIndexedDataset .idx: header, sizes, byte pointers, doc_idx (one item per document), from
+    count sizes (int32) in the file sizes, INDEX_BLOCK of them at a time."""
     code = next(c for c, t in MEGATRON_DTYPES.items() if np.dtype(t) == dtype)
     with open(path, "wb") as f:
-        f.write(MEGATRON_HEADER.pack(MEGATRON_MAGIC, 1, code, len(sizes), len(doc_idx)))
-        f.write(sizes.tobytes())
-        f.write(pointers.tobytes())
-        f.write(doc_idx.tobytes())
+        f.write(MEGATRON_HEADER.pack(MEGATRON_MAGIC, 1, code, count, count + 1))
+        for block in blocks_of(sizes):
+            f.write(block.astype("<i4").tobytes())
+        start = 0  # the byte where the next document begins
+        for block in blocks_of(sizes):
+            ends = start + np.cumsum(block.astype("<i8") * dtype.itemsize)
+            f.write(np.concatenate([[start], ends[:-1]]).astype("<i8").tobytes())
+            start = int(ends[-1])
+        for first in range(0, count + 1, INDEX_BLOCK):
+            f.write(np.arange(first, min(first + INDEX_BLOCK, count + 1), dtype="<i8").tobytes())
+
+
+def blocks_of(sizes: BinaryIO) -> Iterator[np.ndarray]:
+    """The int32 sizes in a file, INDEX_BLOCK at a time, from its start."""
+    sizes.seek(0)
+    while block := sizes.read(4 * INDEX_BLOCK):
+        yield np.frombuffer(block, np.int32)
 
 
 class MegatronWriter:
-    """{prefix}.bin (token ids), .idx (Megatron MMapIndexedDataset) and .json (tokenizer facts)."""
+    """{prefix}.bin (token ids), .idx (Megatron MMapIndexedDataset) and .json (tokenizer facts). The
+    documents' sizes go to a temporary file as they come (the .idx needs them all before the
+    pointers), so memory does not grow with their number."""
 
     def __init__(self, prefix: str, dtype: np.dtype):
         if os.path.dirname(prefix):
             make_folder(os.path.dirname(prefix), "--output-prefix")
         self.final = {ext: prefix + ext for ext in MEGATRON_EXTENSIONS}
-        self.tmp = {ext: temporary_name(self.final[ext]) for ext in (".bin", ".idx")}
-        self.file = open(self.tmp[".bin"], "wb")
+        self.tmp = {ext: temporary_name(prefix + ext) for ext in (".bin", ".idx", ".sizes")}
+        self.file, self.sizes = open(self.tmp[".bin"], "wb"), open(self.tmp[".sizes"], "wb+")
         self.dtype = dtype
-        self.sizes = []  # one int32 array per chunk: the .idx needs all sizes before the pointers
-        self.tokens = 0
+        self.last = None  # the size of the last document, which the next part may continue
+        self.documents = self.tokens = 0
 
     def add(self, arrays: list[np.ndarray], lengths: np.ndarray, starts: np.ndarray) -> None:
         """The parts of documents in arrays (their tokens back to back), each of lengths tokens;
@@ -182,21 +198,25 @@ class MegatronWriter:
             self.file.write(tokens)
         self.tokens += int(lengths.sum())
         if len(starts) and not starts[0]:
-            last = self.sizes[-1]
-            if int(last[-1]) + int(lengths[0]) > np.iinfo(np.int32).max:
-                raise CLIError("a document of over 2**31 tokens: Megatron's .idx holds a "
-                               "document's size as int32; use --format nanogpt")
-            last[-1] += lengths[0]
+            self.last += int(lengths[0])
             lengths = lengths[1:]
-        if len(lengths):
-            self.sizes.append(lengths.astype(np.int32))
+        if len(lengths):  # the last document is whole once another starts
+            done = [self.last] * (self.last is not None) + lengths[:-1].tolist()
+            self.sizes.write(np.array(done, np.int32).tobytes())
+            self.last, self.documents = int(lengths[-1]), self.documents + len(lengths)
+        if self.last is not None and self.last > np.iinfo(np.int32).max:
+            raise CLIError("a document of over 2**31 tokens: Megatron's .idx holds a document's "
+                           "size as int32; use --format nanogpt")
 
     def finish(self, meta: dict, extra: dict[str, str], stale: list[str]) -> dict:
-        sizes = np.concatenate(self.sizes) if self.sizes else np.zeros(0, np.int32)
+        if self.last is not None:
+            self.sizes.write(np.array([self.last], np.int32).tobytes())
         self.file.close()
-        meta = {"format": "megatron", **meta, "dtype": self.dtype.name, "documents": len(sizes),
-                "tokens": self.tokens}
-        write_megatron_index(self.tmp[".idx"], self.dtype, sizes)
+        meta = {"format": "megatron", **meta, "dtype": self.dtype.name,
+                "documents": self.documents, "tokens": self.tokens}
+        write_megatron_index(self.tmp[".idx"], self.dtype, self.sizes, self.documents)
+        self.sizes.close()
+        os.remove(self.tmp[".sizes"])
         commit({**{self.tmp[ext]: self.final[ext] for ext in (".bin", ".idx")}, **extra},
                self.final[".json"], meta, stale)
         return meta
