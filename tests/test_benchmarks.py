@@ -3,8 +3,12 @@ assertions). bench_sdpa.py runs inside gpu_check.sh's dry run (tests/test_gpu_ch
 import re
 import subprocess
 import sys
+from dataclasses import asdict
 
 from conftest import ROOT
+from model import GPT, GPTConfig
+from toolkit.checkpoint import save_checkpoint
+from toolkit.tokenizers import Tokenizer
 
 
 def test_bench_train_rounds_and_table():
@@ -130,3 +134,23 @@ def test_bench_layout_measures_the_floors_design_md_draws():
                          name if name in ("model", "toolkit.cli") else f"toolkit.{name}"
                          for name in names}
     assert drawn == measured
+
+
+def test_bench_decode_table_side_by_side_with_llama_cpp(tmp_path):
+    """A tiny checkpoint: llama.cpp's row (its own GGUF export) and ours for each batch size, with
+    positive rates and an MBU."""
+    model = GPT(GPTConfig(block_size=64, vocab_size=30, n_layer=2, n_head=2, n_embd=32,
+                          arch="llama", bias=False))
+    facts = Tokenizer("char", chars="abcdefghijklmnopqrstuvwxyz .\n", char_eot=True).facts()
+    save_checkpoint({"model": model.state_dict(), "model_config": asdict(model.config),
+                     "tokenizer": facts, "iter_num": 0}, str(tmp_path / "ckpt.pt"))
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"),
+                             "--ckpt", str(tmp_path / "ckpt.pt"), "--batch-sizes", "1", "2",
+                             "--rounds", "1", "--prompt", "8", "--short", "2", "--long", "10"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = re.findall(r"^\| (.+?) \| (\d+) \| (\d+) \| ([\d.]+) \| (\d+)% \|$", result.stdout,
+                      re.M)
+    assert [(name.split()[0], batch) for name, batch, *_ in rows] == \
+        [("llama.cpp", "1"), ("ours", "1"), ("ours", "2")], result.stdout
+    assert all(float(rate) > 0 for *_, rate, _ in rows) and "GB/s" in result.stdout

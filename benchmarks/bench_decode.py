@@ -1,0 +1,137 @@
+"""
+Decoding speed, side by side in one run: this toolkit's generation (model.py's generate_stream: the
+KV cache, eager PyTorch) and llama.cpp (llama-cpp-python) on the toolkit's own GGUF export of the
+same weights in the same precision. For each batch size: the prefill's latency, the decode rate, and
+the model bandwidth utilisation (MBU) against the machine's memory bandwidth, measured here.
+
+    python benchmarks/bench_decode.py            # 12 x 768 llama family, GPT-2's vocabulary
+    python benchmarks/bench_decode.py --batch-sizes 1 4 16 64 --rounds 2
+    python benchmarks/bench_decode.py --ckpt ckpt/ckpt.pt   # a checkpoint's model instead
+
+The decode rate is (long - short) new tokens over the difference of their times, so the prefill and
+the start-up cancel; greedy, no end-of-text. MBU: the bytes one decode step reads (every weight but
+the input embedding's table, of which it gathers a row, and the KV cache so far, on average) times
+steps a second, over the bandwidth of reading a 1 GiB float32 tensor. llama.cpp decodes one sequence
+here (batch 1). Rounds are interleaved; the best of them is shown.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from model import GPT, PRESETS, GPTConfig  # noqa: E402
+from toolkit.device import cpu_kind  # noqa: E402
+from toolkit.gguf_export import save_gguf  # noqa: E402
+from toolkit.gpt2_vocab import GPT2_FACTS  # noqa: E402
+from toolkit.model_sources import load_model  # noqa: E402
+
+
+def read_bandwidth() -> float:
+    """GB/s of reading a 1 GiB float32 tensor (its dot product with itself, a pass over every byte
+    as a matrix-vector product makes one), best of 5."""
+    x = torch.ones(1 << 28)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.dot(x, x).item()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
+def step_bytes(model: GPT, batch: int, context: float) -> float:
+    """The bytes a decode step reads: the weights (the input table's one row a sequence aside) and
+    the KV cache of context positions for each sequence."""
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                  if name != "transformer.wte.weight" or c.tie_embeddings)
+    cache = 2 * c.n_layer * c.kv_heads * c.head_size * context * batch * 4
+    return weights + cache
+
+
+@torch.no_grad()
+def ours(model: GPT, batch: int, prompt: int, short: int, long: int) -> tuple[float, float]:
+    """(seconds to the first new token, decode tokens/s over all sequences)."""
+    idx = torch.randint(0, model.config.vocab_size, (batch, prompt),
+                        generator=torch.Generator().manual_seed(0))
+    times = {}
+    for n in (1, short, long):
+        start = time.perf_counter()
+        for _ in model.generate_stream(idx, n, temperature=0.0):
+            pass
+        times[n] = time.perf_counter() - start
+    return times[1], batch * (long - short) / (times[long] - times[short])
+
+
+def llama_cpp(path: str, prompt: int, short: int, long: int,
+              vocab_size: int) -> tuple[float, float]:
+    """llama.cpp's (seconds to the first new token, decode tokens/s), one sequence, greedy."""
+    from llama_cpp import Llama
+    llm = Llama(model_path=path, n_ctx=prompt + long + 8, n_threads=os.cpu_count(),
+                verbose=False)
+    ids = torch.randint(0, vocab_size, (prompt,),
+                        generator=torch.Generator().manual_seed(0)).tolist()
+    times = {}
+    for n in (1, short, long):
+        start = time.perf_counter()
+        for made, _ in enumerate(llm.generate(ids, top_k=1, temp=0.0, reset=True), start=1):
+            if made == n:
+                break
+        times[n] = time.perf_counter() - start
+    llm.close()
+    return times[1], (long - short) / (times[long] - times[short])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", help="a model the toolkit reads (default: a random 12 x 768 llama "
+                                  "family model of GPT-2's vocabulary)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--short", type=int, default=16, help="(default: %(default)s new tokens)")
+    p.add_argument("--long", type=int, default=80, help="(default: %(default)s new tokens)")
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    if args.ckpt:
+        model, facts = load_model(args.ckpt)
+    else:
+        torch.manual_seed(0)
+        shape = {key: PRESETS["gpt2"][key] for key in ("n_layer", "n_head", "n_embd")}
+        model = GPT(GPTConfig(**shape, vocab_size=50257, block_size=1024, arch="llama",
+                              bias=False, tie_embeddings=False))
+        facts = dict(GPT2_FACTS)
+    model = model.float().eval()
+    bandwidth = read_bandwidth()
+    print(f"CPU {cpu_kind()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"float32; {model.config.n_layer} x {model.config.n_embd} {model.config.arch}, vocab "
+          f"{model.config.vocab_size:,}; prompt {args.prompt}, decode {args.short} -> {args.long} "
+          f"new tokens; memory read bandwidth {bandwidth:.1f} GB/s", flush=True)
+    best = {}
+    with tempfile.TemporaryDirectory() as folder:
+        gguf = os.path.join(folder, "model.gguf")
+        save_gguf(model, gguf, facts, "f32")
+        for _ in range(args.rounds):
+            runs = [("llama.cpp (f32 GGUF)", 1)] + [("ours (eager, KV cache)", b)
+                                                    for b in args.batch_sizes]
+            for name, batch in runs:
+                first, rate = (llama_cpp(gguf, args.prompt, args.short, args.long,
+                                         model.config.vocab_size) if name.startswith("llama")
+                               else ours(model, batch, args.prompt, args.short, args.long))
+                old = best.get((name, batch), (float("inf"), 0.0))
+                best[name, batch] = (min(first, old[0]), max(rate, old[1]))
+                print(f"  {name}, batch {batch}: first token {first * 1000:.0f} ms, decode "
+                      f"{rate:.1f} tokens/s", flush=True)
+    context = args.prompt + (args.short + args.long) / 2
+    print("| decoder | batch | first token (ms) | decode tokens/s | MBU |\n|---|---|---|---|---|")
+    for (name, batch), (first, rate) in best.items():
+        mbu = step_bytes(model, batch, context) * rate / batch / (bandwidth * 1e9)
+        print(f"| {name} | {batch} | {first * 1000:.0f} | {rate:.1f} | {mbu:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
