@@ -8,11 +8,11 @@ the model bandwidth utilisation (MBU) against the machine's memory bandwidth, me
     python benchmarks/bench_decode.py --batch-sizes 1 4 16 64 --rounds 2
     python benchmarks/bench_decode.py --ckpt ckpt/ckpt.pt   # a checkpoint's model instead
 
-The decode rate is (long - short) new tokens over the difference of their times, so the prefill and
-the start-up cancel; greedy, no end-of-text. MBU: the bytes one decode step reads (every weight but
-the input embedding's table, of which it gathers a row, and the KV cache so far, on average) times
-steps a second, over the bandwidth of reading a 1 GiB float32 tensor. llama.cpp decodes one sequence
-here (batch 1). Rounds are interleaved; the best of them is shown.
+The decode rate is (long - short) new tokens over the time between their arrival in one run, so
+the prefill and the start-up are left out; greedy, no end-of-text. MBU: the bytes one decode step
+reads (every weight but the input embedding's table, of which it gathers a row, and the KV cache so
+far, on average) times steps a second, over the bandwidth of reading a 1 GiB float32 tensor.
+llama.cpp decodes one sequence here (batch 1). Rounds are interleaved; the best of them is shown.
 """
 import argparse
 import os
@@ -53,18 +53,26 @@ def step_bytes(model: GPT, batch: int, context: float) -> float:
     return weights + cache
 
 
+def stamps(tokens, short: int, long: int) -> tuple[float, float]:
+    """(seconds to the first new token, decode tokens/s between new tokens short and long) of
+    one run of a token stream, read as the tokens arrive."""
+    start = time.perf_counter()
+    times = {}
+    for made, _ in enumerate(tokens, start=1):
+        if made in (1, short, long):
+            times[made] = time.perf_counter() - start
+        if made == long:
+            break
+    return times[1], (long - short) / (times[long] - times[short])
+
+
 @torch.no_grad()
 def ours(model: GPT, batch: int, prompt: int, short: int, long: int) -> tuple[float, float]:
     """(seconds to the first new token, decode tokens/s over all sequences)."""
     idx = torch.randint(0, model.config.vocab_size, (batch, prompt),
                         generator=torch.Generator().manual_seed(0))
-    times = {}
-    for n in (1, short, long):
-        start = time.perf_counter()
-        for _ in model.generate_stream(idx, n, temperature=0.0):
-            pass
-        times[n] = time.perf_counter() - start
-    return times[1], batch * (long - short) / (times[long] - times[short])
+    first, rate = stamps(model.generate_stream(idx, long, temperature=0.0), short, long)
+    return first, batch * rate
 
 
 def llama_cpp(path: str, prompt: int, short: int, long: int,
@@ -75,15 +83,9 @@ def llama_cpp(path: str, prompt: int, short: int, long: int,
                 verbose=False)
     ids = torch.randint(0, vocab_size, (prompt,),
                         generator=torch.Generator().manual_seed(0)).tolist()
-    times = {}
-    for n in (1, short, long):
-        start = time.perf_counter()
-        for made, _ in enumerate(llm.generate(ids, top_k=1, temp=0.0, reset=True), start=1):
-            if made == n:
-                break
-        times[n] = time.perf_counter() - start
+    result = stamps(llm.generate(ids, top_k=1, temp=0.0, reset=True), short, long)
     llm.close()
-    return times[1], (long - short) / (times[long] - times[short])
+    return result
 
 
 def main() -> None:
@@ -97,6 +99,8 @@ def main() -> None:
     p.add_argument("--long", type=int, default=80, help="(default: %(default)s new tokens)")
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
+    if not 1 <= args.short < args.long:
+        p.error("--short must be at least 1 and less than --long")
     if args.ckpt:
         model, facts = load_model(args.ckpt)
     else:
