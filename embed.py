@@ -30,7 +30,7 @@ from toolkit.contrastive import TuneConfig, setup_tune
 from toolkit.embedding import (POOLINGS, batches, chunk_documents, chunk_records,
                                corpus_documents, encode, encoder_identity, load_encoder,
                                read_corpus, settle_chunking, text_room)
-from toolkit.files import check_output, refuse_existing, save_array, write_jsonl
+from toolkit.files import check_new_outputs, save_array, write_jsonl
 from toolkit.index import (INDEX_FILE, METRIC_KS, MODES, Index, IndexWriter, encode_queries,
                            open_encoder, read_eval_pairs, retrieval_metrics)
 from toolkit.lora import lora_base
@@ -40,15 +40,9 @@ INDEX_BATCH = 256  # documents read, chunked, encoded and written at a time
 MODE_PARTS = {"hybrid": ["dense", "lexical"], "dense": ["dense"], "lexical": ["lexical"]}
 
 
-def check_outputs(outputs: list[str], inputs: list[str], overwrite: bool) -> None:
-    for path in outputs:
-        check_output(path, inputs, "--out")
-    refuse_existing(outputs, overwrite)
-
-
 def encode_command(args: argparse.Namespace) -> None:
     outputs = [args.out + ".npy", args.out + ".jsonl"]
-    check_outputs(outputs, [args.input, args.ckpt, *lora_base(args.ckpt)], args.overwrite)
+    check_new_outputs(outputs, [args.input, args.ckpt, *lora_base(args.ckpt)], args.overwrite)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     pooling = args.pooling or POOLINGS[0]
@@ -72,7 +66,7 @@ def encode_command(args: argparse.Namespace) -> None:
 def index_command(args: argparse.Namespace) -> None:
     previous = Index(args.out) if args.append else None
     if previous is None:
-        check_outputs([os.path.join(args.out, INDEX_FILE)],
+        check_new_outputs([os.path.join(args.out, INDEX_FILE)],
                       [args.input, args.ckpt, *lora_base(args.ckpt)], args.overwrite)
     device = resolve_device(args.device)
     model, tokenizer, facts = load_encoder(args.ckpt, device)
@@ -161,7 +155,7 @@ def search_command(args: argparse.Namespace) -> None:
             print(json.dumps({"query": query, "mode": mode, "results": results},
                              ensure_ascii=False))
         else:
-            print_table(query, results)
+            print_results(query, results)
 
 
 def query_vectors(index: Index, mode: str, args: argparse.Namespace, queries: list[str],
@@ -175,7 +169,8 @@ def query_vectors(index: Index, mode: str, args: argparse.Namespace, queries: li
                                      device)
 
 
-def print_table(query: str, results: list[dict]) -> None:
+def print_results(query: str, results: list[dict]) -> None:
+    """A query's results as a table: rank, score, id and the passage's start."""
     print(f"query: {query}")
     width = max(len("id"), *(len(r["id"]) for r in results))
     print(f"{'rank':>4}  {'score':>7}  {'id':<{width}}  passage")

@@ -24,7 +24,7 @@ import sys
 from toolkit import cli
 from toolkit.chat import template_variables
 from toolkit.cli import CLIError
-from toolkit.files import check_output, refuse_existing, write_json
+from toolkit.files import check_new_outputs, write_json
 from toolkit.evaluation import is_local_task
 from toolkit.model_scores import score_model, task_data_files
 from toolkit.lora import lora_base
@@ -91,9 +91,9 @@ def parse_args(argv: list[str] | None):
             raise CLIError(f"--{name.replace('_', '-')} is for lm-evaluation-harness's tasks: "
                            "give one of them (a name or a task YAML) in --tasks")
     if args.output:
-        check_output(args.output, [args.ckpt, *lora_base(args.ckpt), args.data_dir, *args.tasks,
-                                   *task_data_files(args.tasks)], "--output")
-        refuse_existing([args.output], args.overwrite)
+        inputs = [args.ckpt, *lora_base(args.ckpt), args.data_dir, *args.tasks,
+                  *task_data_files(args.tasks)]
+        check_new_outputs([args.output], inputs, args.overwrite, "--output")
     return args
 
 

@@ -13,7 +13,8 @@ llama.cpp, ollama and LM Studio run (toolkit/gguf_export.py).
 from toolkit import cli
 from toolkit.checkpoint import run_file
 from toolkit.lora import lora_base
-from toolkit.model_sources import add_export_arguments, check_exports, export, load_model
+from toolkit.exports import add_export_arguments, check_exports, export
+from toolkit.model_sources import load_model
 from toolkit.sampling import add_sampling_arguments, check_sampling_args, run_sampling
 from toolkit.tokenizers import load_tokenizer
 

@@ -21,7 +21,7 @@ import sys
 from toolkit import cli
 from toolkit.checkpoint import make_checkpoint, save_checkpoint
 from toolkit.ds_checkpoint import default_deepspeed_source, load_deepspeed_model
-from toolkit.model_sources import add_export_arguments, check_exports, export
+from toolkit.exports import add_export_arguments, check_exports, export
 from toolkit.sampling import add_sampling_arguments, check_sampling_args, run_sampling
 from toolkit.tokenizers import load_tokenizer
 

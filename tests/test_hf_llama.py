@@ -14,7 +14,8 @@ from toolkit.checkpoint import load_checkpoint
 from toolkit.cli import CLIError
 from toolkit.data import read_megatron_index
 from toolkit.gguf_export import save_gguf
-from toolkit.model_sources import load_model, save_hf
+from toolkit.exports import save_hf
+from toolkit.model_sources import load_model
 from toolkit.sampling import prompt_ids
 from toolkit.tokenizers import Tokenizer, check_facts, load_tokenizer, train_bpe
 

@@ -413,7 +413,8 @@ def test_the_hf_export_of_an_instruction_tuned_model_carries_the_template(family
                           **family))
     tok = load_tokenizer(dict(GPT2_FACTS))
     special = add_chat_tokens(model, tok)
-    (save_llama if family else save_gpt2)(model, str(tmp_path), tok.facts())
+    (save_llama if family else save_gpt2)(model, str(tmp_path), tok.facts(),
+                                          export_template(tok.facts()))
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert hf_tok.convert_ids_to_tokens(list(range(50257, 50261))) == list(CHAT_TOKENS)
     assert hf_tok.encode("<|user|>Hi") == [tok.special_tokens["<|user|>"], *tok.encode("Hi")]

@@ -237,6 +237,14 @@ def refuse_existing(paths: list[str], overwrite: bool) -> None:
         raise CLIError(f"{existing[0]} already exists; use --overwrite to replace it")
 
 
+def check_new_outputs(outputs: list[str], inputs: list[str], overwrite: bool,
+                      flag: str = "--out") -> None:
+    """check_output for each of a command's output files, then refuse_existing."""
+    for path in outputs:
+        check_output(path, inputs, flag)
+    refuse_existing(outputs, overwrite)
+
+
 def require_file(path: str, what: str = "file") -> None:
     """A CLIError unless path is a file: a folder is said to be one."""
     if os.path.isdir(path):

@@ -18,7 +18,6 @@ from tokenizers import Tokenizer as HFTokenizer
 from torch import nn
 
 from model import GPT, GPTConfig, check_config
-from toolkit.chat import export_template
 from toolkit.checkpoint import check_shape, check_tied_head, read_weights
 from toolkit.device import check_memory
 from toolkit.cli import CLIError
@@ -133,13 +132,15 @@ def load_gpt2(path: str, **overrides) -> GPT:
     return model
 
 
-def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> str:
+def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None,
+              template: dict | None = None) -> str:
     """An HF GPT-2 folder that transformers loads alone, offline: config.json, model.safetensors and
     generation_config.json (AutoModelForCausalLM: GPT2LMHeadModel, the same model), and for GPT-2's
     vocabulary the tokenizer files (vocab.json, merges.txt, tokenizer.json, for AutoTokenizer).
 
     bias=False is written as zero biases (the same function). `tokenizer` (facts, as in checkpoints;
-    default GPT-2's) gives bos/eos_token_id, none for a vocabulary without an end-of-text token.
+    default GPT-2's) gives bos/eos_token_id, none for a vocabulary without an end-of-text token;
+    `template`, a chat template (chat.export_template's), goes in the tokenizer's configuration.
     Facts other than GPT-2's own are also written to TOKENIZER_FILE, so test.py reads the folder
     with the right tokenizer; a vocabulary an HF tokenizer cannot represent (char, byte) says so in
     the folder's README.md. Returns a line saying what was written."""
@@ -170,11 +171,11 @@ def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None) -> str:
     atomic_write(os.path.join(out_dir, "model.safetensors"),
                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     write_json(os.path.join(out_dir, "config.json"), hf)
-    write_generation_config(out_dir, tokenizer)
+    write_generation_config(out_dir, tokenizer, template)
     if tokenizer != GPT2_FACTS:
         write_json(os.path.join(out_dir, TOKENIZER_FILE), tokenizer)
     if tokenizer.get("tokenizer") in ("gpt2", "bpe"):
-        write_tokenizer_files(out_dir, tokenizer, c.block_size)
+        write_tokenizer_files(out_dir, tokenizer, c.block_size, template)
         return "an HF GPT-2 folder"
     write_text(os.path.join(out_dir, "README.md"), NO_HF_TOKENIZER.format(**tokenizer))
     return (f"an HF GPT-2 folder (its {tokenizer['tokenizer']} tokenizer has no HF tokenizer: "
@@ -243,18 +244,19 @@ def token_text(token) -> str | None:
         token if isinstance(token, str) else None
 
 
-def write_generation_config(out_dir: str, facts: dict) -> None:
+def write_generation_config(out_dir: str, facts: dict, template: dict | None) -> None:
     """generation_config.json: generate() stops at the end-of-text token, or where the model chats
     at the ids that end a reply (an instruction-tuned model's <|end|> too, as Llama 3's lists
     <|eot_id|>; a downloaded folder's own). No max_length, as GPT-2's own: generate()'s
     max_new_tokens then comes with no warning."""
-    eot_id, template = facts.get("eot_id"), export_template(facts)
+    eot_id = facts.get("eot_id")
     write_json(os.path.join(out_dir, "generation_config.json"), {
         "bos_token_id": bos_token_id(facts),
         "eos_token_id": template["stop_ids"] if template else eot_id})
 
 
-def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
+def write_tokenizer_files(out_dir: str, facts: dict, block_size: int,
+                          template: dict | None) -> None:
     """The tokenizer files of a GPT-2 or a trained BPE vocabulary, so that AutoTokenizer gives this
     toolkit's ids: tokenizer.json (the fast tokenizer) with the special tokens a fine-tuning added,
     its configuration (with the chat template of an instruction-tuned model or a downloaded
@@ -274,8 +276,7 @@ def write_tokenizer_files(out_dir: str, facts: dict, block_size: int) -> None:
     if moved:
         raise CLIError(f"the HF tokenizer would give {moved[0]} another id than the model's; the "
                        f"vocabulary and the model's embedding rows do not line up")
-    template = export_template(facts)  # (its bos and eos tokens are the ones it renders)
-    eot = tokenizer.eot_text
+    eot = tokenizer.eot_text  # a template's bos and eos tokens are the ones it renders
     named = {"bos_token": tokenizer.bos_text or eot, "eos_token": eot, "unk_token": eot,
              **({key: template.get(key) for key in ("bos_token", "eos_token")} if template else {})}
     write_json(os.path.join(out_dir, "special_tokens_map.json"), named)

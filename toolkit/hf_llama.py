@@ -170,11 +170,11 @@ def hf_tensors(model: GPT) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().float().contiguous().cpu() for name, tensor in tensors.items()}
 
 
-def save_llama(model: GPT, out_dir: str, tokenizer: dict) -> str:
+def save_llama(model: GPT, out_dir: str, tokenizer: dict, template: dict | None = None) -> str:
     """An HF folder that transformers loads alone, offline, as the same model: config.json (Qwen3's
     layout with QK-norm, Llama's without), model.safetensors, generation_config.json, and the
     tokenizer files of a GPT-2 or BPE vocabulary (a README for char and byte), and the toolkit's
-    tokenizer facts where they are not GPT-2's own, as save_gpt2 writes them.
+    tokenizer facts where they are not GPT-2's own, and the chat template, as save_gpt2 writes them.
     Returns what it wrote, in words."""
     from safetensors.torch import save_file
 
@@ -198,14 +198,14 @@ def save_llama(model: GPT, out_dir: str, tokenizer: dict) -> str:
     atomic_write(os.path.join(out_dir, "model.safetensors"),
                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     write_json(os.path.join(out_dir, "config.json"), hf)
-    write_generation_config(out_dir, tokenizer)
+    write_generation_config(out_dir, tokenizer, template)
     name = f"an HF {ARCHITECTURES[model_type]} folder"
     # read back as they are: special tokens (tokenizer.json's added tokens do not say
     # which), char, byte
     if tokenizer != GPT2_FACTS:
         write_json(os.path.join(out_dir, TOKENIZER_FILE), tokenizer)
     if tokenizer.get("tokenizer") in ("gpt2", "bpe"):
-        write_tokenizer_files(out_dir, tokenizer, c.block_size)
+        write_tokenizer_files(out_dir, tokenizer, c.block_size, template)
         return name
     write_text(os.path.join(out_dir, "README.md"), NO_HF_TOKENIZER.format(**tokenizer))
     return f"{name} (its {tokenizer['tokenizer']} tokenizer has no HF tokenizer: see its README.md)"

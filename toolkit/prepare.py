@@ -7,10 +7,14 @@ CPython) is prepared on first use.
     ensure_default_corpus()       # data/pydoc_char: train.bin, val.bin, meta.json (char level)
 """
 import argparse
+import hashlib
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -18,17 +22,22 @@ from collections.abc import Iterator
 import numpy as np
 from tqdm import tqdm
 
+from toolkit import gpt2_vocab
 from toolkit.cli import CLIError
 from toolkit.data import DEFAULT_CORPUS_DIR, NANOGPT_FILES, is_prepared, megatron_document_prefix
 from toolkit.documents import ReadStats, input_files, read_documents
-from toolkit.files import (check_output, refuse_existing, remove_temporaries, temporary_name,
-                           write_error)
+from toolkit.files import (atomic_open, check_output, refuse_existing, remove_temporaries,
+                           temporary_name, write_error)
 from toolkit.textfiles import read_text, without_compression
 from toolkit.tokenizers import CUT, Tokenizer, load_tokenizer, train_bpe
 from toolkit.writers import (LlmcWriter, MegatronWriter, NanoGPTWriter, llmc_shards, output_dtype,
                              write_nanogpt)
+
 PIECE_CHARS = 1 << 22  # a longer piece of text is tokenized 4M characters at a time: bounded memory
 BPE_SAMPLE = 1 << 28  # the text a BPE is trained on: 256 MiB at most (docs/performance.md)
+# the PyPI source package that ships GPT-2's vocabulary, the file tiktoken downloads, unchanged
+WHISPER_SDIST = "openai-whisper==20250625"
+WHISPER_MEMBER = "whisper/assets/gpt2.tiktoken"
 
 
 def encode_document(tokenizer: Tokenizer, pieces: list[str], dtype: np.dtype) -> list[np.ndarray]:
@@ -344,3 +353,36 @@ def prepare(args: argparse.Namespace) -> dict | None:
           f"({nbytes / 2**20 / seconds:.1f} MB/s, {tokens / seconds:,.0f} tokens/s)" +
           (f", {stats.bad_lines:,} bad lines skipped" if stats.bad_lines else ""))
     return meta
+
+
+def install_gpt2_vocab() -> str:
+    """The path of GPT-2's vocabulary, put in tiktoken's cache from PyPI's openai-whisper sdist: the
+    package (~800 KB) is downloaded, not installed, and its copy of r50k_base checked by sha256."""
+    cache_dir = gpt2_vocab.tiktoken_cache_dir()
+    if not cache_dir:
+        raise CLIError("TIKTOKEN_CACHE_DIR is set but empty, which disables tiktoken's cache; "
+                       "unset it or name a folder")
+    path = os.path.join(cache_dir, gpt2_vocab.R50K_CACHE_NAME)
+    if gpt2_vocab.installed():
+        return path
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", WHISPER_SDIST, "-d", tmp]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            last_line = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise CLIError(f"'{' '.join(cmd[1:])}' failed: {last_line}")
+        sdists = [name for name in os.listdir(tmp) if name.endswith(".tar.gz")]
+        if len(sdists) != 1:
+            raise CLIError(f"expected one .tar.gz from pip download of {WHISPER_SDIST}, got "
+                           f"{sorted(os.listdir(tmp))}")
+        with tarfile.open(os.path.join(tmp, sdists[0])) as tar:
+            members = [m for m in tar.getmembers() if m.name.endswith("/" + WHISPER_MEMBER)]
+            if len(members) != 1:
+                raise CLIError(f"{sdists[0]} has no {WHISPER_MEMBER}")
+            data = tar.extractfile(members[0]).read()
+    if hashlib.sha256(data).hexdigest() != gpt2_vocab.R50K_SHA256:
+        raise CLIError(f"{WHISPER_MEMBER} from {sdists[0]} has an unexpected sha256; refusing to "
+                       "install it")
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+    return path
