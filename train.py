@@ -18,8 +18,8 @@ from toolkit.training import TorchEngine
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, given, _ = parse_config(argv, description=__doc__)
-    trainer = setup(cfg, given, TorchEngine(os.path.join(cfg.out_dir, CHECKPOINT_FILE)))
+    cfg, _ = parse_config(argv, description=__doc__)
+    trainer = setup(cfg, TorchEngine(os.path.join(cfg.out_dir, CHECKPOINT_FILE)))
     with tracking_emissions(trainer.cfg, master=distributed.rank() == 0):
         trainer.fit()
 

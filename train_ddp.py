@@ -23,10 +23,10 @@ from toolkit.training import TorchEngine
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, given, args = parse_config(argv, description=__doc__,
-                                    extra_arguments=distributed.add_distributed_flags)
+    cfg, args = parse_config(argv, description=__doc__,
+                             extra_arguments=distributed.add_distributed_flags)
     distributed.init_torchrun(cfg.device, args.backend, args.timeout)
-    trainer = setup(cfg, given, TorchEngine(os.path.join(cfg.out_dir, CHECKPOINT_FILE)))
+    trainer = setup(cfg, TorchEngine(os.path.join(cfg.out_dir, CHECKPOINT_FILE)))
     with tracking_emissions(trainer.cfg, master=distributed.rank() == 0):
         trainer.fit()
 

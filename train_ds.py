@@ -80,19 +80,19 @@ def extra_arguments(parser) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, given, args = parse_config(argv, description=__doc__, extra_arguments=extra_arguments,
-                                    overrides=FLAG_OVERRIDES)
+    cfg, args = parse_config(argv, description=__doc__, extra_arguments=extra_arguments,
+                             overrides=FLAG_OVERRIDES)
     ds_path = args.deepspeed_config or args.deepscale_config or DEFAULT_DS_CONFIG
     ds = read_json(ds_path, "DeepSpeed config")
     check_ds_config(ds, ds_path)
     if args.estimate_memory:
-        print(memory_estimate(cfg, given, ds, args.num_nodes, args.num_gpus, args.pipeline_stages,
+        print(memory_estimate(cfg, ds, args.num_nodes, args.num_gpus, args.pipeline_stages,
                               args.tp_size))
         return
     cfg = init_distributed(cfg, args)
     engine = DeepSpeedEngine(ds, ds_path, cfg.out_dir, args.keep_checkpoints, args.pipeline_stages,
                              args.tp_size)
-    trainer = setup(cfg, given, engine)
+    trainer = setup(cfg, engine)
     with tracking_emissions(trainer.cfg, master=distributed.rank() == 0):
         trainer.fit()
     engine.finish()

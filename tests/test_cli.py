@@ -33,7 +33,8 @@ def test_help_and_no_abbreviations(script):
 def test_megatron_save_is_not_taken_for_save_interval():
     """--save is Megatron's name for --out-dir, never a prefix of --save-interval."""
     from toolkit.train_config import parse_config
-    cfg, explicit, _ = parse_config(["--save", "ckpt_dir"])
+    cfg, _ = parse_config(["--save", "ckpt_dir"])
+    explicit = cfg.given
     assert cfg.out_dir == "ckpt_dir" and cfg.save_interval == 0 and "save_interval" not in explicit
 
 
@@ -42,8 +43,8 @@ def test_underscore_spellings_are_the_kebab_case_flags():
     of a flag too)."""
     from toolkit import cli
     from toolkit.train_config import parse_config
-    cfg, explicit, _ = parse_config(["--max_iters=7", "--data_dir", "x", "--compile=False",
-                                     "--bias=True"])
+    cfg, _ = parse_config(["--max_iters=7", "--data_dir", "x", "--compile=False", "--bias=True"])
+    explicit = cfg.given
     assert (cfg.max_iters, cfg.data_dir, cfg.compile, cfg.bias) == (7, "x", False, True)
     assert {"max_iters", "data_dir", "compile", "bias"} <= explicit
     parser = cli.argument_parser(None)

@@ -7,7 +7,8 @@ from conftest import TINY_MODEL, assert_one_line_error, run_main
 from model import GPT, GPTConfig
 from toolkit.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.optim import EMBEDDING_LR_SCALE, Muon, make_optimizer, orthogonalize
-from toolkit.train_config import TrainConfig, parse_config, settle, settle_optimizer
+from toolkit.pretraining import settle
+from toolkit.train_config import TrainConfig, parse_config, settle_optimizer
 from toolkit.training import TorchEngine
 
 
@@ -143,8 +144,8 @@ def test_recipe_of_the_quick_start_is_pinned():
 
 def settled(*argv: str) -> TrainConfig:
     """The configuration train.py settles from these flags (a new run: nothing to resume)."""
-    cfg, given, _ = parse_config(list(argv))
-    return settle(cfg, given, TorchEngine("no-such-run/ckpt.pt"))[0]
+    cfg, _ = parse_config(list(argv))
+    return settle(cfg, TorchEngine("no-such-run/ckpt.pt"))[0]
 
 
 def test_adamw_rate_falls_with_width_from_scratch():

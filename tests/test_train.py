@@ -16,9 +16,9 @@ from model import GPT, GPTConfig
 from toolkit.checkpoint import load_checkpoint, model_from_checkpoint
 from toolkit.data import load_corpus
 from toolkit.hf import save_gpt2
-from toolkit.pretraining import evaluation_windows, schedule
+from toolkit.pretraining import evaluation_windows
 from toolkit.cli import CLIError
-from toolkit.train_config import TrainConfig, parse_config
+from toolkit.train_config import TrainConfig, parse_config, schedule
 from toolkit.writers import write_nanogpt
 
 
@@ -148,7 +148,8 @@ def test_train_samples_sets_the_steps_and_the_schedule_follows_them(char_data, t
 def test_config_file_and_flag_precedence(tmp_path):
     config = tmp_path / "run.json"
     config.write_text(json.dumps({"n_layer": 6, "lr": 0.01, "batch-size": 8}))
-    cfg, explicit, _ = parse_config(["--config", str(config), "--lr", "0.002"])
+    cfg, _ = parse_config(["--config", str(config), "--lr", "0.002"])
+    explicit = cfg.given
     assert (cfg.n_layer, cfg.lr, cfg.batch_size, cfg.n_head) == (6, 0.002, 8, TrainConfig().n_head)
     assert {"n_layer", "lr", "batch_size"} <= explicit and "n_head" not in explicit
     config.write_text(json.dumps({"max_iters": 3, "max-iters": 5}))  # one option twice

@@ -327,11 +327,11 @@ def test_a_flag_contradicting_ds_config_is_refused(change, flags, fragments):
     from toolkit.ds_config import reconcile
     from toolkit.train_config import TrainConfig
     ds = {**json.loads((ROOT / "ds_config.json").read_text()), **change}
-    cfg = TrainConfig(grad_accum=2, **flags)
+    cfg = TrainConfig(grad_accum=2, **flags, given=frozenset(flags))
     with pytest.raises(CLIError) as error:
-        reconcile(cfg, set(flags), ds, "ds_config.json", 2, torch.device("cpu"))
+        reconcile(cfg, ds, "ds_config.json", 2, torch.device("cpu"))
     assert all(fragment in str(error.value) for fragment in fragments), str(error.value)
-    agreed, full = reconcile(TrainConfig(grad_accum=2), set(),
+    agreed, full = reconcile(TrainConfig(grad_accum=2),
                              json.loads((ROOT / "ds_config.json").read_text()), "ds_config.json", 2,
                              torch.device("cpu"))
     assert full["train_micro_batch_size_per_gpu"] == agreed.batch_size and \

@@ -84,7 +84,8 @@ def make_checkpoint(state: dict, model: torch.nn.Module, optimizer: dict | None,
 def run_state(model: GPT, cfg, tokenizer: dict) -> dict:
     """What every checkpoint holds besides the weights and the loop's state: the model's shape, the
     run's options and the tokenizer facts."""
-    return {"model_config": asdict(model.config), "train_config": asdict(cfg),
+    options = {k: v for k, v in asdict(cfg).items() if k != "given"}  # (a run's bookkeeping)
+    return {"model_config": asdict(model.config), "train_config": options,
             "tokenizer": tokenizer}
 
 

@@ -3,8 +3,7 @@ flags (toolkit/ds_config.py), the ZeRO / pipeline / AutoTP engine, its checkpoin
 and joining the process group of the deepspeed launcher, torchrun or mpirun.
 
     init_distributed(cfg, args)
-    trainer = pretraining.setup(cfg, given,
-                                DeepSpeedEngine(ds, ds_path, cfg.out_dir, keep_checkpoints))
+    trainer = pretraining.setup(cfg, DeepSpeedEngine(ds, ds_path, cfg.out_dir, keep_checkpoints))
     trainer.fit()
 
 Forward, backward and the ZeRO optimizer step go through DeepSpeed; the learning rate comes from the
@@ -54,12 +53,12 @@ def shape_of(cfg: TrainConfig) -> GPTConfig:
                      n_kv_head=cfg.n_kv_head, qk_norm=cfg.qk_norm, tie_embeddings=gpt2)
 
 
-def memory_estimate(cfg: TrainConfig, given: set[str], ds: dict, nodes: int, gpus: int,
-                    pipeline_stages: int, tp_size: int) -> str:
+def memory_estimate(cfg: TrainConfig, ds: dict, nodes: int, gpus: int, pipeline_stages: int,
+                    tp_size: int) -> str:
     """train_ds.py --estimate-memory: the model on the meta device, this layout over nodes x gpus,
     the config's ZeRO stage and offload, the precision of --dtype or else the config's (float32 when
     neither sets one), and DeepSpeed's own estimators for ZeRO 2 and 3, as lines of text."""
-    cfg = family_defaults(apply_preset(cfg, given), given)
+    cfg = family_defaults(apply_preset(cfg))
     stage, zero = zero_stage(ds), ds.get("zero_optimization") or {}
     config = shape_of(cfg)
     try:
@@ -68,7 +67,7 @@ def memory_estimate(cfg: TrainConfig, given: set[str], ds: dict, nodes: int, gpu
     except ValueError as e:
         raise CLIError(str(e)) from None
     dtype = cfg.dtype if cfg.dtype != "auto" else config_precision(ds) or "float32"
-    grad_accum = grad_accum_for(cfg, given) if cfg.global_batch_size else cfg.grad_accum
+    grad_accum = grad_accum_for(cfg) if cfg.global_batch_size else cfg.grad_accum
     micro_steps = max(1, (grad_accum or layout.data_parallel) // layout.data_parallel)
     offload_optimizer = (zero.get("offload_optimizer") or {}).get("device") not in (None, "none")
     offload_param = (zero.get("offload_param") or {}).get("device") not in (None, "none")
@@ -156,19 +155,19 @@ class DeepSpeedEngine:
         check_deepspeed_files(self.path, state["tag"])  # before DeepSpeed unpickles them
         return state
 
-    def settle_config(self, cfg: TrainConfig, given: set[str], resumed: set[str]) -> TrainConfig:
+    def settle_config(self, cfg: TrainConfig, resumed: set[str]) -> TrainConfig:
         # the DeepSpeed config's AdamW (train_ds.py offers no other) and --lr, which the config may
         # also set; torch.compile only when asked for (it is not measured under ZeRO)
         cfg = settle_optimizer(replace(cfg, optimizer="adamw",
-                                       compile=cfg.compile and "compile" in given))
+                                       compile=cfg.compile and "compile" in cfg.given))
         if cfg.eval_tasks and self.pipelined:
             raise CLIError("--eval-tasks needs the model's logits, which a pipeline keeps on its "
                            "last stage; score an exported checkpoint with eval.py instead (python "
                            "test_ds.py --export-ckpt PATH)")
         if "dtype" in resumed:  # the checkpoint's precision stands unless the config says otherwise
-            given = given - {"dtype"}
+            cfg = replace(cfg, given=cfg.given - {"dtype"})
         device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
-        cfg, self.ds_config = reconcile(cfg, given, self.ds_input, self.ds_path,
+        cfg, self.ds_config = reconcile(cfg, self.ds_input, self.ds_path,
                                         self.layout.data_parallel, device, resumed)
         if self.saved_dtype is not None and cfg.dtype != self.saved_dtype:
             # DeepSpeed names (and shapes) its optimizer files by precision: another precision

@@ -2,7 +2,7 @@
 before start-up, each value both can set settled from one source, and the precision it asks for.
 
     check_ds_config(ds, path)                        # a wrong kind of value: one line, at once
-    cfg, full = reconcile(cfg, given, ds, path, world_size, device)
+    cfg, full = reconcile(cfg, ds, path, world_size, device)
 """
 import copy
 import os
@@ -99,13 +99,13 @@ def config_precision(ds: dict) -> str | None:
     return "bfloat16" if bf16_on else "float16" if fp16_on else "float32"
 
 
-def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size: int,
-              device: torch.device, resumed: set[str] = frozenset()) -> tuple[TrainConfig, dict]:
+def reconcile(cfg: TrainConfig, ds: dict, path: str, world_size: int, device: torch.device,
+              resumed: set[str] = frozenset()) -> tuple[TrainConfig, dict]:
     """Settle every value that both the flags and the DeepSpeed config can set.
 
-    `given` names the flags set on purpose (command line, --config file, or a resumed checkpoint). A
-    value set in only one place is used and copied to the other; set in both and different it is a
-    CLIError. Returns the updated TrainConfig and the complete DeepSpeed config to pass to
+    cfg.given names the flags set on purpose (command line, --config file, a resumed checkpoint).
+    A value set in only one place is used and copied to the other; set in both and different it is
+    a CLIError. Returns the updated TrainConfig and the complete DeepSpeed config to pass to
     deepspeed.initialize."""
     ds = copy.deepcopy(ds)
     name = os.path.basename(path)
@@ -117,7 +117,7 @@ def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size
         value = get_key(ds, key)
         if value is None:
             continue
-        mine = [f for f in flags if f in given]
+        mine = [f for f in flags if f in cfg.given]
         if mine and to_config(cfg, world_size) != value:
             shown = " ".join(f"--{f.replace('_', '-')} {getattr(cfg, f)}" for f in mine)
             if "grad_accum" in mine:
@@ -142,7 +142,7 @@ def reconcile(cfg: TrainConfig, given: set[str], ds: dict, path: str, world_size
         set_key(ds, key, int(value) if key == "gradient_accumulation_steps" else value)
 
     ds_dtype = config_precision(ds)
-    if ds_dtype is not None and "dtype" in given and cfg.dtype not in ("auto", ds_dtype):
+    if ds_dtype is not None and "dtype" in cfg.given and cfg.dtype not in ("auto", ds_dtype):
         raise CLIError(f"{name} sets precision {ds_dtype} (its bf16/fp16 sections) but --dtype "
                        f"{cfg.dtype} was given; they must agree: change one of them or drop the "
                        "flag")

@@ -73,6 +73,11 @@ def option(default, help: str, *, check: str | None = None, choices: list | None
                                             "megatron": megatron, "required": required})
 
 
+def option_fields(config_class) -> list:
+    """The fields that are options (made by option()), not a config's own bookkeeping."""
+    return [f for f in fields(config_class) if "help" in f.metadata]
+
+
 def flag(name: str) -> str:
     """The flag of a field: lr_decay_iters -> --lr-decay-iters."""
     return "--" + name.replace("_", "-")
@@ -91,7 +96,7 @@ def add_flags(parser: argparse.ArgumentParser, config_class: type,
     field, e.g. Megatron's) in the Megatron group. argument_default=argparse.SUPPRESS omits flags
     not given. overrides: a script's own help or choices for a field, or None to omit its flag."""
     overrides = overrides or {}
-    for f in fields(config_class):
+    for f in option_fields(config_class):
         if f.name in overrides and overrides[f.name] is None:
             continue
         kwargs = {"dest": f.name, "help": f.metadata["help"]}
@@ -135,7 +140,7 @@ def given(config_class: type, argv: list[str] | None, aliases: dict[str, list[st
 
 def values(args: argparse.Namespace, config_class: type) -> dict:
     """The parsed values of config_class's fields."""
-    return {f.name: getattr(args, f.name, f.default) for f in fields(config_class)}
+    return {f.name: getattr(args, f.name, f.default) for f in option_fields(config_class)}
 
 
 def check_values(cfg) -> None:
@@ -152,7 +157,7 @@ def check_values(cfg) -> None:
 def read_config_file(path: str, config_class: type) -> dict:
     """Option values from a JSON object; keys are field names (snake_case or kebab-case), values
     typed as the flags are, choices as theirs."""
-    known = {f.name for f in fields(config_class)}
+    known = {f.name for f in option_fields(config_class)}
     raw = read_json(path, "config file")
     values = {k.replace("-", "_"): v for k, v in raw.items()}
     if len(values) < len(raw):
@@ -169,7 +174,7 @@ def read_config_file(path: str, config_class: type) -> dict:
 def check_types(values: dict, config_class: type, source: str) -> None:
     """Each value of a config_class field has the field's type and is one of its choices (a JSON
     file's or a checkpoint's options; CLIError naming `source`)."""
-    known = {f.name: f for f in fields(config_class)}
+    known = {f.name: f for f in option_fields(config_class)}
     for name, value in values.items():
         f = known[name]
         kind = base_type(f.type)

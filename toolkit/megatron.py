@@ -49,10 +49,10 @@ class MegatronOptions:
                                             "nothing is looked up)", megatron=True)
 
 
-def check_options(cfg: MegatronOptions, given: set[str]) -> None:
+def check_options(cfg) -> None:
     """A sample count and its step count are not both given; codecarbon is there when asked for."""
     for samples, steps in SAMPLE_FLAGS.items():
-        if {samples, steps} <= given:
+        if {samples, steps} <= cfg.given:
             raise CLIError(f"{flag(samples)} and {flag(steps)} set the same value; give one of "
                            "them")
     if cfg.codecarbon_dir:
@@ -63,26 +63,26 @@ def check_options(cfg: MegatronOptions, given: set[str]) -> None:
                            "codecarbon") from None
 
 
-def load_folder(cfg, given: set[str]) -> str:
+def load_folder(cfg) -> str:
     """--load DIR: DIR is the run's folder, --out-dir (here, checkpoints are read and written in one
     place)."""
-    if "out_dir" in given and os.path.abspath(cfg.out_dir) != os.path.abspath(cfg.load):
+    if "out_dir" in cfg.given and os.path.abspath(cfg.out_dir) != os.path.abspath(cfg.load):
         raise CLIError(f"--load {cfg.load} and --save/--out-dir {cfg.out_dir} differ; a run "
                        f"resumes and saves in one folder here: give the same folder or only "
                        f"one of them")
-    if "init_from" in given and cfg.init_from != "resume":
+    if "init_from" in cfg.given and cfg.init_from != "resume":
         raise CLIError(f"--load resumes from {cfg.load}; it cannot be combined with --init-from "
                        f"{cfg.init_from}")
     return cfg.load
 
 
-def grad_accum_for(cfg, given: set[str]) -> int:
+def grad_accum_for(cfg) -> int:
     """--grad-accum from --global-batch-size = --micro-batch-size x accumulation (all processes)."""
     accum, rest = divmod(cfg.global_batch_size, cfg.batch_size)
     if rest:
         raise CLIError(f"--global-batch-size {cfg.global_batch_size} is not a multiple of "
                        f"--micro-batch-size/--batch-size {cfg.batch_size}")
-    if "grad_accum" in given and cfg.grad_accum not in (None, accum):
+    if "grad_accum" in cfg.given and cfg.grad_accum not in (None, accum):
         raise CLIError(f"--global-batch-size {cfg.global_batch_size} / --batch-size "
                        f"{cfg.batch_size} = {accum} micro-batches but --grad-accum "
                        f"{cfg.grad_accum} was given; drop one of them")

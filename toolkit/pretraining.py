@@ -1,13 +1,13 @@
-"""Pretraining a GPT on token data, as train.py, train_ddp.py and train_ds.py do: the
-language-modelling objective, the model, the checks of data against model, and the setup that hands
-the loop an engine and the objective.
+"""Pretraining a GPT on token data, as train.py, train_ddp.py and train_ds.py do: the settling of
+its options, the language-modelling objective, the model, the checks of data against model, and the
+setup that hands the loop an engine and the objective.
 
-    cfg, given, args = parse_config(argv)                       # toolkit/train_config.py
-    trainer = setup(cfg, given, TorchEngine(os.path.join(cfg.out_dir, CHECKPOINT_FILE)))
+    cfg, args = parse_config(argv)                       # toolkit/train_config.py
+    trainer = setup(cfg, TorchEngine(os.path.join(cfg.out_dir, CHECKPOINT_FILE)))
     trainer.fit()
 
-The options and their settling are toolkit/train_config.py's; the loop and the engine
-toolkit/training.py's.
+setup settles the options first (settle: every rule in order; the options, their tables and
+helpers are toolkit/train_config.py's); the loop and the engine are toolkit/training.py's.
 """
 import math
 import os
@@ -17,18 +17,21 @@ import numpy as np
 import torch
 
 from model import GPT, GPTConfig
-from toolkit import distributed
+from toolkit import distributed, megatron
 from toolkit.batches import get_batch, window_offsets
 from toolkit.checkpoint import run_state, usable_config
 from toolkit.cli import CLIError
-from toolkit.config import replicas
+from toolkit.config import replicas, settle_run
 from toolkit.data import DEFAULT_CORPUS_DIR, is_prepared, load_corpus
-from toolkit.device import check_attn_kernel, check_memory, describe, full_logits_fit, run_device
+from toolkit.device import (check_attn_kernel, check_memory, describe, full_logits_fit,
+                            resolve_device, run_device)
 from toolkit.evaluation import loss_metrics, window_losses
 from toolkit.files import check_output, claim_out_dir
-from toolkit.optim import Schedule
+from toolkit.model_sources import load_model
 from toolkit.tokenizers import load_tokenizer, same_vocabulary
-from toolkit.train_config import TrainConfig, check_pretrained_shape, settle
+from toolkit.train_config import (CONFIG_FIELDS, TrainConfig, apply_preset, check_config,
+                                  check_pretrained_shape, device_defaults, family_defaults,
+                                  merge_resumed_config, resuming, schedule, settle_optimizer)
 from toolkit.training import Engine, LoopConfig, Objective, Trainer
 
 TRAIN_STREAM, EVAL_TRAIN_STREAM, EVAL_VAL_STREAM = 0, 1, 2  # independent random streams of windows
@@ -121,36 +124,88 @@ class LanguageModeling(Objective):
         return run_state(self.model, self.cfg, self.corpus.meta)
 
 
-def schedule(cfg: TrainConfig) -> Schedule:
-    """Warmup, then cosine decay to min_lr (default lr/10) by lr_decay_iters (default max_iters)."""
-    return Schedule(cfg.lr, cfg.warmup_iters, cfg.lr_decay_iters or cfg.max_iters,
-                    cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr)
+def settle(cfg: TrainConfig, engine: Engine
+           ) -> tuple[TrainConfig, dict | None, tuple[GPT, dict] | None]:
+    """The run's configuration, settled once from the flags (cfg.given: those the user set) and
+    frozen; the saved state a resumed run continues from, and the pretrained weights of --init-from
+    with their tokenizer facts (or None). The rules, in order (their tables and helpers are
+    toolkit/train_config.py's):
+      1. resume when asked (--init-from resume), when --load names a folder holding a checkpoint, or
+         when torchrun restarted the job and a checkpoint is on disk: the checkpoint's options then
+         stand wherever no flag was given, and its model shape is fixed;
+      2. a new run on a CUDA GPU takes CUDA_DEFAULTS wherever no flag was given; then --preset
+         sets the shape, and GPT-2's family unless --arch is given; a llama model from scratch
+         takes LLAMA_DEFAULTS (no biases, QK-norm);
+      3. --global-batch-size sets --grad-accum;
+      4. the engine's own configuration (DeepSpeed's ds_config.json) is reconciled with the flags;
+      5. --optimizer auto becomes Muon from scratch, AdamW from pretrained weights; AdamW's --lr;
+      6. a run name; --grad-accum defaults to one micro-batch per data-parallel process;
+      7. Megatron's sample counts become step counts;
+      8. pretrained weights fix the model's shape, and the block is theirs where it is shorter.
+    Every value is checked before anything is read or written."""
+    resume, resumed = None, set()
+    device = resolve_device(cfg.device, distributed.local_rank())
+    if resuming(cfg, engine.path, device):
+        resume = engine.read_resume()
+        cfg = merge_resumed_config(cfg, resume, engine.path)
+        resumed = set(resume.get("train_config", {})) & CONFIG_FIELDS - cfg.given - \
+            {"init_from", "out_dir"}
+    elif cfg.init_from != "scratch" and "preset" in cfg.given and cfg.preset:
+        raise CLIError(f"--preset cannot be combined with --init-from {cfg.init_from}; its weights "
+                       "fix the shape")
+    else:
+        cfg = family_defaults(apply_preset(device_defaults(cfg, device)))
+    cfg = replace(cfg, given=cfg.given | resumed)
+    if cfg.global_batch_size is not None:
+        cfg = replace(cfg, grad_accum=megatron.grad_accum_for(cfg),
+                      given=cfg.given | {"grad_accum"})
+    cfg = settle_optimizer(engine.settle_config(cfg, resumed))
+    data_parallel = engine.data_parallel()[1]
+    if "grad_accum" in resumed and cfg.grad_accum and cfg.grad_accum % data_parallel:
+        raise CLIError(f"{engine.path} was trained with --grad-accum {cfg.grad_accum} (the "
+                       f"micro-batches of a step, all processes together), which "
+                       f"{replicas(data_parallel)} cannot share: resume on a number of "
+                       f"processes that divides it, or give --grad-accum N, a multiple of "
+                       f"{data_parallel} (another global batch)")
+    cfg = settle_run(cfg, data_parallel)
+    cfg = replace(cfg, **megatron.steps_from_samples(cfg))
+    check_config(cfg)
+    pretrained = None
+    if cfg.init_from not in ("scratch", "resume"):
+        cfg, pretrained = settle_pretrained(cfg)
+    return cfg, resume, pretrained
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, resumed: GPTConfig | None = None,
-                block_given: bool = True) -> tuple[GPT, dict | None]:
-    """A new GPT of the given shape, or of a resumed checkpoint's config (all of it: a run from an
-    HF folder holds settings no flag gives, such as its rope scaling), or the pretrained one of
-    --init-from (cut to --block-size; without the flag, shorter models keep their own) with its
-    tokenizer facts."""
-    if resumed is not None:
-        return GPT(replace(resumed, attn_kernel=cfg.attn_kernel, dropout=cfg.dropout)), None
-    if cfg.init_from == "scratch":
-        config = GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size, n_layer=cfg.n_layer,
-                           n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
-                           attn_kernel=cfg.attn_kernel, arch=cfg.arch, n_kv_head=cfg.n_kv_head,
-                           qk_norm=cfg.qk_norm, tie_embeddings=cfg.arch == "gpt2")
-        check_memory(config)
-        return GPT(config), None
-    from toolkit.model_sources import load_model  # only a run from pretrained weights reads them
+def settle_pretrained(cfg: TrainConfig) -> tuple[TrainConfig, tuple[GPT, dict]]:
+    """Rule 8: the weights of --init-from (an HF folder, a GPT-2 name, a checkpoint) and their
+    facts; a shape flag that says otherwise is an error, --block-size may shorten them, and the
+    default --block-size, longer than their positions, settles to theirs."""
     model, facts = load_model(cfg.init_from, attn_kernel=cfg.attn_kernel, dropout=cfg.dropout)
-    if cfg.block_size > model.config.block_size and block_given:
+    if cfg.block_size > model.config.block_size and "block_size" in cfg.given:
         raise CLIError(f"--block-size {cfg.block_size} is longer than the "
                        f"{model.config.block_size} positions of {cfg.init_from}; use --block-size "
                        f"{model.config.block_size} or less")
-    if cfg.block_size < model.config.block_size:
-        model.crop_block_size(cfg.block_size)
-    return model, facts
+    check_pretrained_shape(cfg, model.config)
+    return replace(cfg, block_size=min(cfg.block_size, model.config.block_size)), (model, facts)
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, resumed: GPTConfig | None,
+                pretrained: GPT | None) -> GPT:
+    """A new GPT of the settled shape, or of a resumed checkpoint's config (all of it: a run from an
+    HF folder holds settings no flag gives, such as its rope scaling), or the pretrained one cut
+    to the settled block."""
+    if resumed is not None:
+        return GPT(replace(resumed, attn_kernel=cfg.attn_kernel, dropout=cfg.dropout))
+    if pretrained is not None:
+        if cfg.block_size < pretrained.config.block_size:
+            pretrained.crop_block_size(cfg.block_size)
+        return pretrained
+    config = GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size, n_layer=cfg.n_layer,
+                       n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
+                       attn_kernel=cfg.attn_kernel, arch=cfg.arch, n_kv_head=cfg.n_kv_head,
+                       qk_norm=cfg.qk_norm, tie_embeddings=cfg.arch == "gpt2")
+    check_memory(config)
+    return GPT(config)
 
 
 def vocabulary_of(facts: dict) -> str:
@@ -203,13 +258,13 @@ def check_data(cfg: TrainConfig, corpus, model: GPT, resume: dict | None,
                        f"{model.config.vocab_size}")
 
 
-def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
-    """The steps before training, in order: settle the configuration (and read the resumed state),
-    load the data, build the model, check it against the data, start the engine. Nothing is written
-    before every check has passed."""
+def setup(cfg: TrainConfig, engine: Engine) -> Trainer:
+    """The steps before training, in order: settle the configuration (and read the resumed state or
+    the pretrained weights), load the data, build the model, check it against the data, start the
+    engine. Nothing is written before every check has passed."""
     master = distributed.rank() == 0
     dp_rank, dp_size = engine.data_parallel()
-    cfg, resume = settle(cfg, given, engine)
+    cfg, resume, pretrained = settle(cfg, engine)
     device, dtype = run_device(cfg.device, cfg.dtype, distributed.local_rank())
     if master:
         if cfg.init_from not in ("scratch", "resume"):  # the weights it starts from stay
@@ -227,15 +282,10 @@ def setup(cfg: TrainConfig, given: set[str], engine: Engine) -> Trainer:
     resumed = None
     if resume is not None:  # the shape its weights hold, checked before anything is built
         resumed = usable_config(resume["model_config"], engine.path, resume.get("model"))
-    model, pretrained = build_model(cfg, corpus.meta["vocab_size"], resumed,
-                                    block_given="block_size" in given)
-    if pretrained is not None:
-        check_pretrained_shape(cfg, given, model.config)
-        # the default --block-size, longer than the weights' positions, settles to theirs
-        cfg = replace(cfg, block_size=min(cfg.block_size, model.config.block_size))
-    model = model.to(device)
+    weights, facts = pretrained or (None, None)
+    model = build_model(cfg, corpus.meta["vocab_size"], resumed, weights).to(device)
     check_attn_kernel(model, device, dtype)
-    check_data(cfg, corpus, model, resume, pretrained)
+    check_data(cfg, corpus, model, resume, facts)
     step = resume["iter_num"] if resume else 0
     if step >= cfg.max_iters:
         raise CLIError(f"{engine.path} is at iteration {step} and --max-iters {cfg.max_iters} is "

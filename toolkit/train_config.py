@@ -1,15 +1,17 @@
-"""Pretraining's options (TrainConfig) and the one function that settles them into a run's frozen
-configuration, for train.py, train_ddp.py and train_ds.py:
+"""Pretraining's options (TrainConfig) for train.py, train_ddp.py and train_ds.py, the tables of
+their defaults, and the rules that settle them, which toolkit/pretraining.py's `settle` applies
+once, in order, into the run's frozen configuration:
 
-    cfg, given, args = parse_config(argv)       # the flags; `given` names those the user set
-    cfg, resume = settle(cfg, given, engine)    # settled and frozen: nothing changes it after
+    cfg, args = parse_config(argv)                    # the flags; cfg.given: those the user set
+    cfg, resume, pretrained = settle(cfg, engine)     # settled and frozen: nothing changes it after
 
-settle's docstring lists its rules in the order they apply; no default depends on anything (the
-device, a resumed checkpoint, --preset, DeepSpeed's config, Megatron's counts) anywhere else.
+No default depends on anything (the device, a resumed checkpoint, --preset, pretrained weights,
+DeepSpeed's config, Megatron's counts) anywhere else; `min_lr` and `lr_decay_iters` left unset
+follow `lr` and `max_iters` (schedule), on resume too.
 """
 import argparse
 import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -17,11 +19,11 @@ from model import ARCHS, ATTN_KERNELS, PRESETS, GPTConfig
 from toolkit import cli, distributed, flags, megatron
 from toolkit.checkpoint import usable_config
 from toolkit.cli import CLIError
-from toolkit.config import RunConfig, replicas, settle_run
+from toolkit.config import RunConfig
 from toolkit.data import DEFAULT_CORPUS_DIR
-from toolkit.device import resolve_device
 from toolkit.evaluation import file_task_name, refuse_same_names
-from toolkit.flags import flag, option
+from toolkit.flags import flag, option, option_fields
+from toolkit.optim import Schedule
 
 MODEL_SHAPE = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "qk_norm")
 PRESET_SHAPE = ("n_layer", "n_head", "n_embd")  # what --preset sets
@@ -97,15 +99,18 @@ class TrainConfig(RunConfig, megatron.MegatronOptions):
                                   "off on a CPU, where it does not: docs/performance.md)")
     peak_tflops: float | None = option(None, "device peak TFLOP/s for MFU (known GPUs are "
                                              "looked up)", check="non-negative-number")
+    # the options set on purpose (a flag, a --config file, a resumed checkpoint): no default that
+    # settle decides replaces one of them
+    given: frozenset[str] = field(default=frozenset(), repr=False)
 
 
-CONFIG_FIELDS = {f.name for f in fields(TrainConfig)}
+CONFIG_FIELDS = {f.name for f in option_fields(TrainConfig)}
 
 
 def parse_config(argv: list[str] | None = None, description: str = "Train a GPT.",
                  extra_arguments=None, overrides: dict[str, dict | None] | None = None
-                 ) -> tuple[TrainConfig, set[str], argparse.Namespace]:
-    """Flags into a TrainConfig as given: (config, the fields the user set, all parsed args).
+                 ) -> tuple[TrainConfig, argparse.Namespace]:
+    """Flags into a TrainConfig as given, its `given` the fields the user set; and all parsed args.
     Precedence: defaults < --config JSON < command-line flags; Megatron's --load DIR is --out-dir
     DIR. extra_arguments(parser) adds a script's own flags; overrides change or leave out some of
     TrainConfig's (flags.add_flags)."""
@@ -121,13 +126,12 @@ def parse_config(argv: list[str] | None = None, description: str = "Train a GPT.
         from_file = flags.read_config_file(args.config, TrainConfig)
         values.update({k: v for k, v in from_file.items() if k not in given})
         given |= set(from_file)
-    cfg = TrainConfig(**values)
+    cfg = TrainConfig(**values, given=frozenset(given))
     check_config(cfg)
-    megatron.check_options(cfg, given)
+    megatron.check_options(cfg)
     if cfg.load is not None:
-        cfg = replace(cfg, out_dir=megatron.load_folder(cfg, given))
-        given.add("out_dir")
-    return cfg, given, args
+        cfg = replace(cfg, out_dir=megatron.load_folder(cfg), given=cfg.given | {"out_dir"})
+    return cfg, args
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -142,59 +146,13 @@ def check_config(cfg: TrainConfig) -> None:
         refuse_same_names(paths, list(map(file_task_name, paths)), "--eval-tasks")
 
 
-def settle(cfg: TrainConfig, given: set[str], engine) -> tuple[TrainConfig, dict | None]:
-    """The run's configuration, settled once from the flags (`given`: those the user set) and
-    frozen, and the saved state a resumed run continues from (or None). The rules, in order:
-      1. resume when asked (--init-from resume), when --load names a folder holding a checkpoint, or
-         when torchrun restarted the job and a checkpoint is on disk: the checkpoint's options then
-         stand wherever no flag was given, and its model shape is fixed (as pretrained weights fix
-         theirs, checked once they are read: check_pretrained_shape);
-      2. a new run on a CUDA GPU takes CUDA_DEFAULTS wherever no flag was given; then --preset
-         sets the shape, and GPT-2's family unless --arch is given; a llama model from scratch
-         takes LLAMA_DEFAULTS (no biases, QK-norm);
-      3. --global-batch-size sets --grad-accum;
-      4. the engine's own configuration (DeepSpeed's ds_config.json) is reconciled with the flags;
-      5. --optimizer auto becomes Muon from scratch, AdamW from pretrained weights; AdamW's --lr;
-      6. a run name; --grad-accum defaults to one micro-batch per data-parallel process;
-      7. Megatron's sample counts become step counts.
-    Every value is checked before anything is read or written."""
-    resume, resumed = None, set()
-    device = resolve_device(cfg.device, distributed.local_rank())
-    if resuming(cfg, engine.path, device):
-        resume = engine.read_resume()
-        cfg = merge_resumed_config(cfg, given, resume, engine.path)
-        resumed = set(resume.get("train_config", {})) & CONFIG_FIELDS - given - \
-            {"init_from", "out_dir"}
-    elif cfg.init_from != "scratch" and "preset" in given and cfg.preset:
-        raise CLIError(f"--preset cannot be combined with --init-from {cfg.init_from}; its weights "
-                       "fix the shape")
-    else:
-        cfg = family_defaults(apply_preset(device_defaults(cfg, given, device), given), given)
-    given = given | resumed
-    if cfg.global_batch_size is not None:
-        cfg = replace(cfg, grad_accum=megatron.grad_accum_for(cfg, given))
-        given = given | {"grad_accum"}
-    cfg = settle_optimizer(engine.settle_config(cfg, given, resumed))
-    data_parallel = engine.data_parallel()[1]
-    if "grad_accum" in resumed and cfg.grad_accum and cfg.grad_accum % data_parallel:
-        raise CLIError(f"{engine.path} was trained with --grad-accum {cfg.grad_accum} (the "
-                       f"micro-batches of a step, all processes together), which "
-                       f"{replicas(data_parallel)} cannot share: resume on a number of "
-                       f"processes that divides it, or give --grad-accum N, a multiple of "
-                       f"{data_parallel} (another global batch)")
-    cfg = settle_run(cfg, data_parallel)
-    cfg = replace(cfg, **megatron.steps_from_samples(cfg))
-    check_config(cfg)
-    return cfg, resume
-
-
-def family_defaults(cfg: TrainConfig, given: set[str]) -> TrainConfig:
+def family_defaults(cfg: TrainConfig) -> TrainConfig:
     """A llama model from scratch takes LLAMA_DEFAULTS wherever no flag was given (measured:
     docs/performance.md)."""
     if cfg.arch != "llama" or cfg.init_from != "scratch":
         return cfg
     return replace(cfg, **{name: value for name, value in LLAMA_DEFAULTS.items()
-                           if name not in given})
+                           if name not in cfg.given})
 
 
 def resuming(cfg: TrainConfig, checkpoint: str, device: torch.device) -> bool:
@@ -213,15 +171,15 @@ def resuming(cfg: TrainConfig, checkpoint: str, device: torch.device) -> bool:
     return seen > 0
 
 
-def merge_resumed_config(cfg: TrainConfig, given: set[str], saved: dict,
-                         source: str) -> TrainConfig:
+def merge_resumed_config(cfg: TrainConfig, saved: dict, source: str) -> TrainConfig:
     """The checkpoint's settings, but flags given now win; a different model shape is an error."""
+    given = cfg.given
     # checkpoints from before the optimizer option were trained with AdamW
     known = {"optimizer": "adamw"}
     known.update((k, v) for k, v in saved["train_config"].items() if k in CONFIG_FIELDS)
     flags.check_types(known, TrainConfig, f"{source}'s train_config")
     values = {**asdict(TrainConfig()), **known, **{k: getattr(cfg, k) for k in given},
-              "init_from": "resume", "out_dir": cfg.out_dir}
+              "init_from": "resume", "out_dir": cfg.out_dir, "given": given}
     if values["optimizer"] not in ("auto", known["optimizer"]):
         raise CLIError(f"{source} was trained with --optimizer {known['optimizer']}; its optimizer "
                        f"state cannot continue under --optimizer {values['optimizer']}")
@@ -255,23 +213,23 @@ def given_flag(name: str, value) -> str:
     return f"{flag(name)} {value}"
 
 
-def check_pretrained_shape(cfg: TrainConfig, given: set[str], model: GPTConfig) -> None:
+def check_pretrained_shape(cfg: TrainConfig, model: GPTConfig) -> None:
     """Pretrained weights (--init-from a checkpoint, an HF folder or a GPT-2 name) fix the model's
     shape: a shape flag that says otherwise is an error; --block-size may shorten it."""
     values, loaded = asdict(cfg), asdict(model)
-    for name in sorted(given & set(MODEL_SHAPE) - {"block_size"}, key=MODEL_SHAPE.index):
+    for name in sorted(cfg.given & set(MODEL_SHAPE) - {"block_size"}, key=MODEL_SHAPE.index):
         if shape_value(values, name) != shape_value(loaded, name):
             raise CLIError(f"{cfg.init_from} has {name}={loaded[name]} but "
                            f"{given_flag(name, values[name])} was given; --init-from fixes the "
                            "model's shape (--block-size may shorten it): drop the flag")
 
 
-def device_defaults(cfg: TrainConfig, given: set[str], device: torch.device) -> TrainConfig:
+def device_defaults(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     """Rule 2: on a CUDA GPU, CUDA_DEFAULTS wherever no flag was given (a --preset keeps its
     shape); the run header names those taken."""
     if device.type != "cuda":
         return cfg
-    kept = given | (set(PRESET_SHAPE) if cfg.preset else set())
+    kept = cfg.given | (set(PRESET_SHAPE) if cfg.preset else set())
     taken = {name: value for name, value in CUDA_DEFAULTS.items() if name not in kept}
     if taken and distributed.rank() == 0:
         shown = ", ".join(flag(name) if value is True else f"{flag(name)} {value}"
@@ -281,16 +239,16 @@ def device_defaults(cfg: TrainConfig, given: set[str], device: torch.device) -> 
     return replace(cfg, **taken)
 
 
-def apply_preset(cfg: TrainConfig, given: set[str]) -> TrainConfig:
+def apply_preset(cfg: TrainConfig) -> TrainConfig:
     """--preset sets the shape of GPT-2 (or GPT-3) and, unless --arch is given, GPT-2's family; a
     shape flag given with it that says otherwise is an error."""
     if not cfg.preset:
         return cfg
     shape = {name: PRESETS[cfg.preset][name] for name in PRESET_SHAPE}
-    if "arch" not in given:
+    if "arch" not in cfg.given:
         shape["arch"] = "gpt2"
     for name, value in shape.items():
-        if name in given and getattr(cfg, name) != value:
+        if name in cfg.given and getattr(cfg, name) != value:
             raise CLIError(f"--preset {cfg.preset} has {name.replace('_', '-')} {value} but "
                            f"{flag(name)} {getattr(cfg, name)} was given; drop one of them")
     return replace(cfg, **shape)
@@ -310,3 +268,10 @@ def settle_optimizer(cfg: TrainConfig) -> TrainConfig:
     if lr is None:
         lr = 4e-3 * 128 / cfg.n_embd if adamw_from_scratch else 4e-3
     return replace(cfg, optimizer=optimizer, lr=lr)
+
+
+def schedule(cfg: TrainConfig) -> Schedule:
+    """Warmup, then cosine decay to min_lr by lr_decay_iters: unset, they follow lr (lr/10) and
+    max_iters, so a resumed run given another --lr or --max-iters decays to its own."""
+    return Schedule(cfg.lr, cfg.warmup_iters, cfg.lr_decay_iters or cfg.max_iters,
+                    cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr)

@@ -59,8 +59,9 @@ class Engine(Protocol):
     def read_resume(self) -> dict:
         """The saved state a resumed run continues from."""
 
-    def settle_config(self, cfg: RunConfig, given: set[str], resumed: set[str]) -> RunConfig:
-        """The options its own configuration also sets, reconciled with the flags."""
+    def settle_config(self, cfg: RunConfig, resumed: set[str]) -> RunConfig:
+        """The options its own configuration also sets, reconciled with the flags (cfg.given; those
+        of resumed came from the checkpoint)."""
 
     def start(self, model: torch.nn.Module, cfg: RunConfig, device: torch.device,
               dtype: torch.dtype, loss: Callable, resume: dict | None) -> None:
@@ -137,7 +138,7 @@ class TorchEngine:
     def read_resume(self) -> dict:
         return load_resume(self.path)
 
-    def settle_config(self, cfg: RunConfig, given: set[str], resumed: set[str]) -> RunConfig:
+    def settle_config(self, cfg: RunConfig, resumed: set[str]) -> RunConfig:
         return cfg  # the flags are the whole configuration
 
     def start(self, model: torch.nn.Module, cfg: RunConfig, device: torch.device,
