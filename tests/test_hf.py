@@ -130,7 +130,8 @@ def test_a_gpt2_folder_of_its_own_vocabulary_samples_and_exports_as_transformers
     exported, a folder transformers reads as the same tokenizer and model."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from toolkit.tokenizers import EOT_TEXT, train_bpe
+    from toolkit.prepare import train_bpe
+    from toolkit.tokenizers import EOT_TEXT
     texts = ["模型在这里读中文的句子。数据准备在平坦的内存中。", "The quick brown fox reads the "
              "manual, then the model writes its own text."] * 20
     bpe = HFTokenizer.from_str(train_bpe(texts, 300))

@@ -17,7 +17,8 @@ from toolkit.gguf_export import save_gguf
 from toolkit.exports import save_hf
 from toolkit.model_sources import load_model
 from toolkit.sampling import prompt_ids
-from toolkit.tokenizers import Tokenizer, check_facts, load_tokenizer, train_bpe
+from toolkit.prepare import train_bpe
+from toolkit.tokenizers import Tokenizer, check_facts, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

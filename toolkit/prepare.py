@@ -5,11 +5,13 @@ CPython) is prepared on first use.
 
     prepare(args)                 # tokenizer.py's flags, checked: the files written, their metadata
     ensure_default_corpus()       # data/pydoc_char: train.bin, val.bin, meta.json (char level)
+    train_bpe(texts, vocab_size)  # a byte-level BPE trained on texts, as tokenizer.json text
 """
 import argparse
 import hashlib
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,9 +19,11 @@ import tarfile
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
 from toolkit import gpt2_vocab
@@ -29,15 +33,54 @@ from toolkit.documents import ReadStats, input_files, read_documents
 from toolkit.files import (atomic_open, check_output, refuse_existing, remove_temporaries,
                            temporary_name, write_error)
 from toolkit.textfiles import read_text, without_compression
-from toolkit.tokenizers import CUT, Tokenizer, load_tokenizer, train_bpe
+from toolkit.tokenizers import CUT, EOT_TEXT, Tokenizer, load_tokenizer
 from toolkit.writers import (LlmcWriter, MegatronWriter, NanoGPTWriter, llmc_shards, output_dtype,
                              write_nanogpt)
 
 PIECE_CHARS = 1 << 22  # a longer piece of text is tokenized 4M characters at a time: bounded memory
 BPE_SAMPLE = 1 << 28  # the text a BPE is trained on: 256 MiB at most (docs/performance.md)
+# A run of letters (Chinese without punctuation, OCR output) is one word to GPT-2's pattern, and
+# HF's BPE trainer takes time that grows faster than its length (200,000 such characters: minutes);
+# the trainer sees such runs cut every this many letters (merges across a cut are not counted)
+TRAINING_RUN = 256
+LONG_RUN = re.compile(rf"[^\W\d_]{{{TRAINING_RUN + 1},}}")
+MAX_BPE_VOCAB = 1 << 20  # the largest BPE trained here
 # the PyPI source package that ships GPT-2's vocabulary, the file tiktoken downloads, unchanged
 WHISPER_SDIST = "openai-whisper==20250625"
 WHISPER_MEMBER = "whisper/assets/gpt2.tiktoken"
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> str:
+    """A byte-level BPE of vocab_size entries (the 256 bytes, the merges and <|endoftext|>, a
+    special token) trained on texts, streamed, by HF `tokenizers` on its own threads; as
+    tokenizer.json text. GPT-2's pre-tokenizing pattern and byte alphabet, as its own BPE was
+    trained."""
+    if vocab_size < 257:
+        raise CLIError(f"--vocab-size {vocab_size} is too small: a byte-level BPE holds the 256 "
+                       f"bytes and {EOT_TEXT}, 257 at least")
+    if vocab_size > MAX_BPE_VOCAB:
+        raise CLIError(f"--vocab-size {vocab_size} is more than {MAX_BPE_VOCAB:,}: larger than any "
+                       "BPE in use (Qwen3's has 151,669 tokens) and than HF tokenizers can train "
+                       "in memory")
+    bpe = HFTokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TEXT],
+                                  show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(cut_long_runs(texts), trainer=trainer)
+    return bpe.to_str()
+
+
+def cut_long_runs(texts: Iterable[str]) -> Iterable[str]:
+    """texts in pieces, cut inside every run of more than TRAINING_RUN letters."""
+    for text in texts:
+        start = 0
+        for run in LONG_RUN.finditer(text):
+            for cut in range(run.start() + TRAINING_RUN, run.end(), TRAINING_RUN):
+                yield text[start:cut]
+                start = cut
+        yield text[start:]
 
 
 def encode_document(tokenizer: Tokenizer, pieces: list[str], dtype: np.dtype) -> list[np.ndarray]:

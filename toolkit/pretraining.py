@@ -25,8 +25,9 @@ from toolkit.config import replicas, settle_run
 from toolkit.data import DEFAULT_CORPUS_DIR, is_prepared, load_corpus
 from toolkit.device import (check_attn_kernel, check_memory, describe, full_logits_fit,
                             resolve_device, run_device)
-from toolkit.evaluation import loss_metrics, window_losses
+from toolkit.evaluation import ChoiceTask, loss_metrics, window_losses
 from toolkit.files import check_output, claim_out_dir
+from toolkit.lora import lora_base
 from toolkit.model_sources import load_model
 from toolkit.tokenizers import load_tokenizer, same_vocabulary
 from toolkit.train_config import (CONFIG_FIELDS, TrainConfig, apply_preset, check_config,
@@ -258,6 +259,20 @@ def check_data(cfg: TrainConfig, corpus, model: GPT, resume: dict | None,
                        f"{model.config.vocab_size}")
 
 
+def claim_outputs(cfg: TrainConfig, checkpoint: str, resuming: bool) -> None:
+    """The run's folder is its own (claim_out_dir), and never holds the weights it starts from."""
+    if cfg.init_from not in ("scratch", "resume"):
+        check_output(checkpoint, [cfg.init_from, *lora_base(cfg.init_from)], "--out-dir")
+    claim_out_dir(cfg.out_dir, checkpoint, resuming, cfg.overwrite)
+
+
+def check_steps_left(step: int, max_iters: int, checkpoint: str) -> None:
+    if step >= max_iters:
+        raise CLIError(f"{checkpoint} is at iteration {step} and --max-iters {max_iters} is the "
+                       "total, so nothing is left to train; continue with --max-iters N for some "
+                       f"N > {step}")
+
+
 def setup(cfg: TrainConfig, engine: Engine) -> Trainer:
     """The steps before training, in order: settle the configuration (and read the resumed state or
     the pretrained weights), load the data, build the model, check it against the data, start the
@@ -267,12 +282,9 @@ def setup(cfg: TrainConfig, engine: Engine) -> Trainer:
     cfg, resume, pretrained = settle(cfg, engine)
     device, dtype = run_device(cfg.device, cfg.dtype, distributed.local_rank())
     if master:
-        if cfg.init_from not in ("scratch", "resume"):  # the weights it starts from stay
-            from toolkit.lora import lora_base
-            check_output(engine.path, [cfg.init_from, *lora_base(cfg.init_from)], "--out-dir")
-        claim_out_dir(cfg.out_dir, engine.path, resume is not None, cfg.overwrite)
+        claim_outputs(cfg, engine.path, resume is not None)
     if cfg.data_dir == DEFAULT_CORPUS_DIR and master and not is_prepared(DEFAULT_CORPUS_DIR):
-        # tokenizing is only needed the first time
+        # only the first run tokenizes; prepare's import costs pyarrow's 40 ms on every other
         from toolkit.prepare import ensure_default_corpus
         ensure_default_corpus(DEFAULT_CORPUS_DIR)
     distributed.barrier()
@@ -287,16 +299,10 @@ def setup(cfg: TrainConfig, engine: Engine) -> Trainer:
     check_attn_kernel(model, device, dtype)
     check_data(cfg, corpus, model, resume, facts)
     step = resume["iter_num"] if resume else 0
-    if step >= cfg.max_iters:
-        raise CLIError(f"{engine.path} is at iteration {step} and --max-iters {cfg.max_iters} is "
-                       "the total, so nothing is left to train; continue with --max-iters N for "
-                       f"some N > {step}")
+    check_steps_left(step, cfg.max_iters, engine.path)
     tokenizer = load_tokenizer(corpus.meta)
-    tasks = []
-    if cfg.eval_tasks:
-        from toolkit.evaluation import ChoiceTask
-        tasks = [ChoiceTask(path, tokenizer, cfg.block_size)
-                 for path in cfg.eval_tasks.split(",") if path]
+    tasks = [ChoiceTask(path, tokenizer, cfg.block_size)
+             for path in (cfg.eval_tasks or "").split(",") if path]
     objective = LanguageModeling(cfg, corpus, model, device, dp_rank, dp_size,
                                  tokenizer.token_bytes(), tasks)
     engine.start(model, cfg, device, dtype, objective.loss, resume)

@@ -6,7 +6,7 @@ so sampling needs no data folder).
 
     tok = load_tokenizer({"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256})
     ids = tok.encode("Hello world")        # [15496, 995]
-    tok = Tokenizer("bpe", tokenizer_json=train_bpe(texts, vocab_size=16384))
+    tok = Tokenizer("bpe", tokenizer_json=text)  # a tokenizer.json (prepare.train_bpe trains one)
 """
 import codecs
 import json
@@ -20,7 +20,7 @@ import tiktoken
 import tiktoken.load
 from tiktoken_ext.openai_public import r50k_pat_str
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, pre_tokenizers
 
 from toolkit import gpt2_vocab
 from toolkit.cli import CLIError
@@ -36,13 +36,7 @@ EOT_TEXTS = (EOT_TEXT, "<|end_of_text|>")  # GPT-2's, Qwen's and SmolLM's; Llama
 # other characters, after a newline between two, after Chinese punctuation followed by a letter or a
 # digit. A long text cut there has the tokens of the whole, a piece at a time.
 CUT = re.compile(r"(?<=\S)(?= \S)|(?<=\S\n)(?=\S)|(?<=[，。！？；：、])(?=[^\W_])")
-# A run of letters (Chinese without punctuation, OCR output) is one word to GPT-2's pattern, and
-# HF's BPE trainer takes time that grows faster than its length (200,000 such characters: minutes);
-# the trainer sees such runs cut every this many letters (merges across a cut are not counted)
-TRAINING_RUN = 256
-LONG_RUN = re.compile(rf"[^\W\d_]{{{TRAINING_RUN + 1},}}")
 KINDS = ("gpt2", "bpe", "char", "byte")
-MAX_BPE_VOCAB = 1 << 20  # the largest BPE trained here
 # GPT-2's byte-level alphabet: the printable stand-in of each byte in its tokens
 # (encoder.py of openai/gpt-2)
 PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
@@ -50,39 +44,6 @@ PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
 SPELLING = {**{b: chr(b) for b in PRINTABLE},
             **{b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in PRINTABLE)}}
 BYTE_OF = {char: b for b, char in SPELLING.items()}
-
-
-def train_bpe(texts: Iterable[str], vocab_size: int) -> str:
-    """A byte-level BPE of vocab_size entries (the 256 bytes, the merges and <|endoftext|>, a
-    special token) trained on texts, streamed, by HF `tokenizers` on its own threads; as
-    tokenizer.json text. GPT-2's pre-tokenizing pattern and byte alphabet, as its own BPE was
-    trained."""
-    if vocab_size < 257:
-        raise CLIError(f"--vocab-size {vocab_size} is too small: a byte-level BPE holds the 256 "
-                       f"bytes and {EOT_TEXT}, 257 at least")
-    if vocab_size > MAX_BPE_VOCAB:
-        raise CLIError(f"--vocab-size {vocab_size} is more than {MAX_BPE_VOCAB:,}: larger than any "
-                       "BPE in use (Qwen3's has 151,669 tokens) and than HF tokenizers can train "
-                       "in memory")
-    bpe = HFTokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TEXT],
-                                  show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(cut_long_runs(texts), trainer=trainer)
-    return bpe.to_str()
-
-
-def cut_long_runs(texts: Iterable[str]) -> Iterable[str]:
-    """texts in pieces, cut inside every run of more than TRAINING_RUN letters."""
-    for text in texts:
-        start = 0
-        for run in LONG_RUN.finditer(text):
-            for cut in range(run.start() + TRAINING_RUN, run.end(), TRAINING_RUN):
-                yield text[start:cut]
-                start = cut
-        yield text[start:]
 
 
 def read_bpe(tokenizer_json: str, source: str) -> HFTokenizer:
