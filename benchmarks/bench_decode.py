@@ -1,8 +1,10 @@
 """
 Decoding speed, side by side in one run: this toolkit's generation (model.py's generate_stream: the
-KV cache, eager PyTorch) and llama.cpp (llama-cpp-python) on the toolkit's own GGUF export of the
-same weights in the same precision. For each batch size: the prefill's latency, the decode rate, and
-the model bandwidth utilisation (MBU) against the machine's memory bandwidth, measured here.
+KV cache; its linears in eager PyTorch, and on oneDNN as test.py runs them on a CPU in float32,
+toolkit/device.py's generation_linears) and llama.cpp (llama-cpp-python) on the toolkit's own GGUF
+export of the same weights in the same precision. For each batch size: the prefill's latency, the
+decode rate, and the model bandwidth utilisation (MBU) against the machine's memory bandwidth,
+measured here.
 
     python benchmarks/bench_decode.py            # 12 x 768 llama family, GPT-2's vocabulary
     python benchmarks/bench_decode.py --batch-sizes 1 4 16 64 --rounds 2
@@ -15,6 +17,7 @@ far, on average) times steps a second, over the bandwidth of reading a 1 GiB flo
 llama.cpp decodes one sequence here (batch 1). Rounds are interleaved; the best of them is shown.
 """
 import argparse
+import copy
 import os
 import sys
 import tempfile
@@ -25,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model import GPT, PRESETS, GPTConfig  # noqa: E402
-from toolkit.device import cpu_kind  # noqa: E402
+from toolkit.device import cpu_kind, generation_linears  # noqa: E402
 from toolkit.gguf_export import save_gguf  # noqa: E402
 from toolkit.gpt2_vocab import GPT2_FACTS  # noqa: E402
 from toolkit.model_sources import load_model  # noqa: E402
@@ -110,6 +113,7 @@ def main() -> None:
                               bias=False, tie_embeddings=False))
         facts = dict(GPT2_FACTS)
     model = model.float().eval()
+    onednn = generation_linears(copy.deepcopy(model), torch.device("cpu"), torch.float32)
     bandwidth = read_bandwidth()
     print(f"CPU {cpu_kind()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"float32; {model.config.n_layer} x {model.config.n_embd} {model.config.arch}, vocab "
@@ -120,12 +124,13 @@ def main() -> None:
         gguf = os.path.join(folder, "model.gguf")
         save_gguf(model, gguf, facts, "f32")
         for _ in range(args.rounds):
-            runs = [("llama.cpp (f32 GGUF)", 1)] + [("ours (eager, KV cache)", b)
-                                                    for b in args.batch_sizes]
-            for name, batch in runs:
+            runs = [("llama.cpp (f32 GGUF)", 1, None)]
+            for b in args.batch_sizes:
+                runs += [("ours (eager, KV cache)", b, model), ("ours (oneDNN linears)", b, onednn)]
+            for name, batch, decoder in runs:
                 first, rate = (llama_cpp(gguf, args.prompt, args.short, args.long,
-                                         model.config.vocab_size) if name.startswith("llama")
-                               else ours(model, batch, args.prompt, args.short, args.long))
+                                         model.config.vocab_size) if decoder is None
+                               else ours(decoder, batch, args.prompt, args.short, args.long))
                 old = best.get((name, batch), (float("inf"), 0.0))
                 best[name, batch] = (min(first, old[0]), max(rate, old[1]))
                 print(f"  {name}, batch {batch}: first token {first * 1000:.0f} ms, decode "

@@ -1,6 +1,7 @@
 """test.py and toolkit/sampling.py: sampling from checkpoints and HF directories, streaming,
 interactive prompts, JSONL output that is whole or absent."""
 import argparse
+import copy
 import json
 import os
 import resource
@@ -16,6 +17,7 @@ import torch
 from conftest import ROOT, assert_one_line_error, run_main, tiny_gpt
 from model import GPT, GPTConfig
 from toolkit.checkpoint import save_checkpoint
+from toolkit.device import generation_linears
 from toolkit.hf import save_gpt2
 from toolkit.sampling import Sampler, add_sampling_arguments
 from toolkit.tokenizers import Tokenizer, load_tokenizer
@@ -254,3 +256,23 @@ def test_progress_counts_generated_tokens_not_the_ones_ended_samples_never_made(
     sampler = Sampler(model, tok, args, None)
     sampler.sample("")
     assert sampler.progress.n == sampler.progress.total == 6
+
+
+@pytest.mark.parametrize("family", [dict(bias=True), dict(arch="llama", bias=False, qk_norm=True,
+                                                          tie_embeddings=False, n_kv_head=1)],
+                         ids=["gpt2", "llama"])
+def test_generation_on_onednn_linears_gives_the_eager_tokens(family):
+    """A CPU in float32 generates through oneDNN's linears (test.py's default on a CPU without
+    bfloat16): the same greedy tokens as eager PyTorch, one sequence or several, the context
+    sliding past the block; in bfloat16 the model stays as it is."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=24, vocab_size=70, n_layer=2, n_head=2, n_embd=32, **family))
+    model.eval()
+    cpu = torch.device("cpu")
+    assert generation_linears(model, cpu, torch.bfloat16) is model
+    fast = generation_linears(copy.deepcopy(model), cpu, torch.float32)
+    assert not any(isinstance(m, torch.nn.Linear) for m in fast.modules())
+    for batch in (1, 3):
+        idx = torch.randint(0, 70, (batch, 5), generator=torch.Generator().manual_seed(batch))
+        assert torch.equal(fast.generate(idx, 40, temperature=0.0),
+                           model.generate(idx, 40, temperature=0.0))

@@ -23,7 +23,8 @@ from toolkit.chat import (can_chat, chat_prompt, fit_history, is_chat_tokenizer,
                           template_variables)
 from toolkit import cli, flags
 from toolkit.cli import CLIError
-from toolkit.device import autocast, check_attn_kernel, resolve_device, resolve_dtype
+from toolkit.device import (autocast, check_attn_kernel, generation_linears, resolve_device,
+                            resolve_dtype)
 from toolkit.textfiles import read_text
 from toolkit.files import atomic_open, check_output, refuse_special
 from toolkit.signals import StopRequest
@@ -265,6 +266,8 @@ def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: s
                        f"{source} has no chat template of its own that takes variables"
                        " (--chat-template-kwargs)")
     torch.manual_seed(args.seed)
+    device = resolve_device(args.device)
+    model = generation_linears(model, device, resolve_dtype(args.dtype, device))
     if args.chat:
         chat(Sampler(model, tok, args, None))
         return
