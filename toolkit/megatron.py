@@ -1,6 +1,7 @@
 """Megatron-LM's options and spellings for the trainers, so that a Megatron-DeepSpeed GPT-2 command
-runs as written: its own options (MegatronOptions, listed in their own --help group), its names for
-ours (ALIASES), sample counts turned into steps of the global batch, and --load.
+runs as written: its names for ours (ALIASES), and its own options (declared with TrainConfig's,
+in their own --help group) turned into ours: sample counts into steps of the global batch,
+--global-batch-size into the accumulation, --load into the run's folder.
 
 Where Megatron and this toolkit differ (docs/design.md): `--load` and `--save` name one folder here;
 `--global-batch-size` sets the accumulation; sample counts become steps, rounded up, and the cosine
@@ -8,10 +9,9 @@ decay runs over those steps.
 """
 import math
 import os
-from dataclasses import dataclass
 
 from toolkit.cli import CLIError
-from toolkit.flags import flag, option
+from toolkit.flags import flag
 
 # Megatron-LM's names for our options (its sample counts have fields of their own: they need the
 # global batch)
@@ -23,30 +23,6 @@ ALIASES = {"lr": ["--learning-rate"], "n_layer": ["--num-layers"], "n_embd": ["-
 # sample counts -> the step counts they set, through the global batch
 SAMPLE_FLAGS = {"train_samples": "max_iters", "lr_warmup_samples": "warmup_iters",
                 "lr_decay_samples": "lr_decay_iters"}
-
-
-@dataclass(frozen=True)
-class MegatronOptions:
-    load: str | None = option(None, "use this folder as --out-dir and resume from its checkpoint "
-                                    "when it holds one (else start from scratch)", megatron=True)
-    split: str = option("969,30,1", "train,val,test document split of a Megatron "
-                                    "prefix", check="split", megatron=True)
-    global_batch_size: int | None = option(None, "sequences per optimizer step over all processes; "
-                                                 "sets --grad-accum to it / --batch-size",
-                                           check="positive", megatron=True)
-    train_samples: int | None = option(None, "train on this many sequences instead; sets "
-                                             "--max-iters", check="positive", megatron=True)
-    lr_warmup_samples: int | None = option(None, "warm up over this many sequences instead; sets "
-                                                 "--warmup-iters",
-                                           check="non-negative", megatron=True)
-    lr_decay_samples: int | None = option(None, "decay over this many sequences instead; sets "
-                                                "--lr-decay-iters", check="positive", megatron=True)
-    codecarbon_dir: str | None = option(None, "record energy and CO2 with codecarbon's offline "
-                                              "tracker (rank 0) in DIR/emissions.csv, one row per "
-                                              "run (needs: pip install codecarbon)", megatron=True)
-    codecarbon_country: str = option("USA", "ISO 3166 alpha-3 code of the country whose "
-                                            "electricity mix converts the energy to CO2 (offline: "
-                                            "nothing is looked up)", megatron=True)
 
 
 def check_options(cfg) -> None:

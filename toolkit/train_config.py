@@ -35,7 +35,7 @@ CUDA_DEFAULTS = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size
 
 
 @dataclass(frozen=True)
-class TrainConfig(RunConfig, megatron.MegatronOptions):
+class TrainConfig(RunConfig):
     # data
     data_dir: str = option(DEFAULT_CORPUS_DIR, "nanoGPT data dir (train.bin, val.bin, meta.json) "
                                                "or Megatron prefix")
@@ -99,6 +99,27 @@ class TrainConfig(RunConfig, megatron.MegatronOptions):
                                   "off on a CPU, where it does not: docs/performance.md)")
     peak_tflops: float | None = option(None, "device peak TFLOP/s for MFU (known GPUs are "
                                              "looked up)", check="non-negative-number")
+    # Megatron-LM's own (its --help group; toolkit/megatron.py turns them into the options above)
+    load: str | None = option(None, "use this folder as --out-dir and resume from its checkpoint "
+                                    "when it holds one (else start from scratch)", megatron=True)
+    split: str = option("969,30,1", "train,val,test document split of a Megatron "
+                                    "prefix", check="split", megatron=True)
+    global_batch_size: int | None = option(None, "sequences per optimizer step over all processes; "
+                                                 "sets --grad-accum to it / --batch-size",
+                                           check="positive", megatron=True)
+    train_samples: int | None = option(None, "train on this many sequences instead; sets "
+                                             "--max-iters", check="positive", megatron=True)
+    lr_warmup_samples: int | None = option(None, "warm up over this many sequences instead; sets "
+                                                 "--warmup-iters",
+                                           check="non-negative", megatron=True)
+    lr_decay_samples: int | None = option(None, "decay over this many sequences instead; sets "
+                                                "--lr-decay-iters", check="positive", megatron=True)
+    codecarbon_dir: str | None = option(None, "record energy and CO2 with codecarbon's offline "
+                                              "tracker (rank 0) in DIR/emissions.csv, one row per "
+                                              "run (needs: pip install codecarbon)", megatron=True)
+    codecarbon_country: str = option("USA", "ISO 3166 alpha-3 code of the country whose "
+                                            "electricity mix converts the energy to CO2 (offline: "
+                                            "nothing is looked up)", megatron=True)
     # the options set on purpose (a flag, a --config file, a resumed checkpoint): no default that
     # settle decides replaces one of them
     given: frozenset[str] = field(default=frozenset(), repr=False)
