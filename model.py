@@ -440,7 +440,7 @@ class GPT(nn.Module):
                         use_cache: bool = True) -> Iterator[torch.Tensor]:
         """Yield the (B,) next tokens after the prompts idx (B, T): greedy at temperature 0, else
         sampled (top_k, top_p nucleus); a sequence that emitted eos_token (or one of a list, as HF's
-        eos_token_id) repeats the first until all have.
+        eos_token_id) leaves the batch, and its row repeats the first until all have.
         Learned positions keep a KV cache from sliding: a full context keeps its last half, refilled
         by one prefill (nanoGPT recomputes all a step). use_cache=False gives the same tokens."""
         if idx.dim() != 2 or idx.size(1) == 0:
@@ -471,18 +471,24 @@ class GPT(nn.Module):
             ctx = idx[:, -block_size:]
             caches = None  # None means: (re)build by a prefill of ctx
             finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+            rows = torch.arange(idx.size(0), device=idx.device)  # the sequences still generating
             for step in range(max_new_tokens):
                 if use_cache and caches is None:  # as long as what is left needs, up to the block
                     length = min(block_size, ctx.size(1) + max_new_tokens - step)
                     caches = [KVCache(length) for _ in self.transformer.h]
                 tok = self._next_token(ctx, caches, use_cache and caches[0].len > 0, **sampling)
                 if stops is not None:
-                    tok = tok.masked_fill(finished, stops[0])
+                    tok = stops[0].repeat(idx.size(0)).index_copy(0, rows, tok)
                     finished |= torch.isin(tok, stops)
                 yield tok
                 if stops is not None and finished.all():
                     return
-                ctx = torch.cat([ctx, tok[:, None]], dim=1)
+                going = ~finished[rows]
+                if not going.all():  # finished sequences leave: the step costs what is left
+                    rows, ctx = rows[going], ctx[going]
+                    for cache in caches or []:
+                        cache.keep(going)
+                ctx = torch.cat([ctx, tok[rows][:, None]], dim=1)
                 if ctx.size(1) > block_size:
                     ctx = ctx[:, -max(1, block_size // 2) :]
                     caches = None
@@ -592,6 +598,11 @@ class KVCache:
         self.k[:, :, self.len:end], self.v[:, :, self.len:end] = k, v
         self.len = end
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep the sequences of the batch where rows (B,) is True."""
+        if self.k is not None:
+            self.k, self.v = self.k[rows], self.v[rows]
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:

@@ -167,6 +167,23 @@ def test_eos_stops_each_sequence():
         assert (out[row, end + 1:] == eos).all()
 
 
+@torch.no_grad()
+def test_a_finished_sequence_leaves_the_batch():
+    """Once a row has emitted its eos, the steps after run the other rows alone (a block sees a
+    smaller batch), and the rows' tokens are those of the whole batch's run."""
+    m = tiny_gpt(std=0.3)
+    idx = torch.randint(0, VOCAB, (3, 3), generator=torch.Generator().manual_seed(4))
+    new = m.generate(idx, 12, temperature=0)[:, 3:]
+    eos = next(t for t in new[0].tolist() if t not in new[1].tolist() + new[2].tolist())
+    seen = []
+    hook = m.transformer.h[0].register_forward_hook(lambda _, args, out: seen.append(len(out)))
+    out = m.generate(idx, 12, temperature=0, eos_token=eos)[:, 3:]
+    hook.remove()
+    first = new[0].tolist().index(eos)
+    assert seen == [3] * (first + 1) + [2] * (11 - first)
+    assert torch.equal(out[1:], new[1:]) and (out[0, first:] == eos).all()
+
+
 def test_generate_stream_matches_generate_and_restores_mode():
     m = tiny_gpt(std=0.3).train()
     idx = torch.randint(0, VOCAB, (2, 3))
