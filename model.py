@@ -483,8 +483,8 @@ class GPT(nn.Module):
                 yield tok
                 if stops is not None and finished.all():
                     return
-                going = ~finished[rows]
-                if not going.all():  # finished sequences leave: the step costs what is left
+                going = None if stops is None else ~finished[rows]
+                if going is not None and not going.all():  # finished ones leave: cost what is left
                     rows, ctx = rows[going], ctx[going]
                     for cache in caches or []:
                         cache.keep(going)
