@@ -28,6 +28,7 @@ from toolkit.files import check_new_outputs, write_json
 from toolkit.evaluation import is_local_task
 from toolkit.model_scores import score_model, task_data_files
 from toolkit.lora import lora_base
+from toolkit.quantize import add_quantize_argument
 
 
 def parse_args(argv: list[str] | None):
@@ -51,6 +52,7 @@ def parse_args(argv: list[str] | None):
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="autocast dtype; auto = bfloat16 where the hardware computes it "
                              "natively, else float32 (default: auto)")
+    add_quantize_argument(parser)
     parser.add_argument("--output", help="write the full results as JSON (for lm-eval tasks, the "
                         "harness's whole output)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")

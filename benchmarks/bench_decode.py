@@ -1,7 +1,8 @@
 """
 Decoding speed, side by side in one run: this toolkit's generation (model.py's generate_stream: the
 KV cache; its linears in eager PyTorch, and on oneDNN as test.py runs them on a CPU in float32,
-toolkit/device.py's generation_linears) and llama.cpp (llama-cpp-python) on the toolkit's own GGUF
+toolkit/device.py's generation_linears; and with int8 weights, `--quantize int8`,
+toolkit/quantize.py) and llama.cpp (llama-cpp-python) on the toolkit's own GGUF
 export of the same weights in the same precision. For each batch size: the prefill's latency, the
 decode rate, and the model bandwidth utilisation (MBU) against the machine's memory bandwidth,
 measured here.
@@ -32,6 +33,7 @@ from toolkit.device import cpu_kind, generation_linears  # noqa: E402
 from toolkit.gguf_export import save_gguf  # noqa: E402
 from toolkit.gpt2_vocab import GPT2_FACTS  # noqa: E402
 from toolkit.model_sources import load_model  # noqa: E402
+from toolkit.quantize import quantize_model  # noqa: E402
 
 
 def read_bandwidth() -> float:
@@ -47,11 +49,12 @@ def read_bandwidth() -> float:
 
 
 def step_bytes(model: GPT, batch: int, context: float) -> float:
-    """The bytes a decode step reads: the weights (the input table's one row a sequence aside) and
-    the KV cache of context positions for each sequence."""
+    """The bytes a decode step reads: the weights as stored (int8 ones with their scales; the input
+    table's one row a sequence aside) and the KV cache of context positions for each sequence."""
     c = model.config
-    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                  if name != "transformer.wte.weight" or c.tie_embeddings)
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+    weights = sum(t.numel() * t.element_size() for name, t in tensors
+                  if not name.startswith("transformer.wte."))
     cache = 2 * c.n_layer * c.kv_heads * c.head_size * context * batch * 4
     return weights + cache
 
@@ -114,6 +117,7 @@ def main() -> None:
         facts = dict(GPT2_FACTS)
     model = model.float().eval()
     onednn = generation_linears(copy.deepcopy(model), torch.device("cpu"), torch.float32)
+    int8 = quantize_model(copy.deepcopy(model), "int8")
     bandwidth = read_bandwidth()
     print(f"CPU {cpu_kind()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"float32; {model.config.n_layer} x {model.config.n_embd} {model.config.arch}, vocab "
@@ -126,7 +130,8 @@ def main() -> None:
         for _ in range(args.rounds):
             runs = [("llama.cpp (f32 GGUF)", 1, None)]
             for b in args.batch_sizes:
-                runs += [("ours (eager, KV cache)", b, model), ("ours (oneDNN linears)", b, onednn)]
+                runs += [("ours (eager, KV cache)", b, model), ("ours (oneDNN linears)", b, onednn),
+                         ("ours (int8 weights)", b, int8)]
             for name, batch, decoder in runs:
                 first, rate = (llama_cpp(gguf, args.prompt, args.short, args.long,
                                          model.config.vocab_size) if decoder is None
@@ -138,7 +143,8 @@ def main() -> None:
     context = args.prompt + (args.short + args.long) / 2
     print("| decoder | batch | first token (ms) | decode tokens/s | MBU |\n|---|---|---|---|---|")
     for (name, batch), (first, rate) in best.items():
-        mbu = step_bytes(model, batch, context) * rate / batch / (bandwidth * 1e9)
+        read = step_bytes(int8 if "int8" in name else model, batch, context)
+        mbu = read * rate / batch / (bandwidth * 1e9)
         print(f"| {name} | {batch} | {first * 1000:.0f} | {rate:.1f} | {mbu:.0%} |")
 
 

@@ -22,6 +22,7 @@ from toolkit.device import autocast, full_logits_fit, resolve_device, resolve_dt
 from toolkit.evaluation import (ChoiceTask, gpt_logits_at, is_local_task, loss_metrics,
                                  refuse_same_names, task_name, window_losses)
 from toolkit.model_sources import load_model
+from toolkit.quantize import check_quantize, quantize_model
 from toolkit.tokenizers import Tokenizer, load_tokenizer, same_vocabulary
 
 
@@ -31,8 +32,9 @@ def score_model(args: argparse.Namespace) -> tuple[dict, dict]:
     refuse_same_names(args.tasks, [task_name(spec)[0] for spec in args.tasks], "--tasks")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    check_quantize(args.quantize, device)
     model, facts = load_model(args.ckpt)
-    model.to(device).eval()
+    model = quantize_model(model.to(device).eval(), args.quantize)
     tok = load_tokenizer(facts)
     if args.apply_chat_template and not can_chat(tok):
         raise CLIError(f"--apply-chat-template: {args.ckpt} was never instruction-tuned, so it has "

@@ -27,6 +27,7 @@ from toolkit.device import (autocast, check_attn_kernel, generation_linears, res
                             resolve_dtype)
 from toolkit.textfiles import read_text
 from toolkit.files import atomic_open, check_output, refuse_special
+from toolkit.quantize import add_quantize_argument, check_quantize, quantize_model
 from toolkit.signals import StopRequest
 from toolkit.tokenizers import Tokenizer
 
@@ -58,6 +59,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                              "natively, else float32 (default: auto)")
     parser.add_argument("--attn-kernel", default="auto", choices=ATTN_KERNELS,
                         help="attention implementation")
+    add_quantize_argument(parser)
     parser.add_argument("--genfile",
                         help="write samples as JSONL lines {text, length, finished} (Megatron)")
     parser.add_argument("--overwrite", action="store_true",
@@ -234,6 +236,7 @@ def check_sampling_args(args: argparse.Namespace, inputs: list[str]) -> None:
     except ValueError as e:  # model.py's words name its arguments; here they are flags
         raise CLIError("--" + str(e).replace("_", "-")) from None
     template_variables(args.chat_template_kwargs)
+    check_quantize(args.quantize, resolve_device(args.device))
     if args.chat and (args.prompt or args.genfile):  # (neither would be used)
         raise CLIError("--chat talks turn by turn on stdin; --prompt and --genfile are for "
                        "sampling: drop them")
@@ -267,7 +270,8 @@ def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: s
                        " (--chat-template-kwargs)")
     torch.manual_seed(args.seed)
     device = resolve_device(args.device)
-    model = generation_linears(model, device, resolve_dtype(args.dtype, device))
+    model = (quantize_model(model, args.quantize) if args.quantize
+             else generation_linears(model, device, resolve_dtype(args.dtype, device)))
     if args.chat:
         chat(Sampler(model, tok, args, None))
         return
