@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"loaded {label}", file=sys.stderr, flush=True)
     facts = state["tokenizer"]
     if args.export_ckpt:
-        save_checkpoint(make_checkpoint(state, model, None, None, {}), args.export_ckpt)
+        checkpoint = make_checkpoint(state, model.state_dict(), None, None, {})
+        save_checkpoint(checkpoint, args.export_ckpt)
         print(f"wrote {args.export_ckpt} (iteration {state['iter_num']}); sample it with `python "
               f"test.py --ckpt {args.export_ckpt}`", flush=True)
     export(model, facts, args)

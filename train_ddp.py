@@ -6,12 +6,15 @@ under torchrun.
     torchrun --nnodes M --node_rank R --master_addr A --master_port P --nproc_per_node N \\
         train_ddp.py [flags]
 
-Same flags as train.py, plus --backend and --timeout. --batch-size is one process's micro-batch and
+Same flags as train.py, plus --backend, --timeout and --fsdp: PyTorch's FSDP2 shards the
+parameters, gradients and optimizer state over the processes instead of replicating them
+(toolkit/fsdp.py; the same checkpoint). --batch-size is one process's micro-batch and
 --grad-accum counts micro-batches per step over ALL processes (default: one per process), so the
 same flags train the same model on any number of processes. Rank 0 writes OUT_DIR/ckpt.pt in
 train.py's format; under `torchrun --max-restarts K` a restarted job continues from it. Signals,
 timeouts and errors under torchrun: docs/training.md.
 """
+import argparse
 import os
 
 from toolkit import cli, distributed
@@ -22,11 +25,18 @@ from toolkit.train_config import parse_config
 from toolkit.training import TorchEngine
 
 
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    distributed.add_distributed_flags(parser)
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard parameters, gradients and optimizer state over the processes "
+                             "(PyTorch's FSDP2, fully_shard) instead of replicating them (DDP)")
+
+
 def main(argv: list[str] | None = None) -> None:
-    cfg, args = parse_config(argv, description=__doc__,
-                             extra_arguments=distributed.add_distributed_flags)
+    cfg, args = parse_config(argv, description=__doc__, extra_arguments=add_flags)
     distributed.init_torchrun(cfg.device, args.backend, args.timeout)
-    trainer = setup(cfg, TorchEngine(os.path.join(cfg.out_dir, CHECKPOINT_FILE)))
+    engine = TorchEngine(os.path.join(cfg.out_dir, CHECKPOINT_FILE), fsdp=args.fsdp)
+    trainer = setup(cfg, engine)
     with tracking_emissions(trainer.cfg, master=distributed.rank() == 0):
         trainer.fit()
 

@@ -71,14 +71,14 @@ def restore_rng(rng: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(rng["cuda"], device)
 
 
-def make_checkpoint(state: dict, model: torch.nn.Module, optimizer: dict | None,
+def make_checkpoint(state: dict, weights: dict, optimizer: dict | None,
                     scaler: dict | None, rng: dict) -> dict:
     """The ckpt.pt dict: the training state (STATE_KEYS, and what else a trainer keeps, e.g. a task
     head) plus the weights, optimizer, scaler and RNG states."""
     missing = [k for k in STATE_KEYS if k not in state]
     assert not missing, missing
-    weights = {} if "adapters" in state else {"model": clean_state_dict(model.state_dict())}
-    return {**state, **weights, "optimizer": optimizer, "scaler": scaler, "rng": rng}
+    model = {} if "adapters" in state else {"model": clean_state_dict(weights)}
+    return {**state, **model, "optimizer": optimizer, "scaler": scaler, "rng": rng}
 
 
 def run_state(model: GPT, cfg, tokenizer: dict) -> dict:

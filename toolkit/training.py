@@ -32,6 +32,7 @@ from toolkit.cli import CLIError
 from toolkit.config import RunConfig
 from toolkit.device import autocast, peak_flops
 from toolkit.files import refuse_special
+from toolkit.fsdp import gather_state, local, shard_model, shard_optimizer_state
 from toolkit.optim import Schedule, make_optimizer
 from toolkit.runlog import RunLog
 from toolkit.signals import StopRequest
@@ -124,13 +125,13 @@ class LoopConfig:
 
 class TorchEngine:
     """Steps in torch: Muon or AdamW (a param group's `lr_scale` moves it along the schedule), a
-    GradScaler for float16, torch.compile, DDP in a process group. Its checkpoint is a ckpt.pt at
-    `path`, written by rank 0: the weights of `gpt`, the objective's state and, unless
-    save_optimizer is off, what exact resume needs."""
+    GradScaler for float16, torch.compile, DDP in a process group, or FSDP2 with fsdp
+    (toolkit/fsdp.py). Its checkpoint is a ckpt.pt at `path`, written by rank 0: the weights of
+    `gpt`, the objective's state and, unless save_optimizer is off, what exact resume needs."""
 
-    def __init__(self, path: str, save_optimizer: bool = True):
+    def __init__(self, path: str, save_optimizer: bool = True, fsdp: bool = False):
         refuse_special(path, "--out-dir's")  # a folder in its place: found now, not after training
-        self.path, self.save_optimizer = path, save_optimizer
+        self.path, self.save_optimizer, self.fsdp = path, save_optimizer, fsdp
 
     def data_parallel(self) -> tuple[int, int]:
         return distributed.rank(), distributed.world_size()
@@ -147,19 +148,24 @@ class TorchEngine:
         """gpt: the network whose weights a checkpoint keeps, when model wraps it (a task head)."""
         self.model, self.gpt, self.device, self.dtype = model, gpt or model, device, dtype
         self.loss, self.grad_clip = loss, cfg.grad_clip
+        # (a LoRA checkpoint holds adapters instead: toolkit/lora.py)
+        if resume is not None and "model" in resume:
+            load_weights(self.gpt, resume["model"], self.path)
+        if self.fsdp:  # every rank read the whole weights: now each keeps its shard
+            shard_model(model, self.gpt.transformer.h, dtype)
         self.optimizer = make_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay,
                                         (cfg.beta1, cfg.beta2), cfg.muon_lr, device.type, dtype)
         # as built from the flags: a resumed optimizer's saved groups do not override them
         self.lr_scales = [group.get("lr_scale", 1.0) for group in self.optimizer.param_groups]
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         if resume is not None:
-            if "model" in resume:  # (a LoRA checkpoint holds adapters instead: toolkit/lora.py)
-                load_weights(self.gpt, resume["model"], self.path)
             if not resume.get("optimizer"):  # e.g. finetune.py's, which keeps no optimizer
                 raise CLIError(f"{self.path} holds no optimizer state to resume; to go on from "
                                f"its weights with a fresh optimizer: --init-from {self.path}")
+            saved = resume["optimizer"]
             try:
-                self.optimizer.load_state_dict(resume["optimizer"])
+                self.optimizer.load_state_dict(shard_optimizer_state(self.optimizer, saved)
+                                               if self.fsdp else saved)
             except ValueError as e:  # groups laid out otherwise, e.g. by an earlier version
                 raise CLIError(f"{self.path}: its optimizer state does not fit this optimizer "
                                f"({e}); to go on from its weights with a fresh optimizer: "
@@ -168,7 +174,7 @@ class TorchEngine:
                 self.scaler.load_state_dict(resume["scaler"])
             restore_rng(resume.get("rng") or {}, device)
         self.forward_model = self.train_model = torch.compile(model) if cfg.compile else model
-        if distributed.world_size() > 1:
+        if distributed.world_size() > 1 and not self.fsdp:
             from torch.nn.parallel import DistributedDataParallel
             ids = [device.index] if device.type == "cuda" else None
             self.train_model = DistributedDataParallel(self.forward_model, device_ids=ids)
@@ -180,10 +186,13 @@ class TorchEngine:
         for i, (batch, weight) in enumerate(batches):
             wrapped = self.train_model is not self.forward_model
             last = i == len(batches) - 1
+            if self.fsdp:  # gradients are reduced once a step, after its last micro-batch
+                self.model.set_requires_gradient_sync(last)
             with self.train_model.no_sync() if wrapped and not last else nullcontext():
                 with autocast(self.device, self.dtype):
                     loss = self.loss(self.train_model, batch)
-                # DDP averages the gradients over the processes: scale up to the global batch's sum
+                # DDP and FSDP average the gradients over the processes: scale up to the global
+                # batch's sum
                 self.scaler.scale(loss * (weight * distributed.world_size())).backward()
             total += loss.detach().float() * weight
         if self.grad_clip:
@@ -200,19 +209,26 @@ class TorchEngine:
 
     def logits_at(self, idx: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         with autocast(self.device, self.dtype):
+            if self.fsdp:  # FSDP gathers the weights in forward(): all the logits, then those
+                return self.forward_model(idx)[0][rows, cols].float()
             return self.gpt.lm_head(self.gpt.hidden_states(idx)[rows, cols]).float()
 
     def weights_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        finite = all(bool(torch.isfinite(local(p)).all()) for p in self.model.parameters())
+        if not self.fsdp:
+            return finite
+        return distributed.all_reduce_sum([float(not finite)], self.device) == [0.0]  # all shards
 
     def save(self, state: dict, path: str | None = None, resumable: bool | None = None) -> None:
         """resumable (default: save_optimizer): with the optimizer, scaler and RNG states."""
+        keep = self.save_optimizer if resumable is None else resumable
+        weights, optimizer = self.gpt.state_dict(), self.optimizer.state_dict() if keep else None
+        if self.fsdp:  # every rank gathers, rank 0 keeps
+            weights, optimizer = gather_state(weights), gather_state(optimizer)
         if distributed.rank() == 0:
-            keep = self.save_optimizer if resumable is None else resumable
             scaler = self.scaler.state_dict() if keep and self.scaler.is_enabled() else None
-            optimizer = self.optimizer.state_dict() if keep else None
             rng = capture_rng(self.device) if keep else {}
-            checkpoint = make_checkpoint(state, self.gpt, optimizer, scaler, rng)
+            checkpoint = make_checkpoint(state, weights, optimizer, scaler, rng)
             save_checkpoint(checkpoint, path or self.path)
 
 
