@@ -50,7 +50,8 @@ def test_a_quantized_model_has_no_float_linear_and_predicts_as_the_float_one(fam
 def test_quantize_runs_on_a_cpu_only():
     check_quantize("int8", torch.device("cpu"))
     check_quantize(None, torch.device("cuda"))
-    with pytest.raises(CLIError, match="--quantize int8 runs on a CPU.*use --dtype bfloat16"):
+    with pytest.raises(CLIError, match="--quantize int8 runs on a CPU.*use --dtype bfloat16, or "
+                                       "add --device cpu"):
         check_quantize("int8", torch.device("cuda"))
 
 

@@ -54,7 +54,7 @@ def check_quantize(quantize: str | None, device: torch.device) -> None:
     """--quantize runs on a CPU only: PyTorch's int8 matrix kernel is a CPU one."""
     if quantize and device.type != "cpu":
         raise CLIError(f"--quantize {quantize} runs on a CPU (PyTorch's int8 matrix kernel is a "
-                       f"CPU one); on {device.type} use --dtype bfloat16")
+                       f"CPU one): on {device.type} use --dtype bfloat16, or add --device cpu")
 
 
 def quantize_model(model: nn.Module, quantize: str | None) -> nn.Module:
