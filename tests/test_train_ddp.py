@@ -185,6 +185,17 @@ def test_fsdp_over_two_ranks_trains_exactly_like_one_process(char_data, tmp_path
     assert sample.stdout.startswith("def ")
 
 
+def test_fsdp_in_the_default_precision_trains_as_float32_does(char_data, tmp_path, reference):
+    """--dtype auto (bfloat16 where the CPU computes it: parameters gathered in it, gradients
+    reduced in float32): the losses of float32 training within bfloat16's rounding; a float32
+    checkpoint."""
+    ok(torchrun(2, "--fsdp", "--data-dir", char_data, "--out-dir", tmp_path, *COMMON,
+                "--max-iters", "10", "--dtype", "auto"))
+    fsdp = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert fsdp["history"]["loss"] == pytest.approx(reference["history"]["loss"], abs=0.02)
+    assert all(value.dtype == torch.float32 for value in fsdp["model"].values())
+
+
 def test_fsdp_resumes_a_train_py_checkpoint_and_train_py_resumes_its(char_data, tmp_path,
                                                                       reference):
     """Steps 1-3 in one process, 4-7 sharded over two (the optimizer state cut into shards), 8-10
