@@ -4,6 +4,7 @@ CPU (gloo) where the launch is the point."""
 import importlib.util
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -318,6 +319,15 @@ def test_16b_memory_estimate_without_allocating():
     assert ("128 devices (32 nodes x 4) = 4 tensor-parallel x 8 pipeline stages x 4 data-parallel; "
             "ZeRO stage 1") in result.stdout
     assert "per device (the busiest stage" in result.stdout and "GFLOP" in result.stdout
+    # --checkpoint-activations (Megatron's name) keeps a block's input, not its activations
+    recomputed = run_main("train_ds.py", "--estimate-memory", "--preset", "gpt2-16b",
+                          "--seq-length", "1024", "--tp-size", "4", "--pipeline-stages", "8",
+                          "--num-nodes", "32", "--num-gpus", "4", "--micro-batch-size", "1",
+                          "--global-batch-size", "64", "--checkpoint-activations",
+                          "--deepspeed_config", ROOT / "ds_config_zero1.json", env=ENV)
+    activations = [float(re.search(r"activations ([\d.]+)", r.stdout).group(1))
+                   for r in (result, recomputed)]
+    assert "(recomputed)" in recomputed.stdout and activations[1] < activations[0] / 3, activations
     # ZeRO-3 with offload (the shipped config) adds DeepSpeed's own estimator
     zero3 = run_main("train_ds.py", "--estimate-memory", "--preset", "gpt2-16b", "--num-nodes", "2",
                      "--num-gpus", "4", env=ENV)

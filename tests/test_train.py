@@ -16,9 +16,10 @@ from model import GPT, GPTConfig
 from toolkit.checkpoint import load_checkpoint, model_from_checkpoint
 from toolkit.data import load_corpus
 from toolkit.hf import save_gpt2
-from toolkit.pretraining import evaluation_windows
+from toolkit.pretraining import evaluation_windows, setup
 from toolkit.cli import CLIError
 from toolkit.train_config import TrainConfig, parse_config, schedule
+from toolkit.training import TorchEngine
 from toolkit.writers import write_nanogpt
 
 
@@ -356,3 +357,30 @@ def test_a_small_validation_split_is_scored_whole(tmp_path):
     y = torch.tensor(np.stack([val[o + 1:o + 33] for o in (0, 32, 64)]).astype(np.int64))
     with torch.no_grad():
         assert ckpt["history"]["val"][-1] == pytest.approx(model(x, y)[1].item(), rel=1e-5)
+
+
+def test_activation_checkpointing_keeps_block_inputs_only_and_trains_the_same_weights(char_data,
+                                                                                      tmp_path):
+    """--activation-checkpointing: a forward keeps under half the bytes for the backward (each
+    block's input, not its activations), and 4 steps end at the same weights in float32."""
+    saved, weights = {}, {}
+    for on in (False, True):
+        out = tmp_path / str(on)
+        cfg, _ = parse_config(["--data-dir", str(char_data), "--out-dir", str(out), *TINY_MODEL,
+                               "--n-layer", "2", "--max-iters", "4",
+                               *(["--activation-checkpointing"] if on else [])])
+        trainer = setup(cfg, TorchEngine(str(out / "ckpt.pt")))
+        idx = torch.randint(0, 50, (4, 32), generator=torch.Generator().manual_seed(0))
+        saved[on] = 0
+
+        def keep(t: torch.Tensor, on=on) -> torch.Tensor:
+            saved[on] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            trainer.engine.model(idx, idx, chunked_loss=True)[1].backward()
+        trainer.engine.optimizer.zero_grad(set_to_none=True)
+        trainer.fit()
+        weights[on] = load_checkpoint(str(out / "ckpt.pt"))["model"]
+    assert saved[True] < saved[False] / 2, saved
+    assert all(torch.equal(weights[True][k], weights[False][k]) for k in weights[False])

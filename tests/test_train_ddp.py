@@ -198,11 +198,13 @@ def test_fsdp_in_the_default_precision_trains_as_float32_does(char_data, tmp_pat
 
 def test_fsdp_resumes_a_train_py_checkpoint_and_train_py_resumes_its(char_data, tmp_path,
                                                                       reference):
-    """Steps 1-3 in one process, 4-7 sharded over two (the optimizer state cut into shards), 8-10
-    in one again (gathered back): the training of one process throughout."""
+    """Steps 1-3 in one process, 4-7 sharded over two (the optimizer state cut into shards; each
+    block recomputed in the backward pass), 8-10 in one again (gathered back): the training of one
+    process throughout."""
     common = ["--data-dir", char_data, "--out-dir", tmp_path, *COMMON]
     train_py(*common, "--max-iters", "3")
-    ok(torchrun(2, "--fsdp", *common, "--init-from", "resume", "--max-iters", "7"))
+    ok(torchrun(2, "--fsdp", *common, "--init-from", "resume", "--max-iters", "7",
+                "--activation-checkpointing"))
     train_py(*common, "--init-from", "resume", "--max-iters", "10")
     assert_same_training(load_checkpoint(str(tmp_path / "ckpt.pt")), reference)
 

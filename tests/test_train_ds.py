@@ -160,6 +160,17 @@ def test_zero3_offload_matches_train_py(zero3_run, reference):
     assert all(torch.allclose(gathered[k], reference["model"][k], atol=1e-4) for k in gathered)
 
 
+def test_zero3_offload_recomputing_activations_matches_train_py(ds_ops, char_data, hostfile,
+                                                                reference, tmp_path):
+    """--activation-checkpointing under ZeRO-3 with offload: the blocks run again in the backward
+    pass, their weights gathered again, and train what train.py trains."""
+    result = launch(hostfile, char_data, tmp_path, *COMMON, "--activation-checkpointing")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_losses_close(train_state(tmp_path)["history"]["loss"], reference["history"]["loss"])
+    gathered = final_weights(tmp_path)
+    assert all(torch.allclose(gathered[k], reference["model"][k], atol=1e-4) for k in gathered)
+
+
 def test_ctrl_c_under_the_zero2_config_saves_a_checkpoint_of_the_same_training(ds_ops, llmc_data,
                                                                                hostfile, reference,
                                                                                tmp_path):

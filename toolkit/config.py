@@ -47,6 +47,9 @@ class RunConfig:
                                 "natively, else float32", choices=["auto", *DTYPES])
     seed: int = option(1337, "seed of the new weights, of dropout and of the data order",
                        check="seed")
+    activation_checkpointing: bool = option(False, "keep each block's input only and recompute "
+                                                   "its activations in the backward pass: less "
+                                                   "memory for about a third more compute")
 
     # what TorchEngine.start builds for a config without these options (TrainConfig makes them
     # options)

@@ -37,6 +37,7 @@ from toolkit.model_parallel import (Layout, autotp_config, check_layout, estimat
                                     pipeline_module)
 from toolkit.megatron import grad_accum_for
 from toolkit.train_config import TrainConfig, apply_preset, family_defaults, settle_optimizer
+from toolkit.training import checkpoint_activations
 
 # DeepSpeed's ZeRO-3 calls collectives that torch renamed; each rank's log would repeat torch's
 # notice
@@ -72,7 +73,7 @@ def memory_estimate(cfg: TrainConfig, ds: dict, nodes: int, gpus: int, pipeline_
     offload_optimizer = (zero.get("offload_optimizer") or {}).get("device") not in (None, "none")
     offload_param = (zero.get("offload_param") or {}).get("device") not in (None, "none")
     e = estimate_memory(config, layout, stage, dtype, offload_optimizer, offload_param,
-                        cfg.batch_size, micro_steps)
+                        cfg.batch_size, micro_steps, cfg.activation_checkpointing)
     gib = 2 ** 30
     offloads = [f"{what} offload to cpu" for what, on in (
         ("optimizer", offload_optimizer), ("param", offload_param and stage == 3)) if on]
@@ -89,8 +90,8 @@ def memory_estimate(cfg: TrainConfig, ds: dict, nodes: int, gpus: int, pipeline_
         + "".join(", " + offload for offload in offloads),
         f"per device (the busiest stage: {e.device_params:,} parameters): weights "
         f"{e.weights / gib:.2f} GiB, gradients {e.gradients / gib:.2f}, optimizer "
-        f"{e.optimizer / gib:.2f}, activations {e.activations / gib:.2f} = {device / gib:.2f} "
-        f"GiB{cpu}"]
+        f"{e.optimizer / gib:.2f}, activations {e.activations / gib:.2f}"
+        f"{' (recomputed)' if cfg.activation_checkpointing else ''} = {device / gib:.2f} GiB{cpu}"]
     if stage in (2, 3):  # DeepSpeed's estimators assume 16-bit weights and a 1.5x CPU buffer
         if stage == 2:
             from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
@@ -204,6 +205,8 @@ class DeepSpeedEngine:
         self.device, self.dtype, self.loss = device, dtype, loss
         # a new run's tags: an earlier run's in OUT_DIR/ds (--overwrite) go once it has saved one
         self.own_tags = None if resume is not None else set()
+        if cfg.activation_checkpointing:
+            checkpoint_activations(model.transformer.h)
         module = pipeline_module(model, self.layout.pipeline_stages) if self.pipelined else model
         # every rank is past its checks: a rank that failed one is found here, within --timeout,
         # not by the groups deepspeed.initialize makes, which wait 30 minutes whatever it says

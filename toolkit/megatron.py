@@ -19,7 +19,8 @@ ALIASES = {"lr": ["--learning-rate"], "n_layer": ["--num-layers"], "n_embd": ["-
            "n_head": ["--num-attention-heads"], "block_size": ["--seq-length"],
            "batch_size": ["--micro-batch-size"], "data_dir": ["--data-path"], "out_dir": ["--save"],
            "max_iters": ["--train-iters"], "warmup_iters": ["--lr-warmup-iters"],
-           "grad_clip": ["--clip-grad"], "beta1": ["--adam-beta1"], "beta2": ["--adam-beta2"]}
+           "grad_clip": ["--clip-grad"], "beta1": ["--adam-beta1"], "beta2": ["--adam-beta2"],
+           "activation_checkpointing": ["--checkpoint-activations"]}
 # sample counts -> the step counts they set, through the global batch
 SAMPLE_FLAGS = {"train_samples": "max_iters", "lr_warmup_samples": "warmup_iters",
                 "lr_decay_samples": "lr_decay_iters"}

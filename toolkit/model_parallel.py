@@ -239,7 +239,7 @@ class MemoryEstimate:
 
 def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: str,
                     offload_optimizer: bool, offload_param: bool, micro_batch: int,
-                    micro_steps: int) -> MemoryEstimate:
+                    micro_steps: int, recompute: bool = False) -> MemoryEstimate:
     """Training memory per device for this layout, from a GPT built on the meta device (nothing is
     allocated).
 
@@ -248,7 +248,9 @@ def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: s
     partitions the optimizer over the data-parallel ranks, 2 also the gradients, 3 also the weights.
     Activations without recomputation (Korthikanti et al. 2022, sequence s, micro-batch b, width h,
     TP t: s*b*h*(10 + 24/t) 16-bit values per block; SDPA keeps no (s, s) scores), for as many
-    micro-batches as the first pipeline stage holds in flight (1F1B)."""
+    micro-batches as the first pipeline stage holds in flight (1F1B); with recompute (activation
+    checkpointing) each block keeps its input, s*b*h values, and one block at a time its whole
+    activations again."""
     with torch.device("meta"):
         model = GPT(config)
     per_block = sum(tp_share(n, p.numel(), layout.tp_size)
@@ -280,6 +282,10 @@ def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: s
     in_flight = min(layout.pipeline_stages, micro_steps)
     per_block_activations = (config.block_size * micro_batch * config.n_embd
                              * (10 + 24 / layout.tp_size) * width / 2)
-    activations = per_block_activations * blocks * in_flight
+    if recompute:
+        kept = config.block_size * micro_batch * config.n_embd * width
+        activations = kept * blocks * in_flight + per_block_activations
+    else:
+        activations = per_block_activations * blocks * in_flight
     return MemoryEstimate(config.num_params(non_embedding=False), device_params, largest_layer,
                           model.flops_per_token(), weights, gradients, optimizer, activations, cpu)

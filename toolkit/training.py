@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch.distributed._composable import checkpoint
 from tqdm import tqdm
 
 from toolkit import distributed
@@ -123,6 +124,13 @@ class LoopConfig:
     hint: str = "a lower --lr or --dtype bfloat16"  # what to try when the run goes non-finite
 
 
+def checkpoint_activations(blocks: torch.nn.ModuleList) -> None:
+    """Each block keeps its input only and runs again in the backward pass (PyTorch's composable
+    activation checkpointing: hooks, so the weights keep their names and FSDP2 composes)."""
+    for block in blocks:
+        checkpoint(block)
+
+
 class TorchEngine:
     """Steps in torch: Muon or AdamW (a param group's `lr_scale` moves it along the schedule), a
     GradScaler for float16, torch.compile, DDP in a process group, or FSDP2 with fsdp
@@ -151,6 +159,8 @@ class TorchEngine:
         # (a LoRA checkpoint holds adapters instead: toolkit/lora.py)
         if resume is not None and "model" in resume:
             load_weights(self.gpt, resume["model"], self.path)
+        if cfg.activation_checkpointing:
+            checkpoint_activations(self.gpt.transformer.h)
         if self.fsdp:  # every rank read the whole weights: now each keeps its shard
             shard_model(model, self.gpt.transformer.h, dtype)
         self.optimizer = make_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay,
