@@ -10,7 +10,7 @@ positions, biases, tied embedding / LM head), so HF GPT-2 checkpoints load uncha
 arch "llama" is today's layout (Llama, Qwen3, SmolLM, nanochat): the same pre-norm blocks with
 RMSNorm, rotary positions, grouped-query attention and optional QK-norm, a gated SiLU MLP, no biases
 and an untied head (toolkit/hf_llama.py maps HF's Llama and Qwen3 folders). Where they differ:
-`norm`, `CausalSelfAttention.forward`, `GatedMLP`, `GPT._trunk`.
+`norm`, `CausalSelfAttention.forward`, `MLP`, `GPT._trunk`.
 """
 import contextlib
 import math
@@ -75,20 +75,6 @@ class GPTConfig:
         return n if non_embedding else n + inputs
 
 
-PRESETS: dict[str, dict] = {
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
-    # for model parallelism, GPT-3's shapes (16b: 5 blocks per stage of 8, 12 heads per shard of 4)
-    "gpt2-2.7b": dict(n_layer=32, n_head=32, n_embd=2560),  # 2.65B
-    "gpt2-6.7b": dict(n_layer=32, n_head=32, n_embd=4096),  # 6.65B
-    "gpt2-13b": dict(n_layer=40, n_head=40, n_embd=5120),  # 12.85B
-    "gpt2-16b": dict(n_layer=40, n_head=48, n_embd=5760),  # 16.22B
-}
-for _preset in PRESETS.values():
-    _preset.update(block_size=1024, vocab_size=50257, bias=True)
-
 ARCHS = ("gpt2", "llama")
 SDPA_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -96,15 +82,17 @@ SDPA_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFF
 ATTN_KERNELS = ("auto", "manual", *SDPA_KERNELS)
 MANUAL_MAX_KEYS = 512
 MAX_LAYERS = 1024  # GPT-3's largest has 96: a config with more blocks than this lies
+OPTIONAL_SIZES = ("n_kv_head", "head_dim", "mlp_hidden")  # None: the default of GPTConfig's comment
 ROPE_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def check_config(config: GPTConfig) -> None:
     """Refuse a shape that cannot be built (ValueError), before anything is allocated."""
-    for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-        value = getattr(config, name)
-        if type(value) is not int or value < 1:
-            raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+    for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", *OPTIONAL_SIZES):
+        value, optional = getattr(config, name), name in OPTIONAL_SIZES
+        if not (optional and value is None) and (type(value) is not int or value < 1):
+            raise ValueError(f"model config: {name} must be a positive integer"
+                             f"{' or unset' if optional else ''}, got {value!r}")
     if config.n_layer > MAX_LAYERS:
         raise ValueError(f"model config: n_layer {config.n_layer} is more than {MAX_LAYERS}")
     if config.head_dim is None and config.n_embd % config.n_head:
@@ -119,11 +107,6 @@ def check_config(config: GPTConfig) -> None:
                          f"choose from {', '.join(ATTN_KERNELS)}")
     if config.arch not in ARCHS:
         raise ValueError(f"unknown arch '{config.arch}'; choose from {', '.join(ARCHS)}")
-    for name in ("n_kv_head", "head_dim", "mlp_hidden"):
-        value = getattr(config, name)
-        if value is not None and (type(value) is not int or value < 1):
-            raise ValueError(f"model config: {name} must be a positive integer or unset, got "
-                             f"{value!r}")
     if config.n_head % config.kv_heads or config.head_size % 2:
         raise ValueError(f"model config: n_head ({config.n_head}) must be a multiple of n_kv_head "
                          f"({config.kv_heads}), and the head size ({config.head_size}) even")
@@ -282,28 +265,22 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLP(nn.Module):
+    """GPT-2's c_proj(gelu(c_fc(x))); the llama family's gated c_proj(silu(gate) * up), gate and up
+    from one matmul (c_fc)."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.gated = config.arch == "llama"
+        width = config.mlp_width
+        self.c_fc = nn.Linear(config.n_embd, (1 + self.gated) * width, bias=config.bias)
+        self.c_proj = nn.Linear(width, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = self.c_fc(x).chunk(2, dim=-1)
+            return self.dropout(self.c_proj(F.silu(gate) * up))
         return self.dropout(self.c_proj(gelu_tanh(self.c_fc(x))))
-
-
-class GatedMLP(nn.Module):
-    """The llama family's MLP: c_proj(silu(gate) * up), gate and up from one matmul (c_fc)."""
-
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 2 * config.mlp_width, bias=False)
-        self.c_proj = nn.Linear(config.mlp_width, config.n_embd, bias=False)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.c_fc(x).chunk(2, dim=-1)
-        return self.dropout(self.c_proj(F.silu(gate) * up))
 
 
 class Block(nn.Module):
@@ -312,7 +289,7 @@ class Block(nn.Module):
         self.ln_1 = norm(config, config.n_embd)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = norm(config, config.n_embd)
-        self.mlp = MLP(config) if config.arch == "gpt2" else GatedMLP(config)
+        self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, kv_cache: "KVCache | None" = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -405,8 +382,7 @@ class GPT(nn.Module):
         (Hewitt 2021, as HF) plus noise of std 0.02, so new tokens differ (docs/performance.md)."""
         if vocab_size < self.config.vocab_size:
             raise ValueError(f"vocab_size can only grow: {self.config.vocab_size} -> {vocab_size}")
-        heads_and_embeddings = (self.lm_head, self.transformer.wte)
-        for module in heads_and_embeddings[: 1 if self.config.tie_embeddings else 2]:
+        for module in (self.lm_head, self.transformer.wte)[: 2 - self.config.tie_embeddings]:
             old = module.weight
             weight = torch.empty(vocab_size, old.size(1), device=old.device, dtype=old.dtype)
             nn.init.normal_(weight, mean=0.0, std=0.02)
@@ -417,16 +393,6 @@ class GPT(nn.Module):
             self.transformer.wte.weight = self.lm_head.weight
         self.lm_head.out_features = self.transformer.wte.num_embeddings = vocab_size
         self.config.vocab_size = vocab_size
-
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6N for the weights plus attention scores (PaLM, appendix B)."""
-        c = self.config
-        attention = 12 * c.n_layer * c.n_head * c.head_size * c.block_size
-        return 6 * self.num_params() + attention
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count, from the config (so it holds while ZeRO-3 partitions the weights)."""
-        return self.config.num_params(non_embedding)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
@@ -476,7 +442,10 @@ class GPT(nn.Module):
                 if use_cache and caches is None:  # as long as what is left needs, up to the block
                     length = min(block_size, ctx.size(1) + max_new_tokens - step)
                     caches = [KVCache(length) for _ in self.transformer.h]
-                tok = self._next_token(ctx, caches, use_cache and caches[0].len > 0, **sampling)
+                # with a filled cache only the last token runs
+                start = ctx.size(1) - 1 if use_cache and caches[0].len > 0 else 0
+                h = self._trunk(ctx[:, start:], caches, start=start)
+                tok = sample(self.lm_head(h[:, -1]).float(), **sampling)
                 if stops is not None:
                     tok = stops[0].repeat(idx.size(0)).index_copy(0, rows, tok)
                     finished |= torch.isin(tok, stops)
@@ -494,13 +463,6 @@ class GPT(nn.Module):
                     caches = None
         finally:
             self.train(was_training)
-
-    def _next_token(self, ctx: torch.Tensor, caches: "list[KVCache] | None", prefilled: bool,
-                    **sampling) -> torch.Tensor:
-        """The (B,) tokens after ctx; with prefilled caches only ctx's last token is run."""
-        start = ctx.size(1) - 1 if prefilled else 0
-        h = self._trunk(ctx[:, start:], caches, start=start)
-        return sample(self.lm_head(h[:, -1]).float(), **sampling)
 
 
 VOCAB_MULTIPLE = 64  # the head computes the vocabulary padded to a multiple of this, as nanochat

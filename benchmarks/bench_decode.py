@@ -28,7 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model import GPT, PRESETS, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from toolkit.train_config import PRESETS  # noqa: E402
 from toolkit.device import cpu_kind, generation_linears  # noqa: E402
 from toolkit.gguf_export import save_gguf  # noqa: E402
 from toolkit.gpt2_vocab import GPT2_FACTS  # noqa: E402

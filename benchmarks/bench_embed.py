@@ -49,7 +49,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from model import GPT, PRESETS, GPTConfig
+from model import GPT, GPTConfig
+from toolkit.train_config import PRESETS
 from toolkit import ann, cli
 from toolkit.checkpoint import save_checkpoint
 from toolkit.device import cpu_kind

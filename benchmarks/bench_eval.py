@@ -25,7 +25,8 @@ sys.path.insert(0, ROOT)
 
 import torch
 
-from model import GPT, PRESETS, GPTConfig
+from model import GPT, GPTConfig
+from toolkit.train_config import PRESETS
 from toolkit import cli
 from toolkit.device import cpu_kind
 from toolkit.evaluation import ChoiceTask, gpt_logits_at

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model import GPT, PRESETS, GPTConfig
+from model import GPT, GPTConfig
+from toolkit.train_config import PRESETS
 from toolkit import cli
 from toolkit.device import DTYPES, autocast, describe, full_logits_fit, keep_freed_memory_in_heap
 

@@ -40,7 +40,8 @@ sys.path.insert(0, ROOT)
 import psutil
 import torch
 
-from model import GPT, PRESETS, GPTConfig
+from model import GPT, GPTConfig
+from toolkit.train_config import PRESETS
 from toolkit import cli, lora
 from toolkit.chat import add_chat_tokens, chat_prompt, encode_conversation, messages_of
 from toolkit.device import cpu_kind

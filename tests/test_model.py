@@ -6,8 +6,9 @@ import torch.nn.functional as F
 
 import model
 from conftest import VOCAB, rel_err, tiny_config, tiny_gpt
-from model import GPT, PRESETS, GPTConfig
-from toolkit.device import check_attn_kernel, check_memory
+from model import GPT, GPTConfig
+from toolkit.train_config import PRESETS
+from toolkit.device import check_attn_kernel, check_memory, flops_per_token
 from toolkit.optim import make_optimizer
 
 
@@ -284,13 +285,13 @@ def test_chunked_loss_with_a_frozen_head_gives_the_same_gradients_and_none_for_t
 def test_param_count_and_flops():
     with torch.device("meta"):
         gpt2 = GPT(GPTConfig(**PRESETS["gpt2"]))
-    assert gpt2.num_params(non_embedding=False) == 124_439_808
-    assert gpt2.num_params() == 124_439_808 - 1024 * 768
-    assert gpt2.flops_per_token() == 6 * gpt2.num_params() + 12 * 12 * 12 * 64 * 1024
+    assert gpt2.config.num_params(non_embedding=False) == 124_439_808
+    assert gpt2.config.num_params() == 124_439_808 - 1024 * 768
+    assert flops_per_token(gpt2.config) == 6 * gpt2.config.num_params() + 12 * 12 * 12 * 64 * 1024
     # counted from the config (ZeRO-3 partitions the tensors), equal to the tensors
     for bias in (True, False):
         m = tiny_gpt(bias=bias)
-        assert m.num_params(non_embedding=False) == sum(p.numel() for p in m.parameters())
+        assert m.config.num_params(non_embedding=False) == sum(p.numel() for p in m.parameters())
 
 
 @pytest.mark.parametrize("change, message", [
@@ -320,7 +321,7 @@ def test_crop_block_size_and_optimizer():
     assert decay["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() < 2 for p in no_decay["params"])
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == \
-        m.num_params(non_embedding=False)
+        m.config.num_params(non_embedding=False)
 
 
 def test_sampling_distribution():

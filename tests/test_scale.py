@@ -305,7 +305,8 @@ def test_a_bad_layout_is_one_line_from_the_launched_job(ds_ops, char_data, tmp_p
 def test_16b_memory_estimate_without_allocating():
     """The source design's 16B on 32 nodes x 4 devices, TP 4 x PP 8, ZeRO-1, float32: nothing is
     allocated (its float32 weights alone would be 65 GB), and no process group is needed."""
-    from model import PRESETS, GPTConfig
+    from model import GPTConfig
+    from toolkit.train_config import PRESETS
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = run_main("train_ds.py", "--estimate-memory", "--preset", "gpt2-16b",
                       "--seq-length", "1024", "--tp-size", "4", "--pipeline-stages", "8",

@@ -26,6 +26,8 @@ import warnings
 from dataclasses import asdict
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from model import GPT, GPTConfig, check_config
 from toolkit.cli import CLIError, first_line
@@ -236,8 +238,6 @@ def model_from_checkpoint(checkpoint: dict, source: str = "checkpoint", **overri
 def read_weights_file(path: str) -> dict[str, torch.Tensor]:
     """One .bin/.pt (loaded with weights_only) or .safetensors file holding a state dict."""
     if path.endswith(".safetensors"):
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
         try:
             state = load_file(path)
         except (SafetensorError, OSError) as e:

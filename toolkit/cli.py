@@ -161,7 +161,7 @@ def _interrupt(signum, frame):
 
 def group_store():
     """The process group's key-value store, or None outside one."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # 1.5 s of torch: tokenizer.py never imports it
     return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
 
 
@@ -199,7 +199,7 @@ def report_distributed_error(message: str) -> None:
 def wait_for_readers(store) -> None:
     """Rank 0's store serves the others: it stays up (5 s at most) until every rank that failed too
     has read rank 0's error, so none of them finds the store gone and logs C++ warnings."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # see group_store
     deadline = time.monotonic() + 5
     try:
         while (store.add(ERROR_READERS, 0) < dist.get_world_size() - 1
@@ -242,7 +242,7 @@ def stop_torchrun_restarts() -> None:
 def run_distributed(main: Callable[[], None]) -> None:
     """run()'s contract under a launcher (torchrun, deepspeed, mpirun): a user error or a lost peer
     is one line from rank 0; every rank destroys the process group before its non-zero exit."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # see group_store
     status = 0
     try:
         main()

@@ -239,7 +239,7 @@ def setup_tune(cfg: TuneConfig) -> Trainer:
     engine.start(model, cfg, device, dtype, objective.loss)
     claim_out_dir(cfg.out_dir, path, resuming=False, overwrite=True)  # refuse_existing checked
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = model.num_params(non_embedding=False)
+    total = model.config.num_params(non_embedding=False)
     held = f", {len(objective.val):,} held out for the best checkpoint" if objective.val else ""
     print(f"tuning {trained / 1e6:.3f}M of {total / 1e6:.3f}M parameters on {len(pairs):,} "
           f"pairs and {len(documents):,} documents{held}, batch {objective.batch_size}, "

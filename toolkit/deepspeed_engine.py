@@ -22,6 +22,10 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.comm.comm import mpi_discovery
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
 from model import GPT, GPTConfig
 from toolkit import distributed
@@ -94,11 +98,9 @@ def memory_estimate(cfg: TrainConfig, ds: dict, nodes: int, gpus: int, pipeline_
         f"{' (recomputed)' if cfg.activation_checkpointing else ''} = {device / gib:.2f} GiB{cpu}"]
     if stage in (2, 3):  # DeepSpeed's estimators assume 16-bit weights and a 1.5x CPU buffer
         if stage == 2:
-            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
             cpu_bytes, gpu_bytes = estimate_zero2_model_states_mem_needs(
                 e.device_params, 1, layout.data_parallel, offload_optimizer)
         else:
-            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
             cpu_bytes, gpu_bytes, _ = estimate_zero3_model_states_mem_needs(
                 e.device_params, e.largest_layer, 1, layout.data_parallel, offload_optimizer,
                 offload_param)
@@ -231,7 +233,6 @@ class DeepSpeedEngine:
             self.load(resume["tag"])
 
     def load(self, tag: str) -> None:
-        from deepspeed.runtime.zero.utils import ZeRORuntimeException
         folder = self.path
         if self.universal:  # rank 0 converts (to OUT_DIR/ds/universal, removed once loaded)
             folder = os.path.join(self.path, "universal")
@@ -352,7 +353,6 @@ def discover_mpi() -> None:
     """Under mpirun: RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR from DeepSpeed's MPI discovery
     (mpi4py), at MASTER_PORT or 29500; LOCAL_WORLD_SIZE from MPI, for each process's CPU threads."""
     try:
-        from deepspeed.comm.comm import mpi_discovery
         mpi_discovery(distributed_port=int(os.environ.get("MASTER_PORT", 29500)), verbose=False)
     except ImportError:
         raise CLIError("started by mpirun, but mpi4py is not installed (DeepSpeed finds the ranks "

@@ -170,6 +170,12 @@ def keep_freed_memory_in_heap() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
+def flops_per_token(config: GPTConfig) -> int:
+    """Training FLOPs per token: 6N for the weights plus attention scores (PaLM, appendix B)."""
+    attention = 12 * config.n_layer * config.n_head * config.head_size * config.block_size
+    return 6 * config.num_params() + attention
+
+
 def peak_flops(device: torch.device, peak_tflops: float | None = None) -> float | None:
     """The device's peak FLOP/s for MFU: the given TFLOP/s, or a known GPU's bf16 dense peak."""
     if peak_tflops:

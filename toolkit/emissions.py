@@ -16,7 +16,7 @@ def tracking_emissions(cfg, master: bool):
     if not (master and cfg.codecarbon_dir):
         yield
         return
-    from codecarbon import OfflineEmissionsTracker
+    from codecarbon import OfflineEmissionsTracker  # optional, 110 ms
     os.makedirs(cfg.codecarbon_dir, exist_ok=True)
     tracker = OfflineEmissionsTracker(country_iso_code=cfg.codecarbon_country,
                                       output_dir=cfg.codecarbon_dir, project_name=cfg.run_name,

@@ -39,6 +39,7 @@ from toolkit import cli, distributed
 from toolkit.batches import get_batch
 from toolkit.cli import CLIError
 from toolkit.device import autocast
+from toolkit.records import json_lines
 from toolkit.textfiles import read_text
 from toolkit.tokenizers import Tokenizer
 
@@ -128,7 +129,6 @@ def choice_item(record, where: str) -> Choice:
 def read_choices(path: str, limit: int | None = None, progress: bool = False) -> list[Choice]:
     """The items of a HellaSwag-format JSON-lines file (the first `limit` of them); progress: a bar
     of the lines read, on stderr."""
-    from toolkit.records import json_lines  # a run without choice files never reads documents
     items = []
     lines = tqdm(json_lines(path), desc=f"{os.path.basename(path)}: reading", unit="line",
                  delay=cli.PROGRESS_DELAY, disable=not progress)

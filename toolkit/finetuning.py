@@ -367,7 +367,7 @@ def describe_run(cfg: FinetuneConfig, objective: TaskObjective | ChatObjective, 
     if cfg.lora_rank:
         trained = sum(p.numel() for p in objective.model.parameters() if p.requires_grad)
         adapters = f", LoRA rank {cfg.lora_rank} on {cfg.lora_targets}: {trained:,} trained"
-    print(f"model: {body.num_params() / 1e6:.2f}M parameters{adapters}, block "
+    print(f"model: {body.config.num_params() / 1e6:.2f}M parameters{adapters}, block "
           f"{body.config.block_size}; {cfg.epochs} epochs x {objective.steps_per_epoch} steps of "
           f"{objective.global_batch} over {distributed.world_size()} process(es), lr {cfg.lr:.3g}; "
           f"device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}", flush=True)

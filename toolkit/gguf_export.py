@@ -243,7 +243,7 @@ def add_vocabulary(writer, facts: dict, rows: int) -> None:
 def add_tensors(writer, tensors: dict[str, torch.Tensor], weight_type: str) -> None:
     """Matrices in weight_type (q8_0 where rows split into its blocks of 32, else f16), vectors in
     f32, as llama.cpp's converter stores them."""
-    import gguf
+    import gguf  # 120 ms to import: exports only
 
     for name, tensor in tensors.items():
         data = tensor.float().contiguous().numpy()
@@ -263,7 +263,7 @@ def add_tensors(writer, tensors: dict[str, torch.Tensor], weight_type: str) -> N
 def save_gguf(model: GPT, path: str, facts: dict, weight_type: str = "f16") -> str:
     """One GGUF file of the model and its tokenizer, written atomically; a line saying what it
     wrote."""
-    import gguf
+    import gguf  # 120 ms: exports only
 
     if model.config.block_size > 2**32 - 1:  # (GGUF's hyperparameters are uint32s)
         raise CLIError(f"GGUF holds the context length as a 32-bit number; this model's "

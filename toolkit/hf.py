@@ -13,6 +13,7 @@ import math
 import os
 
 import torch
+from safetensors.torch import save_file
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from torch import nn
@@ -53,7 +54,7 @@ def find_model_dir(path: str) -> str:
         raise FileNotFoundError(f"no model directory at '{path}'; pass a local GPT-2 directory "
                                 "(config.json + model.safetensors or pytorch_model.bin) or one of "
                                 f"{', '.join(HUB_NAMES)}")
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache  # 135 ms, for a hub name only
     for repo in (f"openai-community/{name}", name):
         config = try_to_load_from_cache(repo, "config.json")
         if isinstance(config, str) and any(os.path.isfile(os.path.join(os.path.dirname(config), f))
@@ -144,8 +145,6 @@ def save_gpt2(model: GPT, out_dir: str, tokenizer: dict | None = None,
     Facts other than GPT-2's own are also written to TOKENIZER_FILE, so test.py reads the folder
     with the right tokenizer; a vocabulary an HF tokenizer cannot represent (char, byte) says so in
     the folder's README.md. Returns a line saying what was written."""
-    from safetensors.torch import save_file
-
     c = model.config
     tokenizer = tokenizer or GPT2_FACTS
     eot_id = tokenizer.get("eot_id")

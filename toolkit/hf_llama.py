@@ -16,6 +16,7 @@ lm_head.weight.
 import os
 
 import torch
+from safetensors.torch import save_file
 
 from model import GPT, ROPE_SCALING, GPTConfig, check_config
 from toolkit.checkpoint import check_tied_head, read_weights
@@ -176,8 +177,6 @@ def save_llama(model: GPT, out_dir: str, tokenizer: dict, template: dict | None 
     tokenizer files of a GPT-2 or BPE vocabulary (a README for char and byte), and the toolkit's
     tokenizer facts where they are not GPT-2's own, and the chat template, as save_gpt2 writes them.
     Returns what it wrote, in words."""
-    from safetensors.torch import save_file
-
     c = model.config
     model_type = "qwen3" if c.qk_norm else "llama"
     eot_id = tokenizer.get("eot_id")

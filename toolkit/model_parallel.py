@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from model import GPT, GPTConfig, chunked_cross_entropy, rotary
+from toolkit.device import flops_per_token
 
 # AutoTP's partition rules for model.py's names: (parameter pattern, column or row, sub-parameters)
 TP_RULES = [
@@ -175,7 +176,7 @@ class Head(nn.Module):
 
 def pipeline_module(model: GPT, stages: int):
     """model as a deepspeed.pipe.PipelineModule of `stages` stages (needs the process group)."""
-    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # 1.5 s: pipelines only
     # the last layer hands the loss the hidden states and the tied weight: the fused loss never
     # builds logits
     head = lambda embedding, x: (x, embedding.wte.weight)
@@ -288,4 +289,4 @@ def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: s
     else:
         activations = per_block_activations * blocks * in_flight
     return MemoryEstimate(config.num_params(non_embedding=False), device_params, largest_layer,
-                          model.flops_per_token(), weights, gradients, optimizer, activations, cpu)
+                          flops_per_token(config), weights, gradients, optimizer, activations, cpu)

@@ -147,7 +147,7 @@ def harness_results(specs: list[str], model: GPT, tok: Tokenizer, args: argparse
     if hub_out_of_reach():  # the libraries read their caches at once: cached task data still loads
         os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     try:
-        from toolkit import harness
+        from toolkit import harness  # lm_eval: optional, 0.9 s to import
     except ImportError:
         raise CLIError(f"--tasks {','.join(specs)} needs lm-evaluation-harness: pip install "
                        f"lm_eval (a local .jsonl in HellaSwag's format needs nothing)") from None

@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from pydoc_data.topics import topics
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
@@ -211,7 +212,6 @@ def encode_in_order(chunks: Iterator[tuple[list[tuple[str, bool]], bool, int]],
 
 
 def default_corpus_documents() -> list[str]:
-    from pydoc_data.topics import topics
     return [topics[key].strip("\n") for key in sorted(topics)]
 
 

@@ -23,8 +23,8 @@ from toolkit.checkpoint import run_state, usable_config
 from toolkit.cli import CLIError
 from toolkit.config import replicas, settle_run
 from toolkit.data import DEFAULT_CORPUS_DIR, is_prepared, load_corpus
-from toolkit.device import (check_attn_kernel, check_memory, describe, full_logits_fit,
-                            resolve_device, run_device)
+from toolkit.device import (check_attn_kernel, check_memory, describe, flops_per_token,
+                            full_logits_fit, resolve_device, run_device)
 from toolkit.evaluation import ChoiceTask, loss_metrics, window_losses
 from toolkit.files import check_output, claim_out_dir
 from toolkit.lora import lora_base
@@ -80,7 +80,7 @@ class LanguageModeling(Objective):
 
     def throughput(self) -> tuple[int, str, float]:
         tokens = self.global_batch * self.cfg.block_size
-        return tokens, "tokens", self.model.flops_per_token() * tokens
+        return tokens, "tokens", flops_per_token(self.model.config) * tokens
 
     @torch.no_grad()
     def evaluate(self, engine: Engine) -> dict[str, float]:
@@ -313,7 +313,7 @@ def setup(cfg: TrainConfig, engine: Engine) -> Trainer:
             print(f"resumed from {engine.path} at iteration {step}"
                   + (f" after restart {restart}" if restart else ""))
         tokens = objective.global_batch * cfg.block_size
-        print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config}")
+        print(f"model: {model.config.num_params() / 1e6:.2f}M parameters, {model.config}")
         print(f"global batch: {cfg.batch_size} micro x {objective.micro_steps} accumulation x "
               f"{replicas(dp_size)} = {objective.global_batch} sequences = {tokens:,} tokens per "
               f"step; device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}, loss "

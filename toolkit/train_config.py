@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from model import ARCHS, ATTN_KERNELS, PRESETS, GPTConfig
+from model import ARCHS, ATTN_KERNELS, GPTConfig
 from toolkit import cli, distributed, flags, megatron
 from toolkit.checkpoint import usable_config
 from toolkit.cli import CLIError
@@ -27,6 +27,20 @@ from toolkit.optim import Schedule
 
 MODEL_SHAPE = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "qk_norm")
 PRESET_SHAPE = ("n_layer", "n_head", "n_embd")  # what --preset sets
+# --preset's shapes; the rest of GPT-2's config as well, for benchmarks and tests that build one
+PRESETS: dict[str, dict] = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+    # for model parallelism, GPT-3's shapes (16b: 5 blocks per stage of 8, 12 heads per shard of 4)
+    "gpt2-2.7b": dict(n_layer=32, n_head=32, n_embd=2560),  # 2.65B
+    "gpt2-6.7b": dict(n_layer=32, n_head=32, n_embd=4096),  # 6.65B
+    "gpt2-13b": dict(n_layer=40, n_head=40, n_embd=5120),  # 12.85B
+    "gpt2-16b": dict(n_layer=40, n_head=48, n_embd=5760),  # 16.22B
+}
+for _preset in PRESETS.values():
+    _preset.update(block_size=1024, vocab_size=50257, bias=True)
 LLAMA_DEFAULTS = dict(bias=False, qk_norm=True)  # --arch llama's own defaults
 # `python train.py` on a CUDA GPU: nanoGPT's shakespeare_char shape, compiled, a model that uses
 # the GPU in about the wall time two CPU cores take for the 4 x 128 default (docs/performance.md)

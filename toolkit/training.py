@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 from torch.distributed._composable import checkpoint
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from toolkit import distributed
@@ -185,7 +186,6 @@ class TorchEngine:
             restore_rng(resume.get("rng") or {}, device)
         self.forward_model = self.train_model = torch.compile(model) if cfg.compile else model
         if distributed.world_size() > 1 and not self.fsdp:
-            from torch.nn.parallel import DistributedDataParallel
             ids = [device.index] if device.type == "cuda" else None
             self.train_model = DistributedDataParallel(self.forward_model, device_ids=ids)
 
