@@ -159,9 +159,8 @@ def norm(config: GPTConfig, width: int) -> nn.Module:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = (config.n_head, config.kv_heads,
-                                                      config.head_size)
-        self.dropout = config.dropout
+        self.n_head, self.n_kv_head = config.n_head, config.kv_heads
+        self.head_dim, self.dropout = config.head_size, config.dropout
         self.kernel = config.attn_kernel
         # queries, keys, values
         qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_size
@@ -169,8 +168,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         if config.qk_norm:
-            self.q_norm, self.k_norm = (norm(config, config.head_size),
-                                        norm(config, config.head_size))
+            self.q_norm = norm(config, config.head_size)
+            self.k_norm = norm(config, config.head_size)
 
     def forward(self, x: torch.Tensor, kv_cache: "KVCache | None" = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -199,14 +198,15 @@ class CausalSelfAttention(nn.Module):
         if self.kernel == "manual" or auto_manual:
             y = manual_attention(q, k, v, dropout_p)
         else:
-            # is_causal aligns the mask top-left, which is right only without cached keys; a single
-            # new query may see every key; several new queries after cached keys need a mask.
+            # is_causal aligns the mask top-left: right without cached keys (a bool, where compiled
+            # past is symbolic); one new query sees every key; several after cached keys need a mask
             mask = None
             if past and T > 1:
                 mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
             named = self.kernel in SDPA_KERNELS  # else SDPA chooses; toolkit/device.py checks it
             with sdpa_kernel([SDPA_KERNELS[self.kernel]]) if named else contextlib.nullcontext():
-                y = F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal=past == 0)
+                y = F.scaled_dot_product_attention(q, k, v, mask, dropout_p,
+                                                   is_causal=T > 1 and not past)
         y = y.transpose(1, 2).reshape(B, T, heads * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
@@ -265,15 +265,13 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    """GPT-2's c_proj(gelu(c_fc(x))); the llama family's gated c_proj(silu(gate) * up), gate and up
-    from one matmul (c_fc)."""
+    """GPT-2's c_proj(gelu(c_fc(x))); the llama family's c_proj(silu(gate) * up), both from c_fc."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.gated = config.arch == "llama"
-        width = config.mlp_width
-        self.c_fc = nn.Linear(config.n_embd, (1 + self.gated) * width, bias=config.bias)
-        self.c_proj = nn.Linear(width, config.n_embd, bias=config.bias)
+        self.c_fc = nn.Linear(config.n_embd, (1 + self.gated) * config.mlp_width, bias=config.bias)
+        self.c_proj = nn.Linear(config.mlp_width, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -442,10 +440,10 @@ class GPT(nn.Module):
                 if use_cache and caches is None:  # as long as what is left needs, up to the block
                     length = min(block_size, ctx.size(1) + max_new_tokens - step)
                     caches = [KVCache(length) for _ in self.transformer.h]
-                # with a filled cache only the last token runs
-                start = ctx.size(1) - 1 if use_cache and caches[0].len > 0 else 0
-                h = self._trunk(ctx[:, start:], caches, start=start)
-                tok = sample(self.lm_head(h[:, -1]).float(), **sampling)
+                if use_cache and caches[0].len > 0:  # a filled cache: the last token alone
+                    tok = self.decode_step(ctx[:, -1:], caches, ctx.size(1) - 1, **sampling)
+                else:  # the prefill, eager even where toolkit/sampling.py compiles decode_step
+                    tok = sample(self.lm_head(self._trunk(ctx, caches)[:, -1]).float(), **sampling)
                 if stops is not None:
                     tok = stops[0].repeat(idx.size(0)).index_copy(0, rows, tok)
                     finished |= torch.isin(tok, stops)
@@ -464,14 +462,18 @@ class GPT(nn.Module):
         finally:
             self.train(was_training)
 
+    def decode_step(self, tok: torch.Tensor, caches: "list[KVCache]", start: int, **sampling
+                    ) -> torch.Tensor:
+        """The (B,) tokens after tok (B, 1) at position start, the cached positions before it."""
+        return sample(self.lm_head(self._trunk(tok, caches, start)[:, -1]).float(), **sampling)
+
 
 VOCAB_MULTIPLE = 64  # the head computes the vocabulary padded to a multiple of this, as nanochat
 
 
 def padded_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T over the vocabulary padded with -inf columns to a multiple of VOCAB_MULTIPLE:
-    aligned rows make GPU kernels far faster (docs/performance.md). Weights, checkpoints and exports
-    keep the true vocabulary, and the padded columns get no probability."""
+    aligned rows make GPU kernels far faster (docs/performance.md); weights keep the true size."""
     pad = -weight.size(0) % VOCAB_MULTIPLE
     if pad == 0:
         return F.linear(x, weight)
@@ -554,9 +556,7 @@ class KVCache:
         if self.k is None:
             shape = (k.size(0), k.size(1), self.max_len, k.size(3))
             self.k, self.v = k.new_empty(shape), v.new_empty(shape)
-        end = self.len + k.size(2)
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions; cannot append up to {end}")
+        end = self.len + k.size(2)  # past max_len the assignment below fails on its shapes
         self.k[:, :, self.len:end], self.v[:, :, self.len:end] = k, v
         self.len = end
         return self.k[:, :, :end], self.v[:, :, :end]

@@ -1,11 +1,11 @@
 """
 Decoding speed, side by side in one run: this toolkit's generation (model.py's generate_stream: the
 KV cache; its linears in eager PyTorch, and on oneDNN as test.py runs them on a CPU in float32,
-toolkit/device.py's generation_linears; and with int8 weights, `--quantize int8`,
-toolkit/quantize.py) and llama.cpp (llama-cpp-python) on the toolkit's own GGUF
-export of the same weights in the same precision. For each batch size: the prefill's latency, the
-decode rate, and the model bandwidth utilisation (MBU) against the machine's memory bandwidth,
-measured here.
+toolkit/device.py's generation_linears; with int8 weights, `--quantize int8`, toolkit/quantize.py;
+its one-token step compiled, `--compile`, toolkit/sampling.py) and llama.cpp (llama-cpp-python) on
+the toolkit's own GGUF export of the same weights in the same precision. For each batch size: the
+prefill's latency, the decode rate, and the model bandwidth utilisation (MBU) against the machine's
+memory bandwidth, measured here.
 
     python benchmarks/bench_decode.py            # 12 x 768 llama family, GPT-2's vocabulary
     python benchmarks/bench_decode.py --batch-sizes 1 4 16 64 --rounds 2
@@ -35,6 +35,7 @@ from toolkit.gguf_export import save_gguf  # noqa: E402
 from toolkit.gpt2_vocab import GPT2_FACTS  # noqa: E402
 from toolkit.model_sources import load_model  # noqa: E402
 from toolkit.quantize import quantize_model  # noqa: E402
+from toolkit.sampling import compile_decoding  # noqa: E402
 
 
 def read_bandwidth() -> float:
@@ -105,6 +106,8 @@ def main() -> None:
     p.add_argument("--short", type=int, default=16, help="(default: %(default)s new tokens)")
     p.add_argument("--long", type=int, default=80, help="(default: %(default)s new tokens)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="leave out test.py --compile's rows (each batch size compiles for seconds)")
     args = p.parse_args()
     if not 1 <= args.short < args.long:
         p.error("--short must be at least 1 and less than --long")
@@ -119,6 +122,8 @@ def main() -> None:
     model = model.float().eval()
     onednn = generation_linears(copy.deepcopy(model), torch.device("cpu"), torch.float32)
     int8 = quantize_model(copy.deepcopy(model), "int8")
+    compiled = copy.deepcopy(model)
+    compile_decoding(compiled, torch.float32)
     bandwidth = read_bandwidth()
     print(f"CPU {cpu_kind()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"float32; {model.config.n_layer} x {model.config.n_embd} {model.config.arch}, vocab "
@@ -133,6 +138,7 @@ def main() -> None:
             for b in args.batch_sizes:
                 runs += [("ours (eager, KV cache)", b, model), ("ours (oneDNN linears)", b, onednn),
                          ("ours (int8 weights)", b, int8)]
+                runs += [("ours (compiled step)", b, compiled)] if args.compile else []
             for name, batch, decoder in runs:
                 first, rate = (llama_cpp(gguf, args.prompt, args.short, args.long,
                                          model.config.vocab_size) if decoder is None

@@ -276,3 +276,17 @@ def test_generation_on_onednn_linears_gives_the_eager_tokens(family):
         idx = torch.randint(0, 70, (batch, 5), generator=torch.Generator().manual_seed(batch))
         assert torch.equal(fast.generate(idx, 40, temperature=0.0),
                            model.generate(idx, 40, temperature=0.0))
+
+
+def test_compiled_decoding_gives_the_eager_tokens(char_ckpt):
+    """test.py --compile runs the one-token step compiled (inductor): in float32, greedy, the same
+    sample as eager PyTorch."""
+    from torch._dynamo.utils import counters
+    args = ["--ckpt", char_ckpt, *SAMPLE, "--temperature", "0", "--dtype", "float32",
+            "--num-samples", "1", "--prompt", "def ", "--no-stream"]
+    eager = run_main("test.py", *args)
+    counters.clear()
+    compiled = run_main("test.py", *args, "--compile")
+    assert compiled.returncode == 0, compiled.stderr
+    assert counters["frames"]["ok"] >= 1  # a frame was compiled, not run eagerly
+    assert compiled.stdout == eager.stdout and "def " in eager.stdout
