@@ -64,15 +64,7 @@ def extra_arguments(parser) -> None:
                           default=argparse.SUPPRESS, help="= --pipeline-stages")
     megatron.add_argument("--tensor-model-parallel-size", dest="tp_size", type=flags.at_least(1),
                           default=argparse.SUPPRESS, help="= --tp-size")
-    parser.add_argument("--estimate-memory", action="store_true",
-                        help="print the parameters, FLOPs per token and memory per device of this "
-                             "model and layout (ZeRO stage and offload from the config) on "
-                             "--num-nodes x --num-gpus, and exit; nothing is allocated and no "
-                             "process group is needed")
-    parser.add_argument("--num-nodes", type=flags.at_least(1), default=1,
-                        help="machines, for --estimate-memory (default: 1)")
-    parser.add_argument("--num-gpus", type=flags.at_least(1), default=1,
-                        help="devices per machine, for --estimate-memory (default: 1)")
+    flags.add_estimate_flags(parser, "ZeRO stage and offload from the config")
     parser.add_argument("--keep-checkpoints", type=flags.at_least(0), default=1,
                         help="global_stepN folders kept in OUT_DIR/ds; older ones are deleted "
                              "after a save (0 = keep all; default: 1)")

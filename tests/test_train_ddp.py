@@ -376,3 +376,32 @@ def test_no_flag_collides_with_torchrun_options():
     for flag in ours:
         args = get_args_parser().parse_args(["--nproc_per_node", "2", "train_ddp.py", flag, "1"])
         assert args.training_script_args == [flag, "1"], flag
+
+
+def test_memory_estimate_is_the_state_a_step_makes_and_fsdp_divides_it():
+    """estimate_torch_memory's optimizer bytes are what one real step of Muon or AdamW allocates,
+    FSDP over 2 processes holds half of DDP's weights, gradients and optimizer state (plus what it
+    gathers), and train_ddp.py --estimate-memory prints it without torchrun, on the defaults."""
+    from model import GPT, GPTConfig
+    from toolkit.model_parallel import estimate_torch_memory
+    from toolkit.optim import make_optimizer
+    config = GPTConfig(block_size=16, vocab_size=50, n_layer=8, n_head=2, n_embd=32, arch="llama",
+                       bias=False, tie_embeddings=False)
+    for name in ("muon", "adamw"):
+        model = GPT(config)
+        optimizer = make_optimizer(model, name, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95),
+                                   muon_lr=0.02)
+        idx = torch.randint(0, 50, (2, 16))
+        model(idx, idx)[1].backward()
+        optimizer.step()
+        state = sum(t.numel() * t.element_size() for s in optimizer.state.values()
+                    for key, t in s.items() if key != "step")
+        ddp = estimate_torch_memory(config, 1, False, "float32", name == "muon", 2)
+        assert ddp.optimizer == state, name
+        assert ddp.weights == 4 * sum(p.numel() for p in model.parameters())
+        fsdp = estimate_torch_memory(config, 2, True, "float32", name == "muon", 2)
+        assert fsdp.optimizer == ddp.optimizer / 2
+        assert ddp.weights / 2 < fsdp.weights < ddp.weights
+    result = run_main("train_ddp.py", "--estimate-memory", "--num-gpus", "2", "--fsdp")
+    assert result.returncode == 0, result.stderr
+    assert "2 processes, FSDP2" in result.stdout and "per process: weights" in result.stdout

@@ -27,7 +27,7 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
-from model import GPT, GPTConfig
+from model import GPT
 from toolkit import distributed
 from toolkit.checkpoint import capture_rng, restore_rng
 from toolkit.cli import CLIError, first_line
@@ -40,7 +40,8 @@ from toolkit.optim import decay_groups
 from toolkit.model_parallel import (Layout, autotp_config, check_layout, estimate_memory,
                                     pipeline_module)
 from toolkit.megatron import grad_accum_for
-from toolkit.train_config import TrainConfig, apply_preset, family_defaults, settle_optimizer
+from toolkit.train_config import (TrainConfig, apply_preset, family_defaults, settle_optimizer,
+                                  shape_of)
 from toolkit.training import checkpoint_activations
 
 # DeepSpeed's ZeRO-3 calls collectives that torch renamed; each rank's log would repeat torch's
@@ -48,15 +49,6 @@ from toolkit.training import checkpoint_activations
 warnings.filterwarnings("ignore", r"`torch\.distributed\."
                         r"(all_gather_into_tensor|reduce_scatter_tensor)` is "
                         "deprecated", FutureWarning)
-
-def shape_of(cfg: TrainConfig) -> GPTConfig:
-    """The model the flags describe, with GPT-2's vocabulary: what a layout is checked against and
-    the memory estimate counts."""
-    gpt2 = cfg.arch == "gpt2"
-    return GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     n_embd=cfg.n_embd, bias=cfg.bias and gpt2, arch=cfg.arch,
-                     n_kv_head=cfg.n_kv_head, qk_norm=cfg.qk_norm, tie_embeddings=gpt2)
-
 
 def memory_estimate(cfg: TrainConfig, ds: dict, nodes: int, gpus: int, pipeline_stages: int,
                     tp_size: int) -> str:

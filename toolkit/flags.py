@@ -119,6 +119,18 @@ def add_flags(parser: argparse.ArgumentParser, config_class: type,
             megatron_group(parser).add_argument(alias, **alias_kwargs)
 
 
+def add_estimate_flags(parser: argparse.ArgumentParser, layout: str) -> None:
+    """train_ds.py's and train_ddp.py's --estimate-memory, over --num-nodes x --num-gpus."""
+    parser.add_argument("--estimate-memory", action="store_true",
+                        help="print the parameters and memory per device of this model and layout "
+                             f"({layout}) on --num-nodes x --num-gpus, and exit; nothing is "
+                             "allocated and no process group is needed")
+    parser.add_argument("--num-nodes", type=at_least(1), default=1,
+                        help="machines, for --estimate-memory (default: 1)")
+    parser.add_argument("--num-gpus", type=at_least(1), default=1,
+                        help="devices per machine, for --estimate-memory (default: 1)")
+
+
 def megatron_group(parser: argparse.ArgumentParser):
     """The parser's help group of Megatron-LM's names (made on first use)."""
     for group in parser._action_groups:

@@ -281,12 +281,46 @@ def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: s
     if offload_param and zero_stage == 3:
         cpu, weights = cpu + weights, largest_layer * width
     in_flight = min(layout.pipeline_stages, micro_steps)
-    per_block_activations = (config.block_size * micro_batch * config.n_embd
-                             * (10 + 24 / layout.tp_size) * width / 2)
-    if recompute:
-        kept = config.block_size * micro_batch * config.n_embd * width
-        activations = kept * blocks * in_flight + per_block_activations
-    else:
-        activations = per_block_activations * blocks * in_flight
+    activations = activation_bytes(config, micro_batch, width, blocks * in_flight, layout.tp_size,
+                                   recompute)
     return MemoryEstimate(config.num_params(non_embedding=False), device_params, largest_layer,
                           flops_per_token(config), weights, gradients, optimizer, activations, cpu)
+
+
+def estimate_torch_memory(config: GPTConfig, world: int, fsdp: bool, dtype: str, muon: bool,
+                          micro_batch: int, recompute: bool = False) -> MemoryEstimate:
+    """Training memory per process of train.py and train_ddp.py, from a GPT on the meta device.
+    Weights and gradients stay float32 under autocast (4 + 4 bytes a parameter); AdamW keeps two
+    float32 moments (8), Muon one (4) for the blocks' matrices and AdamW's for the rest. DDP holds
+    all of it in every process, and its reducer a second copy of the gradients (flat buckets,
+    gradient_as_bucket_view being off). FSDP2 divides it by the processes and gathers, in the
+    compute dtype, the root's weights (embeddings, head, final norm) and two blocks' (the one
+    computing and the one prefetched), whose gradients are as large until reduce-scattered.
+    Activations as estimate_memory's."""
+    with torch.device("meta"):
+        model = GPT(config)
+    params = sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.transformer.h[0].parameters())
+    matrices = sum(p.numel() for p in model.transformer.h.parameters() if p.dim() == 2)
+    shards = world if fsdp else 1
+    weights = gradients = 4 * params / shards
+    optimizer = (8 * params - (4 * matrices if muon else 0)) / shards
+    width = 2 if dtype != "float32" else 4
+    if fsdp:
+        gathered = (params - config.n_layer * block + 2 * block) * width
+        weights, gradients = weights + gathered, gradients + gathered
+    else:
+        gradients *= 2
+    activations = activation_bytes(config, micro_batch, width, config.n_layer, 1, recompute)
+    return MemoryEstimate(params, params // shards, block, flops_per_token(config), weights,
+                          gradients, optimizer, activations, 0.0)
+
+
+def activation_bytes(config: GPTConfig, micro_batch: int, width: int, blocks: int, tp_size: int,
+                     recompute: bool) -> float:
+    """Activations kept for the backward of `blocks` blocks (as many micro-batches as are in flight
+    times the blocks of a stage; estimate_memory's docstring has the formula)."""
+    per_block = config.block_size * micro_batch * config.n_embd * (10 + 24 / tp_size) * width / 2
+    if not recompute:
+        return per_block * blocks
+    return config.block_size * micro_batch * config.n_embd * width * blocks + per_block

@@ -23,6 +23,7 @@ from toolkit.config import RunConfig
 from toolkit.data import DEFAULT_CORPUS_DIR
 from toolkit.evaluation import file_task_name, refuse_same_names
 from toolkit.flags import flag, option, option_fields
+from toolkit.model_parallel import estimate_torch_memory
 from toolkit.optim import Schedule
 
 MODEL_SHAPE = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "qk_norm")
@@ -272,6 +273,34 @@ def device_defaults(cfg: TrainConfig, device: torch.device) -> TrainConfig:
         print(f"defaults for a CUDA GPU, where no flag set them: {shown} (a model that uses the "
               f"GPU; the CPU's: 4 x 128, block 64, batch 32, 300 steps)", flush=True)
     return replace(cfg, **taken)
+
+
+def shape_of(cfg: TrainConfig) -> GPTConfig:
+    """The model the flags describe, with GPT-2's vocabulary: what a layout is checked against and
+    the memory estimate counts."""
+    gpt2 = cfg.arch == "gpt2"
+    return GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_embd=cfg.n_embd, bias=cfg.bias and gpt2, arch=cfg.arch,
+                     n_kv_head=cfg.n_kv_head, qk_norm=cfg.qk_norm, tie_embeddings=gpt2)
+
+
+def torch_memory_estimate(cfg: TrainConfig, processes: int, fsdp: bool) -> str:
+    """train_ddp.py --estimate-memory (train.py's on one process): the model the flags describe,
+    DDP or FSDP2 over `processes`, --dtype (auto: bfloat16, as a GPU that computes it runs), as
+    lines of text (toolkit/model_parallel.py's estimate_torch_memory)."""
+    cfg = settle_optimizer(family_defaults(apply_preset(cfg)))
+    dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+    e = estimate_torch_memory(shape_of(cfg), processes, fsdp, dtype, cfg.optimizer == "muon",
+                              cfg.batch_size, cfg.activation_checkpointing)
+    gib, total = 2**30, e.weights + e.gradients + e.optimizer + e.activations
+    return "\n".join([
+        f"model: {cfg.n_layer} layers, width {cfg.n_embd}, {cfg.n_head} heads, block "
+        f"{cfg.block_size}, GPT-2 vocabulary: {e.params:,} parameters ({e.params / 1e9:.2f}B)",
+        f"layout: {processes} processes, {'FSDP2' if fsdp else 'DDP'}, {dtype} autocast, "
+        f"{cfg.optimizer}, micro-batch {cfg.batch_size}",
+        f"per process: weights {e.weights / gib:.2f} GiB, gradients {e.gradients / gib:.2f}, "
+        f"optimizer {e.optimizer / gib:.2f}, activations {e.activations / gib:.2f}"
+        f"{' (recomputed)' if cfg.activation_checkpointing else ''} = {total / gib:.2f} GiB"])
 
 
 def apply_preset(cfg: TrainConfig) -> TrainConfig:
