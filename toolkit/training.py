@@ -206,11 +206,11 @@ class TorchEngine:
                 self.scaler.scale(loss * (weight * distributed.world_size())).backward()
             total += loss.detach().float() * weight
         if self.grad_clip:
-            self.scaler.unscale_(self.optimizer)
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not float16's scaled
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.scaler.step(self.optimizer)
+        self.scaler.step(self.optimizer)  # (float16: skipped when a gradient overflowed)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)  # None: the memory is free until the backward
         return total.item()
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
