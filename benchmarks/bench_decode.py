@@ -124,6 +124,8 @@ def main() -> None:
     int8 = quantize_model(copy.deepcopy(model), "int8")
     compiled = copy.deepcopy(model)
     compile_decoding(compiled, torch.float32)
+    int8_compiled = quantize_model(copy.deepcopy(model), "int8")
+    compile_decoding(int8_compiled, torch.float32)
     bandwidth = read_bandwidth()
     print(f"CPU {cpu_kind()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"float32; {model.config.n_layer} x {model.config.n_embd} {model.config.arch}, vocab "
@@ -138,7 +140,8 @@ def main() -> None:
             for b in args.batch_sizes:
                 runs += [("ours (eager, KV cache)", b, model), ("ours (oneDNN linears)", b, onednn),
                          ("ours (int8 weights)", b, int8)]
-                runs += [("ours (compiled step)", b, compiled)] if args.compile else []
+                runs += [("ours (compiled step)", b, compiled),
+                         ("ours (int8, compiled step)", b, int8_compiled)] if args.compile else []
             for name, batch, decoder in runs:
                 first, rate = (llama_cpp(gguf, args.prompt, args.short, args.long,
                                          model.config.vocab_size) if decoder is None

@@ -85,3 +85,17 @@ def test_test_py_samples_and_eval_py_scores_with_int8_weights(char_ckpt, char_da
 def test_an_unknown_quantization_is_one_line(char_ckpt):
     assert_one_line_error(run_main("test.py", "--ckpt", char_ckpt, "--quantize", "int3"),
                           "--quantize: invalid choice: 'int3'")
+
+
+def test_one_row_compiled_is_the_dequantized_product_in_float32():
+    """Compiled (test.py --compile), one row reads the int8 weights in a fused float32 reduction:
+    the product of the dequantized weight to float32's rounding (inductor keeps the activations in
+    float32 inside the kernel), where the int8 kernel multiplies bfloat16 activations."""
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.nn.Linear(256, 96))
+    x = torch.randn(1, 256)
+    exact = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    compiled = torch.compile(layer, dynamic=False)(x)
+    assert torch.allclose(compiled, exact, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(layer(x), exact, rtol=1e-5, atol=1e-5)  # bfloat16 activations
+    assert torch.allclose(layer(x), exact, rtol=2e-2, atol=2e-2)
