@@ -62,7 +62,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     add_quantize_argument(parser)
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the one-token decoding step: some 20 s of compiling "
-                             "first, then faster decoding (docs/performance.md)")
+                             "first (a minute on a machine's first run), then faster decoding of "
+                             "one sequence (docs/performance.md)")
     parser.add_argument("--genfile",
                         help="write samples as JSONL lines {text, length, finished} (Megatron)")
     parser.add_argument("--overwrite", action="store_true",
