@@ -4,6 +4,7 @@ dense search at a million vectors (exact and through the graph), and BM25's buil
 
     python benchmarks/bench_embed.py --parts encode
     python benchmarks/bench_embed.py --parts retrieval --chinese pos.txt neg.txt
+    python benchmarks/bench_embed.py --parts ceiling --chinese pos.txt neg.txt
     python benchmarks/bench_embed.py --parts ann --rows 1000000 --dims 768
     python benchmarks/bench_embed.py --parts lexical --texts 200000
 
@@ -21,6 +22,9 @@ tenth as its query), with the quick start's shape pretrained on the other review
 `tune --input docs.jsonl` with its defaults, `index` and `eval` again; bm25s over whole documents
 with its own tokenizer and English stop words (a user's first BM25); and hybrid's figures for each
 weight of dense in the fusion (how index.DENSE_WEIGHT was chosen).
+ceiling: the same sets without an encoder: what a dense half of width d could add at best, with
+LSA (the held-out documents' tf-idf vectors on their d leading singular vectors: the best linear
+d-wide summary of the terms, fitted on the very documents searched) alone and fused with BM25.
 ann: --rows unit vectors of --dims in float16, as an index stores them: a low-rank structure
 (32 latent dimensions) plus noise, as text embeddings have (iid random vectors have no neighbours
 worth the name); the graph built by toolkit/ann.py; queries are new vectors of the same kind.
@@ -42,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -166,14 +171,19 @@ def write_chinese_set(folder: Path, files: list[str]) -> None:
     (folder / "corpus.txt").write_text("".join(r + "\n" for r in reviews if r not in chosen))
 
 
-def bench_retrieval(tmp_dir: str, pretrain_iters: int, chinese: list[str] | None) -> None:
+def retrieval_sets(chinese: list[str] | None) -> list[tuple]:
+    """(name, its writer into a folder, the pretraining's data flags) of each held-out set."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_embed import write_pydoc_retrieval_set
     sets = [("pydoc", write_pydoc_retrieval_set, [])]
     if chinese:
         sets.append(("Chinese reviews", lambda folder: write_chinese_set(folder, chinese),
                      ["--data-dir", "data"]))
-    for name, write_set, data in sets:
+    return sets
+
+
+def bench_retrieval(tmp_dir: str, pretrain_iters: int, chinese: list[str] | None) -> None:
+    for name, write_set, data in retrieval_sets(chinese):
         folder = Path(tempfile.mkdtemp(dir=tmp_dir))
         write_set(folder)
         if data:
@@ -208,6 +218,89 @@ def bench_retrieval(tmp_dir: str, pretrain_iters: int, chinese: list[str] | None
         for name, figures in sweep.items():
             print(f"| {name} | " + " | ".join(f"{m['mrr@10']:.3f} ({m['recall@1']:.3f})"
                                               for m in figures) + " |")
+
+
+def term_matrix(texts: list[str], vocabulary: dict[str, int]) -> torch.Tensor:
+    """(texts, terms) sparse counts of lexical.terms; new terms join vocabulary."""
+    rows, cols = [], []
+    for row, text in enumerate(texts):
+        for term in terms(text):
+            rows.append(row)
+            cols.append(vocabulary.setdefault(term, len(vocabulary)))
+    return torch.sparse_coo_tensor(torch.tensor([rows, cols]), torch.ones(len(rows),
+                                   dtype=torch.float64), (len(texts), 2**22),
+                                   check_invariants=True).coalesce()
+
+
+def tf_idf(counts: torch.Tensor, idf: torch.Tensor) -> torch.Tensor:
+    """Rows of counts weighed by idf, each of length 1."""
+    rows, cols = counts.indices()
+    values = counts.values() * idf[cols]
+    norms = torch.zeros(counts.shape[0], dtype=torch.float64).index_add_(0, rows, values ** 2)
+    return torch.sparse_coo_tensor(counts.indices(), values / norms.sqrt().clamp(min=1e-12)[rows],
+                                   counts.shape, check_invariants=True).coalesce()
+
+
+def ranked(scores: torch.Tensor) -> list[list[tuple]]:
+    """Each query's CANDIDATES best documents as hits (number, score, no chunk)."""
+    best = scores.topk(min(index_module.CANDIDATES, scores.shape[1]), dim=1)
+    return [[(int(n), float(s), -1) for n, s in zip(ns, ss)]
+            for ns, ss in zip(best.indices.tolist(), best.values.tolist())]
+
+
+def bench_ceiling(tmp_dir: str, chinese: list[str] | None) -> None:
+    """What any dense half of width d could give at best on the held-out sets: LSA (the documents'
+    tf-idf vectors projected on their d leading singular vectors, fitted on the held-out documents
+    themselves), alone and fused with BM25 as hybrid fuses, against BM25 alone."""
+    for name, write_set, _ in retrieval_sets(chinese):
+        folder = Path(tempfile.mkdtemp(dir=tmp_dir))
+        write_set(folder)
+        docs = [json.loads(line) for line in (folder / "docs.jsonl").read_text().splitlines()]
+        pairs = [json.loads(line) for line in (folder / "heldout.jsonl").read_text().splitlines()]
+        shutil.rmtree(folder)
+        number = {d["id"]: i for i, d in enumerate(docs)}
+        relevant = [number[p["id"]] for p in pairs]
+        postings = Postings()
+        postings.add([d["text"] for d in docs])
+        lexical = Lexical(postings.arrays())
+        bm25 = []
+        for p in pairs:
+            numbers, scores = lexical.scores(p["query"])
+            order = np.lexsort((numbers, -scores))[:index_module.CANDIDATES]
+            bm25.append([(int(numbers[i]), float(scores[i]), -1) for i in order])
+        vocabulary = {}
+        counts = term_matrix([d["text"] for d in docs], vocabulary)
+        queries = term_matrix([p["query"] for p in pairs], vocabulary)
+        df = torch.zeros(2**22, dtype=torch.float64).index_add_(
+            0, counts.indices()[1], torch.ones(counts.indices().shape[1], dtype=torch.float64))
+        idf = torch.log1p((len(docs) - df + 0.5) / (df + 0.5))
+        x, q = tf_idf(counts, idf), tf_idf(queries, idf)
+        with warnings.catch_warnings():  # (sparse products are "beta")
+            warnings.simplefilter("ignore")
+            gram = torch.sparse.mm(x, x.t()).to_dense()  # x = U S V^T: gram = U S^2 U^T
+            query_gram = torch.sparse.mm(q, x.t()).to_dense()  # q x^T U / S = q V
+        values, vectors = torch.linalg.eigh(gram)
+        rows = {"BM25 (the lexical half)": bm25,
+                "tf-idf cosine, every term": ranked(query_gram)}
+        for width in sorted({min(width, len(docs)) for width in (128, 256, 768)}):
+            u, s = vectors[:, -width:], values[-width:].clamp(min=1e-12).sqrt()
+            doc_vectors = torch.nn.functional.normalize(u * s, dim=1)
+            query_vectors = torch.nn.functional.normalize(query_gram @ u / s, dim=1)
+            lsa = ranked(query_vectors @ doc_vectors.T)
+            rows[f"LSA {width}" + (" (all: tf-idf cosine)" if width == len(docs) else "")] = lsa
+            default = index_module.DENSE_WEIGHT
+            for weight in (0.1, 0.3, 0.5):
+                index_module.DENSE_WEIGHT = weight
+                rows[f"BM25 + LSA {width}, fused, dense weight {weight}"] = [
+                    index_module.fuse(d, b, 10) for d, b in zip(lsa, bm25)]
+            index_module.DENSE_WEIGHT = default
+        print(f"\n{name}: {len(docs)} documents, {len(pairs)} held-out queries")
+        print("| ranker | recall@1 | recall@10 | MRR@10 | x BM25's MRR@10 |\n|---|---|---|---|---|")
+        base = retrieval_metrics(bm25, relevant)["mrr@10"]
+        for ranker, hits in rows.items():
+            m = retrieval_metrics(hits, relevant)
+            print(f"| {ranker} | {m['recall@1']:.3f} | {m['recall@10']:.3f} | "
+                  f"{m['mrr@10']:.3f} | {m['mrr@10'] / base:.2f} |", flush=True)
 
 
 # ----- a million vectors -----
@@ -382,7 +475,7 @@ def bench_stream(texts: int, tmp_dir: str) -> None:
 def main() -> None:
     p = cli.argument_parser(__doc__)
     p.add_argument("--parts", default="encode,retrieval,ann,lexical,stream",
-                   help="comma-separated: encode, retrieval, ann, lexical, stream")
+                   help="comma-separated: encode, retrieval, ceiling, ann, lexical, stream")
     p.add_argument("--pretrain-iters", type=int, default=600,
                    help="the retrieval part's encoders (default: 600)")
     p.add_argument("--chinese", nargs="+", help="the retrieval part's Chinese reviews")
@@ -409,6 +502,8 @@ def main() -> None:
         bench_encode(args.repeats, args.texts, args.batch_size)
     if "retrieval" in parts:
         bench_retrieval(args.tmp_dir, args.pretrain_iters, args.chinese)
+    if "ceiling" in parts:
+        bench_ceiling(args.tmp_dir, args.chinese)
     if "ann" in parts:
         bench_ann(args.rows, args.dims, args.queries, args.tmp_dir)
     if "lexical" in parts:

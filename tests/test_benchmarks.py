@@ -84,12 +84,13 @@ def test_speedrun_without_a_nanogpt_checkout_is_one_line(tmp_path):
     assert result.stderr.startswith(f"error: --nanogpt-dir {tmp_path} holds no train.py")
 
 
-def test_bench_embed_ann_lexical_and_stream_tables():
+def test_bench_embed_ann_lexical_stream_and_ceiling_tables():
     """The graph against exact search at a small size (the graph finds what exact search finds),
-    BM25's two builders, and indexing's memory at two sizes."""
+    BM25's two builders, indexing's memory at two sizes, and dense's ceiling on pydoc (LSA of
+    every document is the tf-idf cosine; BM25 is its own 1.00x)."""
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_embed.py"),
-                             "--parts", "ann,lexical,stream", "--rows", "3000", "--dims", "32",
-                             "--queries", "10", "--texts", "300"],
+                             "--parts", "ann,lexical,stream,ceiling", "--rows", "3000",
+                             "--dims", "32", "--queries", "10", "--texts", "300"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1]
@@ -98,6 +99,9 @@ def test_bench_embed_ann_lexical_and_stream_tables():
     assert float(rows["graph, efSearch 256"][3]) >= 0.95, result.stdout  # ann.EF_SEARCH
     assert {"toolkit/lexical.py (Postings)", "bm25s.BM25.index"} <= set(rows), result.stdout
     assert int(rows["300"][1].replace(",", "")) > int(rows["75"][1].replace(",", "")) > 0
+    assert rows["BM25 (the lexical half)"][3].strip() == "1.00"
+    assert rows["LSA 79 (all: tf-idf cosine)"] == rows["tf-idf cosine, every term"], result.stdout
+    assert float(rows["tf-idf cosine, every term"][2]) > 0.3, result.stdout
 
 
 def test_bench_prepare_memory_does_not_grow_with_the_input(tmp_path):
