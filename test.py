@@ -11,7 +11,7 @@ model load alone, offline (toolkit/hf.py, toolkit/hf_llama.py); --export-gguf FI
 llama.cpp, ollama and LM Studio run (toolkit/gguf_export.py).
 """
 from toolkit import cli
-from toolkit.checkpoint import run_file
+from toolkit.checkpoint import newest_checkpoint
 from toolkit.lora import lora_base
 from toolkit.exports import add_export_arguments, check_exports, export
 from toolkit.model_sources import load_model
@@ -28,11 +28,13 @@ def main(argv: list[str] | None = None) -> None:
     add_sampling_arguments(parser)
     args = parser.parse_args(argv)
     base = lora_base(args.ckpt)  # LoRA adapters' base model: an input too
-    check_exports({"--export-hf": args.export_hf, "--export-gguf": args.export_gguf},
-                  [args.ckpt, *base], args)
-    check_sampling_args(args, [run_file(args.ckpt), *base])  # a genfile may go beside ckpt.pt
+    outputs = {"--export-hf": args.export_hf, "--export-gguf": args.export_gguf,
+               "--export-ckpt": args.export_ckpt}
+    check_exports(outputs, [args.ckpt, *base], args)
+    # a genfile may go beside ckpt.pt
+    check_sampling_args(args, [newest_checkpoint(args.ckpt), *base])
     model, facts = load_model(args.ckpt, attn_kernel=args.attn_kernel)
-    if args.export_hf or args.export_gguf:
+    if any(outputs.values()):
         export(model, facts, args)
         return
     run_sampling(model, load_tokenizer(facts), args, args.ckpt)

@@ -19,7 +19,6 @@ import os
 import sys
 
 from toolkit import cli
-from toolkit.checkpoint import make_checkpoint, save_checkpoint
 from toolkit.ds_checkpoint import default_deepspeed_source, load_deepspeed_model
 from toolkit.exports import add_export_arguments, check_exports, export
 from toolkit.sampling import add_sampling_arguments, check_sampling_args, run_sampling
@@ -42,9 +41,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tag", default=None,
                         help="checkpoint tag, e.g. global_step2000 (default: latest)")
     add_export_arguments(parser)
-    parser.add_argument("--export-ckpt", metavar="PATH", default=None,
-                        help="write the model as a plain ckpt.pt (weights, configs, tokenizer; no "
-                             "optimizer state) for test.py, and exit")
     add_sampling_arguments(parser)
     args = parser.parse_args(argv)
     outputs = {"--export-hf": args.export_hf, "--export-gguf": args.export_gguf,
@@ -58,12 +54,7 @@ def main(argv: list[str] | None = None) -> None:
                                                attn_kernel=args.attn_kernel)
     print(f"loaded {label}", file=sys.stderr, flush=True)
     facts = state["tokenizer"]
-    if args.export_ckpt:
-        checkpoint = make_checkpoint(state, model.state_dict(), None, None, {})
-        save_checkpoint(checkpoint, args.export_ckpt)
-        print(f"wrote {args.export_ckpt} (iteration {state['iter_num']}); sample it with `python "
-              f"test.py --ckpt {args.export_ckpt}`", flush=True)
-    export(model, facts, args)
+    export(model, facts, args, state)
     if any(outputs.values()):
         return
     run_sampling(model, load_tokenizer(facts), args, args.ckpt)

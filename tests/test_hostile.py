@@ -7,6 +7,7 @@ never change; files that would run code are never unpickled (the marker file nev
 import fcntl
 import json
 import os
+import pickle
 import pty
 import re
 import resource
@@ -27,7 +28,9 @@ from conftest import (ROOT, TINY_MODEL, assert_one_line_error, fake_deepspeed_fo
                       llama3_folder, run_main, run_script)
 from model import GPT, GPTConfig
 from toolkit import chat
+from toolkit.cli import CLIError
 from toolkit.hf import save_gpt2
+from toolkit.model_sources import load_model
 from toolkit.tokenizers import Tokenizer
 from toolkit.writers import write_nanogpt
 
@@ -85,6 +88,20 @@ def test_deepspeed_checkpoint_with_code_is_refused_on_resume(ds_ops, char_data, 
                         "--init-from", "resume", "--max-iters", "8", cwd=tmp_path,
                         env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     assert_one_line_error(result, "never unpickled")
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_sharded_checkpoint_with_code_in_its_dcp_metadata_is_refused(tmp_path, monkeypatch):
+    """DCP unpickles .metadata; FSDP's sharded folder lets only DCP's own classes through."""
+    tag = tmp_path / "dcp" / "iter_0000001"
+    tag.mkdir(parents=True)
+    (tmp_path / "dcp" / "latest").write_text(tag.name)
+    torch.save({"model_config": {}, "train_config": {}, "tokenizer": None, "iter_num": 1,
+                "best_val_loss": None, "history": {}, "optimizer": None}, tag / "state.pt")
+    (tag / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CLIError, match="its DCP metadata is not one this toolkit reads"):
+        load_model(str(tmp_path))  # the --out-dir: its sharded folder is the checkpoint there
     assert not (tmp_path / "PWNED").exists()
 
 

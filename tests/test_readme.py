@@ -152,7 +152,7 @@ def test_every_readme_command_runs(user_folder, ds_ops_build):
     for path in ("ckpt/ckpt.pt", "data/mine/meta.json", "data/mine-bpe/tokenizer.json",
                  "data/fineweb/meta.json", "data/my-gpt2_text_document.idx", "ckpt/mine/ckpt.pt",
                  "ckpt/gpt2-mine/ckpt.pt", "samples.jsonl", "ckpt/ddp/ckpt.pt", "ckpt/ddp2/ckpt.pt",
-                 "ckpt/fsdp/ckpt.pt", "ckpt/ds/latest", "ckpt/ds/ckpt_ds.pt/pytorch_model.bin",
+                 "ckpt/fsdp/dcp/latest", "ckpt/ds/latest", "ckpt/ds/ckpt_ds.pt/pytorch_model.bin",
                  "ckpt/cls/ckpt.pt", "predictions.jsonl", "my_hf_model/model.safetensors",
                  "ckpt/sft/ckpt.pt", "ckpt/sft-merged/ckpt.pt"):
         assert (user_folder / path).exists(), path

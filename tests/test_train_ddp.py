@@ -16,6 +16,7 @@ from conftest import ROOT, TINY_MODEL, assert_one_line_error, run_main, tensorbo
 from toolkit import flags
 from toolkit.checkpoint import load_checkpoint
 from toolkit.distributed import add_distributed_flags, free_port
+from toolkit.fsdp_checkpoint import read_sharded
 from toolkit.megatron import ALIASES
 from toolkit.train_config import TrainConfig
 
@@ -177,28 +178,70 @@ def test_fsdp_in_the_default_precision_trains_as_float32_does(char_data, tmp_pat
     checkpoint."""
     ok(torchrun(2, "--fsdp", "--data-dir", char_data, "--out-dir", tmp_path, *COMMON,
                 "--max-iters", "10", "--dtype", "auto"))
-    fsdp = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    fsdp = read_sharded(str(tmp_path / "dcp"))
     assert fsdp["history"]["loss"] == pytest.approx(reference["history"]["loss"], abs=0.02)
     assert all(value.dtype == torch.float32 for value in fsdp["model"].values())
 
 
-def test_fsdp_resumes_a_train_py_checkpoint_and_train_py_resumes_its(char_data, tmp_path,
-                                                                      reference):
-    """Steps 1-3 in one process, 4-7 sharded over two (Muon's state cut into shards; gradients
-    accumulated unsynced; each block recomputed in the backward pass), 8-10 in one again (gathered
-    back): the training of one process throughout, and FSDP's ckpt.pt samples."""
-    common = ["--data-dir", char_data, "--out-dir", tmp_path, *COMMON]
-    train_py(*common, "--max-iters", "3")
-    result = ok(torchrun(2, "--fsdp", *common, "--init-from", "resume", "--max-iters", "7",
-                         "--activation-checkpointing", "--batch-size", "2", "--grad-accum", "4"))
-    assert "2 micro x 2 accumulation x 2 processes = 8 sequences" in result.stdout
-    fsdp = load_checkpoint(str(tmp_path / "ckpt.pt"))
-    assert fsdp["history"]["loss"] == pytest.approx(reference["history"]["loss"][:7], abs=1e-5)
-    sample = ok(run_main("test.py", "--ckpt", tmp_path, "--device", "cpu", "--num-samples", "1",
-                         "--max-new-tokens", "20", "--prompt", "def "))
-    assert sample.stdout.startswith("def ")
-    train_py(*common, "--init-from", "resume", "--max-iters", "10")
-    assert_same_training(load_checkpoint(str(tmp_path / "ckpt.pt")), reference)
+def test_fsdp_checkpoints_are_sharded_and_resume_at_any_world_size(char_data, tmp_path):
+    """A global batch of 6 micro-batches of one sequence, which 1, 2 and 3 processes share. Steps
+    1-3 in one process (ckpt.pt); 4-6 sharded over two, from ckpt.pt (Muon's state cut into shards,
+    blocks recomputed in the backward pass), each rank writing its shard; 7-8 over three, from
+    those shards (DCP reshards); 9-10 in one, the shards gathered. In float32 that is one
+    process's training throughout. test.py samples the sharded folder, and --export-ckpt's file
+    samples the same."""
+    common = ["--data-dir", char_data, *COMMON, "--batch-size", "1", "--grad-accum", "6"]
+    train_py(*common, "--out-dir", tmp_path / "one", "--max-iters", "10")
+    out, sharded = tmp_path / "run", tmp_path / "run" / "dcp"
+    train_py(*common, "--out-dir", out, "--max-iters", "3")
+    two = ok(torchrun(2, "--fsdp", *common, "--out-dir", out, "--init-from", "resume",
+                      "--max-iters", "6", "--activation-checkpointing"))
+    assert f"resumed from {out / 'ckpt.pt'} at iteration 3" in two.stdout
+    assert "1 micro x 3 accumulation x 2 processes = 6 sequences" in two.stdout
+    assert (sharded / "latest").read_text() == "iter_0000006"
+    assert sorted(p.name for p in (sharded / "iter_0000006").iterdir()) == \
+        [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    three = ok(torchrun(3, "--fsdp", *common, "--out-dir", out, "--init-from", "resume",
+                        "--max-iters", "8"))
+    assert f"resumed from {sharded} at iteration 6" in three.stdout
+    assert sorted(p.name for p in sharded.iterdir()) == ["iter_0000008", "latest"]
+    sample = ["--max-new-tokens", "20", "--num-samples", "1", "--prompt", "def ", "--device", "cpu"]
+    from_shards = ok(run_main("test.py", "--ckpt", out, *sample))
+    ok(run_main("test.py", "--ckpt", out, "--export-ckpt", tmp_path / "one.pt"))
+    assert ok(run_main("test.py", "--ckpt", tmp_path / "one.pt", *sample)).stdout == \
+        from_shards.stdout
+    assert from_shards.stdout.startswith("def ")
+    resumed = train_py(*common, "--out-dir", out, "--init-from", "resume", "--max-iters", "10")
+    assert f"resumed from {sharded} at iteration 8" in resumed.stdout
+    assert_same_training(load_checkpoint(str(out / "ckpt.pt")),
+                         load_checkpoint(str(tmp_path / "one" / "ckpt.pt")))
+
+
+def test_fsdp_killed_while_saving_loses_nothing(char_data, tmp_path):
+    """A sharded save after every step and the whole job killed (-9) in the middle: `latest` names
+    a complete checkpoint, which resumes; a tag a kill cut short (one rank's shard, no metadata) is
+    passed over, and the next save removes it."""
+    flags = ["--data-dir", char_data, "--out-dir", tmp_path, *TINY_MODEL, "--grad-accum", "2",
+             "--eval-interval", "1000000", "--save-interval", "1"]
+    sharded = tmp_path / "dcp"
+    proc = popen(torchrun_cmd(["--standalone", "--nproc_per_node", "2"], "--fsdp", *flags,
+                              "--max-iters", "100000"))
+    try:
+        wait_for(lambda: (sharded / "latest").exists() and
+                 int((sharded / "latest").read_text()[5:] or 0) >= 5 or proc.poll() is not None,
+                 what="five saves")
+    finally:
+        stop(proc)
+    step = int((sharded / "latest").read_text().removeprefix("iter_"))
+    cut = sharded / f"iter_{step + 1:07d}"  # what a kill in the middle of the next save leaves
+    cut.mkdir(exist_ok=True)
+    (cut / "__0_0.distcp").write_bytes(b"half a shard")
+    (cut / ".metadata").unlink(missing_ok=True)
+    result = ok(torchrun(2, "--fsdp", *flags, "--init-from", "resume", "--max-iters",
+                         str(step + 1)))
+    assert f"resumed from {sharded} at iteration {step}" in result.stdout
+    assert sorted(p.name for p in sharded.iterdir()) == [cut.name, "latest"]
+    assert read_sharded(str(sharded))["iter_num"] == step + 1
 
 
 def test_killed_rank_restarts_and_resumes_from_checkpoint(char_data, tmp_path):

@@ -17,7 +17,8 @@ Fine-tuned checkpoints add `head` (the task head's weights) and `finetune` (the 
 LoRA checkpoint has `lora` and `adapters` in place of `model` (toolkit/lora.py: the weights are its
 base's plus the adapters). Weight files are what HF folders and DeepSpeed's zero_to_fp32 write:
 pytorch_model.bin, model.safetensors, sharded folders. DeepSpeed's own folder is
-toolkit/ds_checkpoint.py's; toolkit/model_sources.py reads any of them.
+toolkit/ds_checkpoint.py's, FSDP's sharded one (`dcp/` beside ckpt.pt) toolkit/fsdp_checkpoint.py's;
+toolkit/model_sources.py reads any of them.
 """
 import os
 import pickle
@@ -35,6 +36,11 @@ from toolkit.device import check_memory
 from toolkit.files import atomic_write, read_json, require_file
 
 CHECKPOINT_FILE = "ckpt.pt"
+# train_ddp.py --fsdp's sharded checkpoints (toolkit/fsdp_checkpoint.py): a folder beside ckpt.pt,
+# `latest` naming its newest complete tag
+SHARDED_DIR = "dcp"
+POINTER_FILE = "latest"
+TAG = re.compile(r"iter_(\d{7,})")
 STATE_KEYS = ("model_config", "train_config", "tokenizer", "iter_num", "best_val_loss", "history")
 NONE = type(None)
 STATE_TYPES = {"model_config": (dict,), "train_config": (dict,), "tokenizer": (dict, NONE),
@@ -109,10 +115,47 @@ def load_checkpoint(path: str) -> dict:
     return checkpoint
 
 
-def run_file(path: str) -> str:
-    """The checkpoint a run's --out-dir stands for (as nanoGPT samples its out_dir), else path."""
-    checkpoint = os.path.join(path, CHECKPOINT_FILE)
-    return checkpoint if os.path.isfile(checkpoint) else path
+def is_sharded(path: str) -> bool:
+    """A folder whose `latest` names a tag that is there."""
+    tag = read_pointer(path)
+    return tag is not None and os.path.isdir(os.path.join(path, tag))
+
+
+def newest_checkpoint(path: str) -> str:
+    """The checkpoint a ckpt.pt path or a run's --out-dir stands for (as nanoGPT samples its
+    out_dir): whichever of its ckpt.pt and its sharded folder holds the later step; any other path,
+    or one with neither, as it is."""
+    if os.path.isdir(path):
+        folder, file = path, os.path.join(path, CHECKPOINT_FILE)
+    elif os.path.basename(path) == CHECKPOINT_FILE:
+        folder, file = os.path.dirname(path), path
+    else:
+        return path
+    sharded = os.path.join(folder, SHARDED_DIR)
+    if not is_sharded(sharded):
+        return file if os.path.isfile(file) else path
+    if not os.path.isfile(file):
+        return sharded
+    try:  # (memory-mapped: the weights are not read)
+        step = torch.load(file, map_location="cpu", mmap=True, weights_only=True)["iter_num"]
+    except Exception:  # unreadable: the sharded one is the run's
+        return sharded
+    return sharded if sharded_iter(sharded) > step else file
+
+
+def read_pointer(folder: str) -> str | None:
+    """The tag `latest` names, if it is one."""
+    try:
+        with open(os.path.join(folder, POINTER_FILE)) as f:
+            tag = f.read().strip()
+    except OSError:
+        return None
+    return tag if TAG.fullmatch(tag) else None
+
+
+def sharded_iter(folder: str) -> int:
+    """The step of a sharded folder's newest complete checkpoint, from its tag (nothing read)."""
+    return int(TAG.fullmatch(read_pointer(folder)).group(1))
 
 
 def load_resume(path: str, *extra: str) -> dict:

@@ -128,6 +128,7 @@ class DeepSpeedEngine:
         settle_config finds, another precision) resumes through DeepSpeed's universal checkpoint
         (self.universal); another pipeline or tensor-parallel layout starts anew from the exported
         weights."""
+        self.resumed_from = self.path
         state = read_train_state(self.path)
         saved = (state.get("pipeline_stages", 1), state.get("tp_size", 1))
         if saved != (self.layout.pipeline_stages, self.layout.tp_size):

@@ -1,15 +1,18 @@
 """The exports test.py and test_ds.py write: an HF folder of the model's family (toolkit/hf.py,
 toolkit/hf_llama.py) and a GGUF file (toolkit/gguf_export.py), each with the chat template the model
-carries, checked before any model is read.
+carries, and a plain ckpt.pt (e.g. of FSDP's sharded or DeepSpeed's folder), checked before any
+model is read.
 
     save_hf(model, "out-dir", facts)  # GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM
 """
 import argparse
 import os
+from dataclasses import asdict
 
 from model import GPT
 from toolkit import gguf_export, hf, hf_llama
 from toolkit.chat import export_template
+from toolkit.checkpoint import save_checkpoint
 from toolkit.cli import CLIError
 from toolkit.files import check_output, refuse_special, replace_folder
 
@@ -30,6 +33,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export-gguf", metavar="FILE",
                         help="write the model and its tokenizer as one GGUF file for llama.cpp, "
                              "ollama or LM Studio, and exit")
+    parser.add_argument("--export-ckpt", metavar="FILE",
+                        help="write the model as one plain ckpt.pt (weights, configs, tokenizer; "
+                             "no optimizer state) for test.py, eval.py and finetune.py, and exit")
     parser.add_argument("--outtype", choices=gguf_export.WEIGHT_TYPES, default="f16",
                         help="the GGUF's weight type, as llama.cpp's converter names it (default: "
                              "f16; vectors stay f32)")
@@ -71,8 +77,15 @@ def check_exports(outputs: dict[str, str | None], inputs: list[str],
                                "--overwrite to replace it whole")
 
 
-def export(model: GPT, facts: dict, args: argparse.Namespace) -> None:
-    """The exports args ask for (--export-hf, --export-gguf), each announced on stdout."""
+def export(model: GPT, facts: dict, args: argparse.Namespace, state: dict | None = None) -> None:
+    """The exports args ask for (--export-hf, --export-gguf, --export-ckpt), each announced on
+    stdout; state: a run's (toolkit/checkpoint.py's STATE_KEYS) for the ckpt.pt to keep."""
+    if args.export_ckpt:
+        state = state or {"model_config": asdict(model.config), "tokenizer": facts}
+        save_checkpoint({**state, "model": model.state_dict(), "optimizer": None, "scaler": None,
+                         "rng": {}}, args.export_ckpt)
+        print(f"wrote {args.export_ckpt}; sample it with `python test.py --ckpt "
+              f"{args.export_ckpt}`", flush=True)
     if args.export_hf:
         print(save_hf(model, args.export_hf, facts), flush=True)
     if args.export_gguf:

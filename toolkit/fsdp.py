@@ -1,13 +1,11 @@
 """Sharded data parallel with PyTorch's FSDP2 (`torchrun ... train_ddp.py --fsdp`): every
 transformer block, then the whole model, `fully_shard`ed over the processes, so each rank holds a
 world-size-th of the parameters, of their gradients and of the optimizer's state (DDP holds all of
-each), and gathers a block's parameters only while it computes. Checkpoints stay train.py's ckpt.pt,
-gathered on rank 0 a tensor at a time: a run resumes on any number of processes (or under train.py
-or DDP), and test.py, eval.py and the exports read it as it is.
+each), and gathers a block's parameters only while it computes. Its checkpoints are sharded
+(toolkit/fsdp_checkpoint.py); a ckpt.pt of train.py or DDP is read whole and cut into shards.
 
     shard_model(model, blocks, dtype)                    # before the optimizer is built
     optimizer.load_state_dict(shard_optimizer_state(optimizer, saved["optimizer"]))
-    weights = gather_state(model.state_dict())           # every rank calls: a collective
 """
 import torch
 from torch import nn
@@ -29,16 +27,6 @@ def shard_model(model: nn.Module, blocks: nn.ModuleList, dtype: torch.dtype) -> 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded tensor; a plain tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def gather_state(state: dict) -> dict:
-    """A state dict (or an optimizer's, nested) with every sharded tensor gathered whole on the CPU.
-    Every rank must call it, in the same order: each gather is a collective."""
-    if isinstance(state, dict):
-        return {key: gather_state(value) for key, value in state.items()}
-    if isinstance(state, list):
-        return [gather_state(value) for value in state]
-    return state.full_tensor().cpu() if isinstance(state, DTensor) else state
 
 
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> dict:

@@ -23,7 +23,7 @@ from torch.nn.utils import parametrize
 from model import GPT
 from toolkit import hf
 from toolkit.cli import CLIError
-from toolkit.checkpoint import run_file
+from toolkit.checkpoint import newest_checkpoint
 from toolkit.files import fingerprint
 
 TARGETS = {"attn": ("attn.c_attn", "attn.c_proj"), "mlp": ("mlp.c_fc", "mlp.c_proj")}
@@ -162,7 +162,7 @@ def lora_base(source: str) -> list[str]:
     """[the path of the base model] when source holds LoRA adapters, else []: an input too, which
     no output may replace (the adapters would be orphaned). Only the checkpoint's index is read
     (memory-mapped); a file that cannot be read is left to the loader to report."""
-    path = run_file(source)
+    path = newest_checkpoint(source)
     if not os.path.isfile(path):
         return []
     try:

@@ -1,18 +1,21 @@
 """Every model a script can start from, read by one function: a ckpt.pt (pretrained or fine-tuned,
-or the --out-dir that holds it), a DeepSpeed checkpoint folder (OUT_DIR, OUT_DIR/ds, a global_stepN
-folder, or the zero_to_fp32 output inside it), an HF folder of GPT-2, Llama or Qwen3, or a GPT-2 hub
-name found in the local Hugging Face cache; a LoRA checkpoint is read as its base with the adapters
-merged in. The exports are toolkit/exports.py's.
+or the --out-dir that holds it), FSDP's sharded folder (OUT_DIR or OUT_DIR/dcp), a DeepSpeed
+checkpoint folder (OUT_DIR, OUT_DIR/ds, a global_stepN folder, or the zero_to_fp32 output inside
+it), an HF folder of GPT-2, Llama or Qwen3, or a GPT-2 hub name found in the local Hugging Face
+cache; a LoRA checkpoint is read as its base with the adapters merged in. The exports are
+toolkit/exports.py's.
 
     model, facts = load_model("ckpt/ckpt.pt")  # the GPT and its tokenizer facts (load_tokenizer)
 """
 import os
+import sys
 
 import torch
 
 from model import GPT
 from toolkit import hf, hf_llama, lora
-from toolkit.checkpoint import load_checkpoint, model_from_checkpoint, run_file, usable_config
+from toolkit.checkpoint import (CHECKPOINT_FILE, is_sharded, load_checkpoint, model_from_checkpoint,
+                                newest_checkpoint, usable_config)
 from toolkit.cli import CLIError
 from toolkit.ds_checkpoint import is_deepspeed_folder, load_deepspeed_model
 from toolkit.gpt2_vocab import GPT2_FACTS
@@ -45,13 +48,21 @@ def read_model(path: str, **overrides) -> tuple[GPT, dict]:
     if is_deepspeed_source(path):
         model, state, _ = load_deepspeed_model(path, **overrides)
         return model, state["tokenizer"]
-    path = run_file(path)
-    if is_hf_source(path) and hf_llama.is_llama_folder(path):
+    given, path = path, newest_checkpoint(path)  # an --out-dir: ckpt.pt or FSDP's sharded folder
+    if os.path.basename(given) == CHECKPOINT_FILE and path != given:
+        print(f"note: reading {path}, the newer checkpoint of the run in "
+              f"{os.path.dirname(given) or '.'}", file=sys.stderr)
+    sharded = is_sharded(path)
+    if not sharded and is_hf_source(path) and hf_llama.is_llama_folder(path):
         return hf_llama.load_llama(path, **overrides)
-    if is_hf_source(path):
+    if not sharded and is_hf_source(path):
         model = hf.load_gpt2(path, **overrides)
         return model, hf.read_tokenizer(hf.find_model_dir(path), model.config.vocab_size)
-    checkpoint = load_checkpoint(path)
+    if sharded:
+        from toolkit.fsdp_checkpoint import read_sharded  # DCP: 0.5 s of import, rarely needed
+        checkpoint = read_sharded(path)
+    else:
+        checkpoint = load_checkpoint(path)
     if "adapters" in checkpoint:
         return load_adapted(checkpoint, path, **overrides), checkpoint["tokenizer"]
     model = model_from_checkpoint(checkpoint, path, **overrides)

@@ -310,7 +310,7 @@ def setup(cfg: TrainConfig, engine: Engine) -> Trainer:
         if resume is not None:
             # torchrun restarted the job
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            print(f"resumed from {engine.path} at iteration {step}"
+            print(f"resumed from {engine.resumed_from} at iteration {step}"
                   + (f" after restart {restart}" if restart else ""))
         tokens = objective.global_batch * cfg.block_size
         print(f"model: {model.config.num_params() / 1e6:.2f}M parameters, {model.config}")

@@ -28,13 +28,14 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from toolkit import distributed
-from toolkit.checkpoint import (capture_rng, load_resume, load_weights, make_checkpoint,
-                                restore_rng, save_checkpoint)
+from toolkit.checkpoint import (SHARDED_DIR, capture_rng, is_sharded, load_resume, load_weights,
+                                make_checkpoint, newest_checkpoint, restore_rng, save_checkpoint)
 from toolkit.cli import CLIError
 from toolkit.config import RunConfig
 from toolkit.device import autocast, peak_flops
 from toolkit.files import refuse_special
-from toolkit.fsdp import gather_state, local, shard_model, shard_optimizer_state
+from toolkit.fsdp import local, shard_model, shard_optimizer_state
+from toolkit.fsdp_checkpoint import load_sharded, read_sharded, read_state, save_sharded
 from toolkit.optim import Schedule, make_optimizer
 from toolkit.runlog import RunLog
 from toolkit.signals import StopRequest
@@ -53,6 +54,7 @@ class Engine(Protocol):
     DeepSpeedEngine (toolkit/deepspeed_engine.py). Made before the model, so that setup can read
     what it resumes from; started with the model."""
     path: str  # where its checkpoint lives
+    resumed_from: str  # what read_resume read
     device: torch.device
     dtype: torch.dtype
 
@@ -136,17 +138,27 @@ class TorchEngine:
     """Steps in torch: Muon or AdamW (a param group's `lr_scale` moves it along the schedule), a
     GradScaler for float16, torch.compile, DDP in a process group, or FSDP2 with fsdp
     (toolkit/fsdp.py). Its checkpoint is a ckpt.pt at `path`, written by rank 0: the weights of
-    `gpt`, the objective's state and, unless save_optimizer is off, what exact resume needs."""
+    `gpt`, the objective's state and, unless save_optimizer is off, what exact resume needs; under
+    FSDP2 the sharded folder beside it (toolkit/fsdp_checkpoint.py), each rank writing its shards.
+    It resumes from whichever of the two holds the later step."""
 
     def __init__(self, path: str, save_optimizer: bool = True, fsdp: bool = False):
         refuse_special(path, "--out-dir's")  # a folder in its place: found now, not after training
-        self.path, self.save_optimizer, self.fsdp = path, save_optimizer, fsdp
+        self.file, self.save_optimizer, self.fsdp = path, save_optimizer, fsdp
+        self.path = os.path.join(os.path.dirname(path), SHARDED_DIR) if fsdp else path
+        self.resumed_from, self.sharded_source = self.file, None  # (a sharded folder)
 
     def data_parallel(self) -> tuple[int, int]:
         return distributed.rank(), distributed.world_size()
 
     def read_resume(self) -> dict:
-        return load_resume(self.path)
+        source = self.resumed_from = newest_checkpoint(self.file)
+        if not is_sharded(source):
+            return load_resume(self.file)
+        if not self.fsdp:
+            return read_sharded(source)  # gathered whole in each process
+        self.sharded_source = source  # each rank reads its shards in start()
+        return read_state(source)[1]
 
     def settle_config(self, cfg: RunConfig, resumed: set[str]) -> RunConfig:
         return cfg  # the flags are the whole configuration
@@ -159,7 +171,7 @@ class TorchEngine:
         self.loss, self.grad_clip = loss, cfg.grad_clip
         # (a LoRA checkpoint holds adapters instead: toolkit/lora.py)
         if resume is not None and "model" in resume:
-            load_weights(self.gpt, resume["model"], self.path)
+            load_weights(self.gpt, resume["model"], self.resumed_from)
         if cfg.activation_checkpointing:
             checkpoint_activations(self.gpt.transformer.h)
         if self.fsdp:  # every rank read the whole weights: now each keeps its shard
@@ -169,18 +181,24 @@ class TorchEngine:
         # as built from the flags: a resumed optimizer's saved groups do not override them
         self.lr_scales = [group.get("lr_scale", 1.0) for group in self.optimizer.param_groups]
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        if self.sharded_source is not None:
+            resume = load_sharded(self.sharded_source, model,
+                                  self.optimizer if resume.get("optimizer") else None)
         if resume is not None:
             if not resume.get("optimizer"):  # e.g. finetune.py's, which keeps no optimizer
-                raise CLIError(f"{self.path} holds no optimizer state to resume; to go on from "
-                               f"its weights with a fresh optimizer: --init-from {self.path}")
+                raise CLIError(f"{self.resumed_from} holds no optimizer state to resume; to go on "
+                               f"from its weights with a fresh optimizer: --init-from "
+                               f"{self.resumed_from}")
             saved = resume["optimizer"]
             try:
+                whole = self.fsdp and self.sharded_source is None  # a ckpt.pt's, cut up here
                 self.optimizer.load_state_dict(shard_optimizer_state(self.optimizer, saved)
-                                               if self.fsdp else saved)
+                                               if whole else saved)
             except ValueError as e:  # groups laid out otherwise, e.g. by an earlier version
-                raise CLIError(f"{self.path}: its optimizer state does not fit this optimizer "
-                               f"({e}); to go on from its weights with a fresh optimizer: "
-                               f"--init-from {self.path} --optimizer {cfg.optimizer}") from None
+                source = self.resumed_from
+                raise CLIError(f"{source}: its optimizer state does not fit this optimizer ({e}); "
+                               f"to go on from its weights with a fresh optimizer: --init-from "
+                               f"{source} --optimizer {cfg.optimizer}") from None
             if resume.get("scaler"):
                 self.scaler.load_state_dict(resume["scaler"])
             restore_rng(resume.get("rng") or {}, device)
@@ -233,13 +251,13 @@ class TorchEngine:
         """resumable (default: save_optimizer): with the optimizer, scaler and RNG states."""
         keep = self.save_optimizer if resumable is None else resumable
         weights, optimizer = self.gpt.state_dict(), self.optimizer.state_dict() if keep else None
-        if self.fsdp:  # every rank gathers, rank 0 keeps
-            weights, optimizer = gather_state(weights), gather_state(optimizer)
-        if distributed.rank() == 0:
-            scaler = self.scaler.state_dict() if keep and self.scaler.is_enabled() else None
-            rng = capture_rng(self.device) if keep else {}
-            checkpoint = make_checkpoint(state, weights, optimizer, scaler, rng)
-            save_checkpoint(checkpoint, path or self.path)
+        scaler = self.scaler.state_dict() if keep and self.scaler.is_enabled() else None
+        rng = capture_rng(self.device) if keep else {}
+        if self.fsdp:  # each rank writes its shards
+            save_sharded(self.path, state, weights, optimizer, scaler, rng)
+        elif distributed.rank() == 0:
+            save_checkpoint(make_checkpoint(state, weights, optimizer, scaler, rng),
+                            path or self.path)
 
 
 class Trainer:
