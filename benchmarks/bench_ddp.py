@@ -5,6 +5,7 @@ against one process, on the same global batch.
     python benchmarks/bench_ddp.py  # 2 ranks x 1 thread (DDP, FSDP2) vs 1 process x 2 threads
     python benchmarks/bench_ddp.py --iters 40 --repeats 3 --dtype float32
     python benchmarks/bench_ddp.py --n-layer 8 --n-embd 512 --iters 8 --warmup 3  # memory
+    python benchmarks/bench_ddp.py --state-ranks 2 4 --n-layer 8 --n-embd 1024 --iters 2
 
 Model: 4 layers (--n-layer), 4 heads, 128 wide (--n-embd), block 256, character vocabulary of the
 embedded pydoc corpus,
@@ -15,7 +16,14 @@ machine hits both alike; the figure reported is the median over repeats. Step ti
 and include the gradient all-reduce; start-up (imports, rendezvous) and evaluation are excluded.
 Peak RSS is the largest process's of a run (GNU time over torchrun: its workers are waited for),
 torch's own ~300 MiB included; the training state's bytes per rank are printed beside it.
+
+--state-ranks N ...: for each N, DDP and FSDP2 in turn (each under torchrun, N ranks x 1 thread,
+float32, Muon, a batch of 2 sequences a rank, --iters steps), the bytes each rank holds of
+parameters, gradients and optimizer state, counted tensor by tensor (a shard's own bytes) after
+the last step's optimizer step, where all three are there; its peak RSS; and its median step time.
+The models are built as train_ddp.py builds them (toolkit.fsdp.shard_model, toolkit.optim).
 """
+import argparse
 import json
 import os
 import re
@@ -61,6 +69,78 @@ def state_mib(n_layer: int, n_embd: int, vocab: int, ranks: int) -> tuple[float,
     return total, total / ranks
 
 
+def state_worker(mode: str, n_layer: int, n_embd: int, vocab: int, iters: int) -> None:
+    """One rank under torchrun: train --iters steps with DDP or FSDP2; print its bytes of
+    parameters, gradients and optimizer state (a JSON line), its peak RSS and step time."""
+    import resource
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from model import GPT, GPTConfig
+    from toolkit.fsdp import local, shard_model
+    from toolkit.optim import make_optimizer
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=256,
+                          vocab_size=vocab))
+    if mode == "fsdp":
+        shard_model(model, model.transformer.h, torch.float32)
+        train = model
+    else:
+        train = DistributedDataParallel(model)
+    optimizer = make_optimizer(model, "muon", 6e-4, 0.1, (0.9, 0.95), 0.02)
+    x = torch.randint(0, vocab, (2, 256))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        _, loss = train(x, x)
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - t0)
+        if len(times) < iters:
+            optimizer.zero_grad(set_to_none=True)
+    params = list(model.parameters())
+    state = [t for values in optimizer.state.values() for t in values.values()
+             if isinstance(t, torch.Tensor)]
+    counted = {"weights": sum(local(p).nbytes for p in params),
+               "gradients": sum(local(p.grad).nbytes for p in params if p.grad is not None),
+               "optimizer": sum(local(t).nbytes for t in state)}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"rank": dist.get_rank(), **counted, "peak_mib": peak,
+                      "step_s": statistics.median(times)}), flush=True)
+    dist.destroy_process_group()
+
+
+def bench_state(ranks: list[int], n_layer: int, n_embd: int, vocab: int, iters: int) -> None:
+    """DDP against FSDP2 at each number of ranks: the training state per rank, side by side."""
+    print(f"{n_layer} x {n_embd}, vocabulary {vocab}, float32, Muon, 2 x 256 tokens a rank, "
+          f"{iters} steps")
+    print("| ranks | set-up | weights + gradients + optimizer MiB (largest rank) | x DDP's / ranks "
+          "| peak RSS MiB | s/step |\n|---|---|---|---|---|---|")
+    for n in ranks:
+        figures = {}
+        for mode in ("ddp", "fsdp"):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc_per_node", str(n), os.path.abspath(__file__), "--worker", mode,
+                   "--n-layer", str(n_layer), "--n-embd", str(n_embd), "--vocab", str(vocab),
+                   "--iters", str(iters)]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+            if result.returncode:
+                sys.exit(f"failed: {' '.join(cmd)}\n{result.stderr[-3000:]}")
+            rows = [json.loads(line) for line in result.stdout.splitlines()
+                    if line.startswith("{")]
+            state = max(r["weights"] + r["gradients"] + r["optimizer"] for r in rows) / 2**20
+            figures[mode] = state
+            ratio = state / (figures["ddp"] / n)
+            print(f"| {n} | {'FSDP2' if mode == 'fsdp' else 'DDP'} | {state:,.1f} | "
+                  f"{ratio:.3f} | {max(r['peak_mib'] for r in rows):,.0f} | "
+                  f"{statistics.median(r['step_s'] for r in rows):.2f} |", flush=True)
+
+
 def main() -> None:
     parser = cli.argument_parser(__doc__)
     parser.add_argument("--ranks", type=int, default=2,
@@ -78,7 +158,17 @@ def main() -> None:
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--data-dir",
                         help="prepared char-level data (default: prepare the pydoc corpus in /tmp)")
+    parser.add_argument("--state-ranks", type=int, nargs="+",
+                        help="instead: DDP's and FSDP2's training state per rank at each of these "
+                             "numbers of ranks")
+    parser.add_argument("--vocab", type=int, default=103,
+                        help="--state-ranks' vocabulary (default: 103, the pydoc characters)")
+    parser.add_argument("--worker", choices=["ddp", "fsdp"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        return state_worker(args.worker, args.n_layer, args.n_embd, args.vocab, args.iters)
+    if args.state_ranks:
+        return bench_state(args.state_ranks, args.n_layer, args.n_embd, args.vocab, args.iters)
     if args.global_batch % args.ranks or args.iters <= args.warmup:
         sys.exit("--global-batch must be a multiple of --ranks and --iters larger than --warmup")
 
