@@ -57,13 +57,13 @@ def train_py(*args) -> subprocess.CompletedProcess:
     return ok(run_main("train.py", *args))
 
 
-def assert_same_training(a: dict, b: dict, tol=1e-5) -> None:
+def assert_same_training(a: dict, b: dict, tol=1e-5, weights_tol=1e-5) -> None:
     assert a["iter_num"] == b["iter_num"]
     assert a["history"]["iter"] == b["history"]["iter"]
     assert a["history"]["loss"] == pytest.approx(b["history"]["loss"], abs=tol)
     assert a.keys() == b.keys()
     for key, value in a["model"].items():
-        assert torch.allclose(value, b["model"][key], rtol=0, atol=tol), key
+        assert torch.allclose(value, b["model"][key], rtol=0, atol=weights_tol), key
 
 
 def workers(launcher_pid: int) -> dict[int, int]:
@@ -185,36 +185,44 @@ def test_fsdp_in_the_default_precision_trains_as_float32_does(char_data, tmp_pat
 
 def test_fsdp_checkpoints_are_sharded_and_resume_at_any_world_size(char_data, tmp_path):
     """A global batch of 6 micro-batches of one sequence, which 1, 2 and 3 processes share. Steps
-    1-3 in one process (ckpt.pt); 4-6 sharded over two, from ckpt.pt (Muon's state cut into shards,
-    blocks recomputed in the backward pass), each rank writing its shard; 7-8 over three, from
-    those shards (DCP reshards); 9-10 in one, the shards gathered. In float32 that is one
-    process's training throughout. test.py samples the sharded folder, and --export-ckpt's file
-    samples the same."""
-    common = ["--data-dir", char_data, *COMMON, "--batch-size", "1", "--grad-accum", "6"]
-    train_py(*common, "--out-dir", tmp_path / "one", "--max-iters", "10")
+    1-4 in one process (ckpt.pt); 5-20 sharded over two, from ckpt.pt (Muon's state cut into
+    shards, blocks recomputed in the backward pass), each rank writing its shard: in float32 the
+    weights of one process, within 1e-5. Then 21-22 over three, from those shards (DCP reshards),
+    and 23-24 in one, the shards gathered: the same loss curve. test.py samples the sharded folder,
+    and its --export-ckpt file holds the same weights."""
+    common = ["--data-dir", char_data, *COMMON, "--batch-size", "1", "--grad-accum", "6",
+              "--lr-decay-iters", "24"]
+    one = tmp_path / "one"
+    train_py(*common, "--out-dir", one, "--max-iters", "20")
+    one_at_20 = load_checkpoint(str(one / "ckpt.pt"))
+    train_py(*common, "--out-dir", one, "--init-from", "resume", "--max-iters", "24")
     out, sharded = tmp_path / "run", tmp_path / "run" / "dcp"
-    train_py(*common, "--out-dir", out, "--max-iters", "3")
+    train_py(*common, "--out-dir", out, "--max-iters", "4")
     two = ok(torchrun(2, "--fsdp", *common, "--out-dir", out, "--init-from", "resume",
-                      "--max-iters", "6", "--activation-checkpointing"))
-    assert f"resumed from {out / 'ckpt.pt'} at iteration 3" in two.stdout
+                      "--max-iters", "20", "--activation-checkpointing"))
+    assert f"resumed from {out / 'ckpt.pt'} at iteration 4" in two.stdout
     assert "1 micro x 3 accumulation x 2 processes = 6 sequences" in two.stdout
-    assert (sharded / "latest").read_text() == "iter_0000006"
-    assert sorted(p.name for p in (sharded / "iter_0000006").iterdir()) == \
+    assert (sharded / "latest").read_text() == "iter_0000020"
+    assert sorted(p.name for p in (sharded / "iter_0000020").iterdir()) == \
         [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
-    three = ok(torchrun(3, "--fsdp", *common, "--out-dir", out, "--init-from", "resume",
-                        "--max-iters", "8"))
-    assert f"resumed from {sharded} at iteration 6" in three.stdout
-    assert sorted(p.name for p in sharded.iterdir()) == ["iter_0000008", "latest"]
-    sample = ["--max-new-tokens", "20", "--num-samples", "1", "--prompt", "def ", "--device", "cpu"]
-    from_shards = ok(run_main("test.py", "--ckpt", out, *sample))
+    at_20 = read_sharded(str(sharded))
+    assert_same_training(at_20, one_at_20)
+    sample = ok(run_main("test.py", "--ckpt", out, "--max-new-tokens", "20", "--num-samples", "1",
+                         "--prompt", "def ", "--device", "cpu"))
+    assert sample.stdout.startswith("def ")
     ok(run_main("test.py", "--ckpt", out, "--export-ckpt", tmp_path / "one.pt"))
-    assert ok(run_main("test.py", "--ckpt", tmp_path / "one.pt", *sample)).stdout == \
-        from_shards.stdout
-    assert from_shards.stdout.startswith("def ")
-    resumed = train_py(*common, "--out-dir", out, "--init-from", "resume", "--max-iters", "10")
-    assert f"resumed from {sharded} at iteration 8" in resumed.stdout
+    exported = load_checkpoint(str(tmp_path / "one.pt"))
+    assert all(torch.equal(exported["model"][k], v) for k, v in at_20["model"].items())
+    three = ok(torchrun(3, "--fsdp", *common, "--out-dir", out, "--init-from", "resume",
+                        "--max-iters", "22"))
+    assert f"resumed from {sharded} at iteration 20" in three.stdout
+    assert sorted(p.name for p in sharded.iterdir()) == ["iter_0000022", "latest"]
+    resumed = train_py(*common, "--out-dir", out, "--init-from", "resume", "--max-iters", "24")
+    assert f"resumed from {sharded} at iteration 22" in resumed.stdout
+    # 1e-3: a rare token's embedding row, whose gradients nearly cancel, takes Adam's normalised
+    # step on the rounding of 3 ranks' sums (DDP over 3 ranks differs there as much)
     assert_same_training(load_checkpoint(str(out / "ckpt.pt")),
-                         load_checkpoint(str(tmp_path / "one" / "ckpt.pt")))
+                         load_checkpoint(str(one / "ckpt.pt")), weights_tol=1e-3)
 
 
 def test_fsdp_killed_while_saving_loses_nothing(char_data, tmp_path):
