@@ -1,7 +1,8 @@
 """
 Decoding speed, side by side in one run: this toolkit's generation (model.py's generate_stream: the
 KV cache; its linears in eager PyTorch, and on oneDNN as test.py runs them on a CPU in float32,
-toolkit/device.py's generation_linears; with int8 weights, `--quantize int8`, toolkit/quantize.py;
+toolkit/device.py's generation_linears; with int8 or int4 weights, `--quantize int8|int4`,
+toolkit/quantize.py;
 its one-token step compiled, `--compile`, toolkit/sampling.py) and llama.cpp (llama-cpp-python) on
 the toolkit's own GGUF export of the same weights in the same precision. For each batch size: the
 prefill's latency, the decode rate, and the model bandwidth utilisation (MBU) against the machine's
@@ -51,8 +52,9 @@ def read_bandwidth() -> float:
 
 
 def step_bytes(model: GPT, batch: int, context: float) -> float:
-    """The bytes a decode step reads: the weights as stored (int8 ones with their scales; the input
-    table's one row a sequence aside) and the KV cache of context positions for each sequence."""
+    """The bytes a decode step reads: the weights as stored (int8 or int4 ones with their scales;
+    the input table's one row a sequence aside) and the KV cache of context positions for each
+    sequence."""
     c = model.config
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
     weights = sum(t.numel() * t.element_size() for name, t in tensors
@@ -126,6 +128,10 @@ def main() -> None:
     compile_decoding(compiled, torch.float32)
     int8_compiled = quantize_model(copy.deepcopy(model), "int8")
     compile_decoding(int8_compiled, torch.float32)
+    int4 = quantize_model(copy.deepcopy(model), "int4")
+    int4_compiled = quantize_model(copy.deepcopy(model), "int4")
+    compile_decoding(int4_compiled, torch.float32)
+    quantized = {"int8": int8, "int4": int4}  # whose bytes a row's MBU counts
     bandwidth = read_bandwidth()
     print(f"CPU {cpu_kind()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"float32; {model.config.n_layer} x {model.config.n_embd} {model.config.arch}, vocab "
@@ -139,9 +145,10 @@ def main() -> None:
             runs = [("llama.cpp (f32 GGUF)", 1, None)]
             for b in args.batch_sizes:
                 runs += [("ours (eager, KV cache)", b, model), ("ours (oneDNN linears)", b, onednn),
-                         ("ours (int8 weights)", b, int8)]
+                         ("ours (int8 weights)", b, int8), ("ours (int4 weights)", b, int4)]
                 runs += [("ours (compiled step)", b, compiled),
-                         ("ours (int8, compiled step)", b, int8_compiled)] if args.compile else []
+                         ("ours (int8, compiled step)", b, int8_compiled),
+                         ("ours (int4, compiled step)", b, int4_compiled)] if args.compile else []
             for name, batch, decoder in runs:
                 first, rate = (llama_cpp(gguf, args.prompt, args.short, args.long,
                                          model.config.vocab_size) if decoder is None
@@ -153,7 +160,8 @@ def main() -> None:
     context = args.prompt + (args.short + args.long) / 2
     print("| decoder | batch | first token (ms) | decode tokens/s | MBU |\n|---|---|---|---|---|")
     for (name, batch), (first, rate) in best.items():
-        read = step_bytes(int8 if "int8" in name else model, batch, context)
+        read = step_bytes(next((q for kind, q in quantized.items() if kind in name), model),
+                          batch, context)
         mbu = read * rate / batch / (bandwidth * 1e9)
         print(f"| {name} | {batch} | {first * 1000:.0f} | {rate:.1f} | {mbu:.0%} |")
 
