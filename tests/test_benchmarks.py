@@ -156,7 +156,8 @@ def test_bench_decode_table_side_by_side_with_llama_cpp(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = re.findall(r"^\| (.+?) \| (\d+) \| (\d+) \| ([\d.]+) \| (\d+)% \|$", result.stdout,
                       re.M)
-    ours = ["ours (eager, KV cache)", "ours (oneDNN linears)", "ours (int8 weights)"]
+    ours = ["ours (eager, KV cache)", "ours (oneDNN linears)", "ours (int8 weights)",
+            "ours (int4 weights)"]
     assert [(name, batch) for name, batch, *_ in rows] == \
         [("llama.cpp (f32 GGUF)", "1"), *[(name, b) for b in "12" for name in ours]], \
         result.stdout

@@ -40,7 +40,7 @@ CHECKPOINT_FILE = "ckpt.pt"
 # `latest` naming its newest complete tag
 SHARDED_DIR = "dcp"
 POINTER_FILE = "latest"
-TAG = re.compile(r"iter_(\d{7,})")
+TAG = re.compile(r"iter_(\d{7,})(_1)?")  # _1: a second save of the step, beside the first
 STATE_KEYS = ("model_config", "train_config", "tokenizer", "iter_num", "best_val_loss", "history")
 NONE = type(None)
 STATE_TYPES = {"model_config": (dict,), "train_config": (dict,), "tokenizer": (dict, NONE),

@@ -3,7 +3,8 @@ and of the optimizer's state with `torch.distributed.checkpoint` (DCP), so no pr
 the whole model. A folder, `dcp/` in --out-dir beside where ckpt.pt would be (DeepSpeed's is `ds/`):
 
     latest            the newest complete tag, e.g. `iter_0000300`; written last, atomically
-    iter_0000300/     DCP's files: one `__R_0.distcp` per rank and `.metadata` (tensors only)
+    iter_0000300/     DCP's files: one `__R_0.distcp` per rank and `.metadata` (tensors only);
+                      a second save of the same step goes to `iter_0000300_1/`
         state.pt      ckpt.pt's other keys (configs, tokenizer, iter_num, history, RNG, scaler,
                       the optimizer's param_groups), written by rank 0
 
@@ -86,24 +87,29 @@ def save_sharded(folder: str, state: dict, weights: dict, optimizer: dict | None
     """Every rank calls it (a collective): its shards into a new tag, rank 0 the rest, then rank 0
     points `latest` at the tag and removes the others."""
     tag = f"iter_{state['iter_num']:07d}"
+    if read_pointer(folder) == tag:  # saved before (or by a run this one --overwrites): beside it
+        tag += "_1"
     path = os.path.join(folder, tag)
-    again = read_pointer(folder) == tag  # this step saved: the tensors are those, the state may not
-    if distributed.rank() == 0 and not again:
+    if distributed.rank() == 0:
         make_folder(folder)
-        shutil.rmtree(path, ignore_errors=True)  # a save of this step cut short before
+        shutil.rmtree(path, ignore_errors=True)  # a save cut short before
     distributed.barrier()
-    if not again:
-        dcp.save(tensors_of(weights, optimizer), storage_writer=FileSystemWriter(path))
+    dcp.save(tensors_of(weights, optimizer), storage_writer=FileSystemWriter(path))
     if distributed.rank() == 0:
         rest = {**state, "scaler": scaler, "rng": rng,
                 "optimizer": None if optimizer is None else
                 {"param_groups": optimizer["param_groups"]}}
         atomic_write(os.path.join(path, STATE_FILE), lambda tmp: torch.save(rest, tmp))
-        atomic_write(os.path.join(folder, POINTER_FILE), lambda tmp: open(tmp, "w").write(tag))
+        atomic_write(os.path.join(folder, POINTER_FILE), lambda tmp: write_text(tmp, tag))
         for old in os.listdir(folder):
             if TAG.fullmatch(old) and old != tag:
                 shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
     distributed.barrier()
+
+
+def write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def read_state(folder: str) -> tuple[str, dict]:
