@@ -29,6 +29,7 @@ from conftest import (ROOT, TINY_MODEL, assert_one_line_error, fake_deepspeed_fo
 from model import GPT, GPTConfig
 from toolkit import chat
 from toolkit.cli import CLIError
+from toolkit.fsdp_checkpoint import save_sharded
 from toolkit.hf import save_gpt2
 from toolkit.model_sources import load_model
 from toolkit.tokenizers import Tokenizer
@@ -103,6 +104,24 @@ def test_sharded_checkpoint_with_code_in_its_dcp_metadata_is_refused(tmp_path, m
     with pytest.raises(CLIError, match="its DCP metadata is not one this toolkit reads"):
         load_model(str(tmp_path))  # the --out-dir: its sharded folder is the checkpoint there
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_damaged_sharded_checkpoint_is_one_line(tmp_path):
+    """A shard cut short, a `latest` naming a tag that is not there, one naming nothing."""
+    model = GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16))
+    state = {"model_config": vars(model.config), "train_config": {}, "tokenizer": None,
+             "iter_num": 3, "best_val_loss": None, "history": {}}
+    save_sharded(str(tmp_path / "dcp"), state, model.state_dict(), None, None, {})
+    shard = tmp_path / "dcp" / "iter_0000003" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(CLIError, match="iter_0000003: its shards are truncated, corrupt"):
+        load_model(str(tmp_path))
+    (tmp_path / "dcp" / "latest").write_text("iter_0000009")
+    with pytest.raises(CLIError, match="names iter_0000009, of which .* is not there"):
+        load_model(str(tmp_path))
+    (tmp_path / "dcp" / "latest").write_text("")
+    with pytest.raises(CLIError, match="its `latest` names no checkpoint"):
+        load_model(str(tmp_path))
 
 
 # 2. a non-finite step never reaches disk

@@ -116,9 +116,9 @@ def load_checkpoint(path: str) -> dict:
 
 
 def is_sharded(path: str) -> bool:
-    """A folder whose `latest` names a tag that is there."""
-    tag = read_pointer(path)
-    return tag is not None and os.path.isdir(os.path.join(path, tag))
+    """A sharded checkpoint's folder: one with a `latest` (toolkit/fsdp_checkpoint.py reads it, and
+    says what is wrong with one that names no complete tag)."""
+    return os.path.isfile(os.path.join(path, POINTER_FILE))
 
 
 def newest_checkpoint(path: str) -> str:
@@ -132,10 +132,10 @@ def newest_checkpoint(path: str) -> str:
     else:
         return path
     sharded = os.path.join(folder, SHARDED_DIR)
-    if not is_sharded(sharded):
-        return file if os.path.isfile(file) else path
     if not os.path.isfile(file):
-        return sharded
+        return sharded if is_sharded(sharded) else path
+    if sharded_iter(sharded) is None:  # none, or none complete: the file
+        return file
     try:  # (memory-mapped: the weights are not read)
         step = torch.load(file, map_location="cpu", mmap=True, weights_only=True)["iter_num"]
     except Exception:  # unreadable: the sharded one is the run's
@@ -153,9 +153,12 @@ def read_pointer(folder: str) -> str | None:
     return tag if TAG.fullmatch(tag) else None
 
 
-def sharded_iter(folder: str) -> int:
-    """The step of a sharded folder's newest complete checkpoint, from its tag (nothing read)."""
-    return int(TAG.fullmatch(read_pointer(folder)).group(1))
+def sharded_iter(folder: str) -> int | None:
+    """The step of a sharded folder's newest checkpoint, from its tag (nothing read); None where
+    `latest` names no tag that is there."""
+    tag = read_pointer(folder)
+    return int(TAG.fullmatch(tag).group(1)) if tag and os.path.isdir(os.path.join(folder, tag)) \
+        else None
 
 
 def load_resume(path: str, *extra: str) -> dict:

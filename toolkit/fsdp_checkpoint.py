@@ -25,12 +25,13 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from toolkit import distributed
 from toolkit.checkpoint import (POINTER_FILE, STATE_KEYS, TAG, check_state, clean_state_dict,
                                 load_plain, read_pointer)
-from toolkit.cli import CLIError
+from toolkit.cli import CLIError, first_line
 from toolkit.files import atomic_write, make_folder
 
 STATE_FILE = "state.pt"
@@ -118,6 +119,9 @@ def read_state(folder: str) -> tuple[str, dict]:
     if tag is None:
         raise CLIError(f"{folder}: its `{POINTER_FILE}` names no checkpoint")
     path = os.path.join(folder, tag)
+    if not os.path.isfile(os.path.join(path, STATE_FILE)):
+        raise CLIError(f"{folder}: its `{POINTER_FILE}` names {tag}, of which {path}/{STATE_FILE} "
+                       "is not there")
     state = load_plain(os.path.join(path, STATE_FILE))
     if not isinstance(state, dict) or any(k not in state for k in STATE_KEYS):
         raise CLIError(f"{path}/{STATE_FILE} is not the state of a sharded checkpoint")
@@ -144,12 +148,29 @@ def load_sharded(folder: str, model: torch.nn.Module, optimizer: torch.optim.Opt
             like = torch.zeros_like(p) if tuple(shape) == tuple(p.shape) else \
                 torch.zeros(shape, dtype=stored_dtype(path, key))
             tensors["optimizer"].setdefault(index, {})[name] = like
-    dcp.load(tensors, storage_reader=CheckedReader(path), planner=TensorsOnlyPlanner())
+    load_tensors(tensors, path)
     if "optimizer" in tensors:
         state["optimizer"] = {"param_groups": state["optimizer"]["param_groups"],
                               "state": {int(i): v for i, v in tensors["optimizer"].items()}}
     state["model"] = tensors["model"]
     return state
+
+
+def load_tensors(tensors: dict, path: str, **kwargs) -> None:
+    """dcp.load of a tag into tensors, in place; a damaged tag is a CLIError."""
+    try:
+        dcp.load(tensors, storage_reader=CheckedReader(path), planner=TensorsOnlyPlanner(),
+                 **kwargs)
+    except CLIError:
+        raise
+    except (Exception, CheckpointException) as e:  # DCP wraps each rank's failure, ours too
+        failures = [error for error, _ in e.failures.values()] \
+            if isinstance(e, CheckpointException) else [e]
+        ours = next((f for f in failures if isinstance(f, CLIError)), None)
+        if ours is not None:
+            raise ours from None
+        raise CLIError(f"{path}: its shards are truncated, corrupt or not of this model "
+                       f"({first_line(failures[0])[:200]})") from None
 
 
 def stored_shapes(path: str) -> dict[str, torch.Size]:
@@ -173,8 +194,7 @@ def read_sharded(folder: str) -> dict:
         tensors[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     with warnings.catch_warnings():  # (that no process group is there: none is needed)
         warnings.simplefilter("ignore")
-        dcp.load(tensors, storage_reader=CheckedReader(path), planner=TensorsOnlyPlanner(),
-                 no_dist=True)
+        load_tensors(tensors, path, no_dist=True)
     weights = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
     if state["optimizer"] is not None:
         per_param = {}
