@@ -137,17 +137,16 @@ def load_sharded(folder: str, model: torch.nn.Module, optimizer: torch.optim.Opt
     tensors = {"model": clean_state_dict(model.state_dict())}
     if optimizer is not None and state["optimizer"] is not None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        shapes = stored_shapes(path)
         tensors["optimizer"] = {}
-        for key, shape in shapes.items():
-            if not key.startswith("optimizer."):
-                continue
-            _, index, name = key.split(".", 2)
-            p = params[int(index)]
+        for (index, name), (shape, dtype) in optimizer_keys(stored_tensors(path), path).items():
+            if index >= len(params):
+                raise CLIError(f"{path}: its optimizer state does not fit this optimizer (it has "
+                               f"state for parameter {index}, of {len(params)})")
+            p = params[index]
             # a state tensor shaped as its parameter is sharded as it is; others (steps) whole
             like = torch.zeros_like(p) if tuple(shape) == tuple(p.shape) else \
-                torch.zeros(shape, dtype=stored_dtype(path, key))
-            tensors["optimizer"].setdefault(index, {})[name] = like
+                torch.zeros(shape, dtype=dtype)
+            tensors["optimizer"].setdefault(str(index), {})[name] = like
     load_tensors(tensors, path)
     if "optimizer" in tensors:
         state["optimizer"] = {"param_groups": state["optimizer"]["param_groups"],
@@ -173,35 +172,42 @@ def load_tensors(tensors: dict, path: str, **kwargs) -> None:
                        f"({first_line(failures[0])[:200]})") from None
 
 
-def stored_shapes(path: str) -> dict[str, torch.Size]:
-    metadata = CheckedReader(path).read_metadata()
-    return {key: meta.size for key, meta in metadata.state_dict_metadata.items()}
+def stored_tensors(path: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """{key: (shape, dtype)} of every item a tag holds, from its metadata: tensors only."""
+    stored = {}
+    for key, meta in CheckedReader(path).read_metadata().state_dict_metadata.items():
+        if not hasattr(meta, "properties"):
+            raise CLIError(f"{path}: {key} is not a tensor; a sharded checkpoint of this toolkit "
+                           "holds tensors only")
+        stored[key] = (meta.size, meta.properties.dtype)
+    return stored
 
 
-def stored_dtype(path: str, key: str) -> torch.dtype:
-    return CheckedReader(path).read_metadata().state_dict_metadata[key].properties.dtype
+def optimizer_keys(stored: dict, path: str) -> dict[tuple[int, str], tuple]:
+    """{(parameter index, state name): (shape, dtype)} of the optimizer's items among stored."""
+    found = {}
+    for key, value in stored.items():
+        if key.startswith("optimizer."):
+            index, _, name = key.removeprefix("optimizer.").partition(".")
+            if not index.isdigit() or not name:
+                raise CLIError(f"{path}: {key} is no optimizer state this toolkit writes")
+            found[int(index), name] = value
+    return found
 
 
 def read_sharded(folder: str) -> dict:
     """The newest tag gathered whole in this process (no process group needed): a ckpt.pt dict."""
     path, state = read_state(folder)
-    metadata = CheckedReader(path).read_metadata()
-    tensors = {}
-    for key, meta in metadata.state_dict_metadata.items():
-        if not hasattr(meta, "properties"):
-            raise CLIError(f"{path}: {key} is not a tensor; a sharded checkpoint of this toolkit "
-                           "holds tensors only")
-        tensors[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    stored = stored_tensors(path)
+    tensors = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in stored.items()}
     with warnings.catch_warnings():  # (that no process group is there: none is needed)
         warnings.simplefilter("ignore")
         load_tensors(tensors, path, no_dist=True)
     weights = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
     if state["optimizer"] is not None:
         per_param = {}
-        for key, value in tensors.items():
-            if key.startswith("optimizer."):
-                _, index, name = key.split(".", 2)
-                per_param.setdefault(int(index), {})[name] = value
+        for index, name in optimizer_keys(stored, path):
+            per_param.setdefault(index, {})[name] = tensors[f"optimizer.{index}.{name}"]
         state["optimizer"] = {**state["optimizer"], "state": per_param}
     return {**state, "model": weights}
 
