@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from toolkit import distributed
 from toolkit.checkpoint import (POINTER_FILE, STATE_KEYS, TAG, check_state, clean_state_dict,
@@ -63,7 +64,9 @@ class CheckedReader(FileSystemReader):
             except Exception as e:  # a damaged or foreign file fails anywhere in the unpickler
                 raise CLIError(f"{self.path}: its DCP metadata is not one this toolkit reads "
                                f"({e})") from None
-        self.load_id = getattr(self, "load_id", None)
+        if getattr(metadata, "storage_meta", None) is None:  # (as DCP's own reader does)
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
         return metadata
 
 

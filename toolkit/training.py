@@ -137,10 +137,10 @@ def checkpoint_activations(blocks: torch.nn.ModuleList) -> None:
 class TorchEngine:
     """Steps in torch: Muon or AdamW (a param group's `lr_scale` moves it along the schedule), a
     GradScaler for float16, torch.compile, DDP in a process group, or FSDP2 with fsdp
-    (toolkit/fsdp.py). Its checkpoint is a ckpt.pt at `path`, written by rank 0: the weights of
+    (toolkit/fsdp.py). Its checkpoint is the ckpt.pt it is given, written by rank 0: the weights of
     `gpt`, the objective's state and, unless save_optimizer is off, what exact resume needs; under
     FSDP2 the sharded folder beside it (toolkit/fsdp_checkpoint.py), each rank writing its shards.
-    It resumes from whichever of the two holds the later step."""
+    `path` is the one it writes; it resumes from whichever of the two holds the later step."""
 
     def __init__(self, path: str, save_optimizer: bool = True, fsdp: bool = False):
         refuse_special(path, "--out-dir's")  # a folder in its place: found now, not after training
