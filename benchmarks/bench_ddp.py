@@ -135,9 +135,9 @@ def bench_state(ranks: list[int], n_layer: int, n_embd: int, vocab: int, iters: 
                     if line.startswith("{")]
             state = max(r["weights"] + r["gradients"] + r["optimizer"] for r in rows) / 2**20
             figures[mode] = state
-            ratio = state / (figures["ddp"] / n)
+            ratio = f"{state / (figures['ddp'] / n):.3f}" if mode == "fsdp" else ""
             print(f"| {n} | {'FSDP2' if mode == 'fsdp' else 'DDP'} | {state:,.1f} | "
-                  f"{ratio:.3f} | {max(r['peak_mib'] for r in rows):,.0f} | "
+                  f"{ratio} | {max(r['peak_mib'] for r in rows):,.0f} | "
                   f"{statistics.median(r['step_s'] for r in rows):.2f} |", flush=True)
 
 
