@@ -70,6 +70,10 @@ def parse_args(argv: list[str] | None):
                          help="where a reasoning model's thinking ends: generation tasks score the "
                               "reply after its last occurrence (lm-eval's hf model: "
                               "think_end_token), e.g. '</think>'; digits are a token id")
+    harness.add_argument("--compile", action="store_true",
+                         help="torch.compile the one-token decoding step of generation tasks, as "
+                              "test.py's --compile (in bfloat16 or float16 the weights are cast to "
+                              "it first)")
     args = parser.parse_args(argv)
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not args.tasks and not args.data_dir:
@@ -88,7 +92,7 @@ def parse_args(argv: list[str] | None):
     template_variables(args.chat_template_kwargs)
     if args.think_end_token == "":
         raise CLIError("--think-end-token is empty")
-    for name in ("apply_chat_template", "system_instruction", "think_end_token"):
+    for name in ("apply_chat_template", "system_instruction", "think_end_token", "compile"):
         if getattr(args, name) and not harness_tasks:
             raise CLIError(f"--{name.replace('_', '-')} is for lm-evaluation-harness's tasks: "
                            "give one of them (a name or a task YAML) in --tasks")

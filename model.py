@@ -61,19 +61,6 @@ class GPTConfig:
             return 4 * self.n_embd
         return self.mlp_hidden or -(-8 * self.n_embd // 3 // 32) * 32
 
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameters of this shape, counted without building it; non_embedding leaves out the input
-        embeddings that cost no FLOPs (GPT-2's positions; an untied model's token embedding)."""
-        C, D, b = self.n_embd, self.head_size, int(self.bias)
-        attention = C * (self.n_head + 2 * self.kv_heads) * D + self.n_head * D * C
-        mlp = (2 if self.arch == "gpt2" else 3) * C * self.mlp_width
-        norms = 2 * (1 + b) * C + 2 * D * self.qk_norm
-        biases = b * ((self.n_head + 2 * self.kv_heads) * D + C + self.mlp_width + C)
-        head = self.vocab_size * C
-        n = head + self.n_layer * (attention + mlp + norms + biases) + (1 + b) * C
-        inputs = self.block_size * C if self.arch == "gpt2" else 0 if self.tie_embeddings else head
-        return n if non_embedding else n + inputs
-
 
 ARCHS = ("gpt2", "llama")
 SDPA_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -134,11 +121,9 @@ def check_config(config: GPTConfig) -> None:
 
 
 def is_rope_scaling(scaling) -> bool:
-    if not isinstance(scaling, dict) or set(scaling) != set(ROPE_SCALING):
-        return False
-    if not all(type(v) in (int, float) and math.isfinite(v) and v > 0 for v in scaling.values()):
-        return False
-    return scaling["factor"] >= 1 and scaling["high_freq_factor"] > scaling["low_freq_factor"]
+    return (isinstance(scaling, dict) and set(scaling) == set(ROPE_SCALING)
+            and all(type(v) in (int, float) and 0 < v < math.inf for v in scaling.values())
+            and scaling["factor"] >= 1 and scaling["high_freq_factor"] > scaling["low_freq_factor"])
 
 
 class RMSNorm(nn.RMSNorm):
@@ -186,7 +171,7 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = rotate(q, *rope), rotate(k, *rope)
-        past = kv_cache.len if kv_cache is not None else 0
+        past, pad = (kv_cache.len, kv_cache.pad) if kv_cache is not None else (0, None)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
         if kv_heads != heads:  # each key/value head serves heads // kv_heads query heads
@@ -195,18 +180,22 @@ class CausalSelfAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
         auto_manual = self.kernel == "auto" and cpu_bf16 and k.size(-2) <= MANUAL_MAX_KEYS
-        if self.kernel == "manual" or auto_manual:
+        if (self.kernel == "manual" or auto_manual) and pad is None:
             y = manual_attention(q, k, v, dropout_p)
         else:
-            # is_causal aligns the mask top-left: right without cached keys (a bool, where compiled
-            # past is symbolic); one new query sees every key; several after cached keys need a mask
+            # is_causal aligns the mask top-left: right without cached keys; one new query sees
+            # every key; several after cached keys need a mask
             mask = None
             if past and T > 1:
                 mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+            if pad is not None:  # left-padded rows: no query sees padding (a pad query, itself)
+                keys = torch.arange(past + T, device=x.device)
+                queries = keys[past:, None]
+                mask = (keys <= queries) & ((keys >= pad[:, None, None, None]) | (keys == queries))
             named = self.kernel in SDPA_KERNELS  # else SDPA chooses; toolkit/device.py checks it
             with sdpa_kernel([SDPA_KERNELS[self.kernel]]) if named else contextlib.nullcontext():
                 y = F.scaled_dot_product_attention(q, k, v, mask, dropout_p,
-                                                   is_causal=T > 1 and not past)
+                                                   is_causal=T > 1 and mask is None)
         y = y.transpose(1, 2).reshape(B, T, heads * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
@@ -225,12 +214,14 @@ def manual_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
 
 
 def rotary(positions: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) (T, head_dim) of RoPE's angles at positions: pair (i, i + head_dim/2) of a head
-    turns by position * its frequency, as HF's Llama lays the pairs out (rotate_half)."""
+    """(cos, sin) (T, head_dim) of RoPE's angles at positions (T,), or (B, 1, T, head_dim) at
+    (B, T): pair (i, i + head_dim/2) of a head turns by position * its frequency, as HF's Llama lays
+    the pairs out (rotate_half)."""
     frequencies = rope_frequencies(config.head_size, config.rope_theta, config.rope_scaling,
                                    positions.device)
-    angles = positions.float()[:, None] * frequencies[None, :]
+    angles = positions.float()[..., None] * frequencies
     angles = torch.cat((angles, angles), dim=-1)
+    angles = angles[:, None] if positions.dim() == 2 else angles  # one set for every head
     return angles.cos(), angles.sin()
 
 
@@ -346,6 +337,8 @@ class GPT(nn.Module):
                start: int = 0) -> torch.Tensor:
         """Final-LayerNorm states of idx placed at positions start, start+1, ... (unchecked)."""
         pos = torch.arange(start, start + idx.size(1), device=idx.device)
+        if kv_caches and kv_caches[0].pad is not None:  # a left-padded row counts from its prompt
+            pos = (pos - kv_caches[0].pad[:, None]).clamp(min=0)
         x, rope = self.transformer.wte(idx), None
         if self.config.arch == "gpt2":
             x = x + self.transformer.wpe(pos)
@@ -382,8 +375,7 @@ class GPT(nn.Module):
             raise ValueError(f"vocab_size can only grow: {self.config.vocab_size} -> {vocab_size}")
         for module in (self.lm_head, self.transformer.wte)[: 2 - self.config.tie_embeddings]:
             old = module.weight
-            weight = torch.empty(vocab_size, old.size(1), device=old.device, dtype=old.dtype)
-            nn.init.normal_(weight, mean=0.0, std=0.02)
+            weight = old.new_empty(vocab_size, old.size(1)).normal_(mean=0.0, std=0.02)
             weight += old.detach().mean(dim=0)
             weight[: old.size(0)] = old.detach()
             module.weight = nn.Parameter(weight)
@@ -392,7 +384,6 @@ class GPT(nn.Module):
         self.lm_head.out_features = self.transformer.wte.num_embeddings = vocab_size
         self.config.vocab_size = vocab_size
 
-    @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
         """idx (B, T) followed by up to max_new_tokens tokens; the options are generate_stream's."""
         new = list(self.generate_stream(idx, max_new_tokens, **options))
@@ -400,16 +391,21 @@ class GPT(nn.Module):
 
     def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                         top_k: int | None = None, top_p: float | None = None,
-                        eos_token: int | list[int] | None = None,
-                        use_cache: bool = True) -> Iterator[torch.Tensor]:
+                        eos_token: int | list[int] | None = None, use_cache: bool = True,
+                        pad: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
         """Yield the (B,) next tokens after the prompts idx (B, T): greedy at temperature 0, else
         sampled (top_k, top_p nucleus); a sequence that emitted eos_token (or one of a list, as HF's
-        eos_token_id) leaves the batch, and its row repeats the first until all have.
-        Learned positions keep a KV cache from sliding: a full context keeps its last half, refilled
-        by one prefill (nanoGPT recomputes all a step). use_cache=False gives the same tokens."""
+        eos_token_id) leaves the batch, and its row repeats the first until all have. A row's first
+        pad (B,) tokens are padding (HF's left padding). Learned positions keep a KV cache from
+        sliding: a full context keeps its last half, refilled by one prefill (nanoGPT recomputes all
+        a step). use_cache=False gives the same tokens."""
         if idx.dim() != 2 or idx.size(1) == 0:
             raise ValueError(f"prompt must be a non-empty (batch, time) tensor, "
                              f"got shape {tuple(idx.shape)}")
+        if pad is not None and (not use_cache or pad.shape != idx.shape[:1] or pad.min() < 0
+                                or not pad.max() < idx.size(1) <= self.config.block_size):
+            raise ValueError(f"pad must be (batch,) counts below the width {idx.size(1)} of prompts"
+                             f" within the block, with the KV cache; got {pad.tolist()}")
         self._check_shape(idx[:, -self.config.block_size :])
         vocab = self.config.vocab_size
         if idx.numel() and (idx.min() < 0 or idx.max() >= vocab):
@@ -423,15 +419,15 @@ class GPT(nn.Module):
             raise ValueError(f"eos_token must be in [0, {vocab}), got {eos_token}")
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         stops = torch.tensor(stops, dtype=torch.long, device=idx.device) if stops else None
-        return self._stream(idx, max_new_tokens, sampling, stops, use_cache)
+        return self._stream(idx, max_new_tokens, sampling, stops, use_cache, pad)
 
     @torch.no_grad()
-    def _stream(self, idx, max_new_tokens, sampling, stops, use_cache):
+    def _stream(self, idx, max_new_tokens, sampling, stops, use_cache, pad):
         """The generation loop; the context is cut (and the cache rebuilt) when full."""
         was_training = self.training
         self.eval()
         try:
-            block_size = self.config.block_size
+            block_size, half = self.config.block_size, max(1, self.config.block_size // 2)
             ctx = idx[:, -block_size:]
             caches = None  # None means: (re)build by a prefill of ctx
             finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
@@ -439,7 +435,7 @@ class GPT(nn.Module):
             for step in range(max_new_tokens):
                 if use_cache and caches is None:  # as long as what is left needs, up to the block
                     length = min(block_size, ctx.size(1) + max_new_tokens - step)
-                    caches = [KVCache(length) for _ in self.transformer.h]
+                    caches = [KVCache(length, pad) for _ in self.transformer.h]
                 if use_cache and caches[0].len > 0:  # a filled cache: the last token alone
                     tok = self.decode_step(ctx[:, -1:], caches, ctx.size(1) - 1, **sampling)
                 else:  # the prefill, eager even where toolkit/sampling.py compiles decode_step
@@ -453,12 +449,15 @@ class GPT(nn.Module):
                 going = None if stops is None else ~finished[rows]
                 if going is not None and not going.all():  # finished ones leave: cost what is left
                     rows, ctx = rows[going], ctx[going]
+                    pad = None if pad is None else pad[going]
                     for cache in caches or []:
                         cache.keep(going)
                 ctx = torch.cat([ctx, tok[rows][:, None]], dim=1)
-                if ctx.size(1) > block_size:
-                    ctx = ctx[:, -max(1, block_size // 2) :]
-                    caches = None
+                if ctx.size(1) > block_size:  # a full row keeps its last half, the rest is padding
+                    pads = torch.zeros_like(rows) if pad is None else pad
+                    pads = pads.where(ctx.size(1) - pads <= block_size, ctx.size(1) - half)
+                    ctx, caches = ctx[:, int(pads.min()):], None
+                    pad = None if pad is None else pads - pads.min()
         finally:
             self.train(was_training)
 
@@ -547,8 +546,8 @@ class KVCache:
     """Keys and values of one attention layer, preallocated for max_len positions (a step writes one
     position, where torch.cat would copy the cache) in the dtype the layer produces (autocast)."""
 
-    def __init__(self, max_len: int):
-        self.max_len, self.len = max_len, 0
+    def __init__(self, max_len: int, pad: torch.Tensor | None = None):
+        self.max_len, self.len, self.pad = max_len, 0, pad  # pad: GPT.generate_stream's
         self.k = self.v = None  # (B, H, max_len, D) tensors once the first keys come
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -565,6 +564,7 @@ class KVCache:
         """Keep the sequences of the batch where rows (B,) is True."""
         if self.k is not None:
             self.k, self.v = self.k[rows], self.v[rows]
+        self.pad = None if self.pad is None else self.pad[rows]
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:

@@ -33,10 +33,10 @@ from model import GPT, GPTConfig  # noqa: E402
 from toolkit.train_config import PRESETS  # noqa: E402
 from toolkit.device import cpu_kind, generation_linears  # noqa: E402
 from toolkit.gguf_export import save_gguf  # noqa: E402
+from toolkit.device import compile_decoding  # noqa: E402
 from toolkit.gpt2_vocab import GPT2_FACTS  # noqa: E402
 from toolkit.model_sources import load_model  # noqa: E402
 from toolkit.quantize import quantize_model  # noqa: E402
-from toolkit.sampling import compile_decoding  # noqa: E402
 
 
 def read_bandwidth() -> float:

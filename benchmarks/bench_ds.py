@@ -154,15 +154,13 @@ def memory(args, tmp, data, configs) -> None:
           f"{args.block_size}, micro-batch 1, 2 processes (train.py: 1); bytes/param = peak / "
           f"parameters. The largest model for R GiB is about R / (bytes/param), the fixed overhead "
           f"aside: try sizes upwards until a run is over the limit")
-    import torch
-
-    from model import GPT, GPTConfig
+    from model import GPTConfig  # (torch's import: only this mode needs it)
+    from toolkit.device import num_params
     for shape in args.sizes.split(","):
         n_layer, n_embd = (int(v) for v in shape.split("x"))
-        with torch.device("meta"):  # count without allocating
-            n_params = GPT(GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64),
-                                     vocab_size=103,
-                                     block_size=args.block_size)).num_params(non_embedding=False)
+        n_params = num_params(GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64),
+                                        vocab_size=103, block_size=args.block_size),
+                              non_embedding=False)
         for mode in args.modes:
             flags = ["--data-dir", data, *model_flags(shape), "--block-size", str(args.block_size),
                      "--batch-size", "1", "--grad-accum", "1" if mode == "single" else "2",

@@ -10,7 +10,13 @@ of every ending (what eval.py runs), (2) the same length-sorted batches through 
 same items. Throughput is tokens scored per second (context and ending tokens of every request); the
 accuracies printed must agree.
 
+--generate N times generation tasks instead (lm-eval's generate_until): the items' contexts, N
+new tokens each, greedy, decoded by toolkit/harness.py one request at a time, in batches of
+--batch-size (left-padded, what eval.py runs), and by the `hf` model in batches of the same size;
+throughput is new tokens per second, and the replies must agree.
+
     python benchmarks/bench_eval.py --items 100 --rounds 2
+    python benchmarks/bench_eval.py --generate 32 --items 32 --rounds 2
 """
 import json
 import os
@@ -19,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -72,6 +79,8 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--generate", type=int, metavar="N",
+                        help="time generation tasks of N new tokens instead of scoring")
     args = parser.parse_args()
     os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     from lm_eval import simple_evaluate
@@ -85,7 +94,11 @@ def main() -> None:
     write_items(items, args.items)
     write_yaml(work, items)
     save_gpt2(model, os.path.join(work, "hf"), dict(GPT2_FACTS))
-    task = ChoiceTask(items, load_tokenizer(GPT2_FACTS))
+    task = ChoiceTask(items, load_tokenizer(GPT2_FACTS), model.config.block_size)
+    if args.generate:
+        return generation(args, model, [item.query for item in task.items],
+                          HFLM(pretrained=os.path.join(work, "hf"), device="cpu", dtype="float32",
+                               batch_size=args.batch_size))
     tokens = sum(len(c) + len(e) for c, e in task.requests)
     block = model.config.block_size
     batches = sorted(((c + e)[-(block + 1):][:-1] for c, e in task.requests), key=len, reverse=True)
@@ -94,8 +107,7 @@ def main() -> None:
               batch_size=args.batch_size)
 
     def ours():
-        return task.score(gpt_logits_at(model, device, torch.float32), block, args.batch_size,
-                          device)
+        return task.score(gpt_logits_at(model, device, torch.float32), args.batch_size, device)
 
     @torch.no_grad()
     def forward():
@@ -128,6 +140,38 @@ def main() -> None:
     for name, values in times.items():
         print(f"| {name} | {statistics.median(values):.2f} | "
               f"{tokens / statistics.median(values):,.0f} |")
+
+
+def generation(args, model: GPT, contexts: list[str], hf) -> None:
+    """Interleaved rounds of generate_until over the same requests: ours one at a time, ours in
+    batches, the hf model's."""
+    from toolkit.harness import GPTHarness
+    tok, cpu = load_tokenizer(GPT2_FACTS), torch.device("cpu")
+    # (an until string random weights never write: every request makes its N tokens)
+    options = {"until": ["\u2603\u2603"], "max_gen_toks": args.generate, "do_sample": False}
+    requests = [SimpleNamespace(args=(context, options)) for context in contexts]
+    ours = {size: GPTHarness(model, tok, size, cpu, torch.float32).generate_until
+            for size in (1, args.batch_size)}
+    decoders = {"eval.py, one at a time": ours[1],
+                f"eval.py, batches of {args.batch_size}": ours[args.batch_size],
+                f"lm-eval hf, batches of {args.batch_size}": hf.generate_until}
+    tokens = len(requests) * args.generate
+    print(f"CPU {cpu_kind()}, {torch.get_num_threads()} threads; {args.preset}, float32, "
+          f"{len(requests)} requests of {min(map(len, contexts))}-{max(map(len, contexts))} "
+          f"characters, {args.generate} new tokens each, greedy")
+    times, replies = {name: [] for name in decoders}, {}
+    for round_ in range(args.rounds):
+        for name, decode in decoders.items():
+            start = time.perf_counter()
+            replies[name] = decode(requests, disable_tqdm=True)
+            times[name].append(time.perf_counter() - start)
+            print(f"round {round_ + 1} {name}: {times[name][-1]:.2f} s", flush=True)
+    first = next(iter(replies.values()))
+    print("| decoder | median s | new tokens/s | replies as one at a time's |\n|---|---|---|---|")
+    for name, values in times.items():
+        same = sum(a == b for a, b in zip(replies[name], first))
+        print(f"| {name} | {statistics.median(values):.2f} | "
+              f"{tokens / statistics.median(values):,.1f} | {same} of {len(first)} |")
 
 
 if __name__ == "__main__":

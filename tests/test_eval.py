@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import (ROOT, TINY_MODEL, assert_one_line_error, run_main, run_script,
+from conftest import (ROOT, TINY_MODEL, assert_one_line_error, perturb, run_main, run_script,
                       tensorboard_scalars)
 from model import GPT, GPTConfig
 from toolkit.checkpoint import load_checkpoint, save_checkpoint
@@ -347,12 +347,42 @@ def test_a_generated_reply_is_cut_as_lm_evals_hf_model_cuts_it(think):
             postprocess_generated_text(text, until, think), text
 
 
+def test_generation_requests_decoded_in_batches_reply_as_one_at_a_time():
+    """generate_until in batches of --batch-size, left-padded, each group of the same options apart:
+    the replies of requests one at a time, cut at an until string or ended by a stop token, in the
+    order asked; 200 new tokens slide past the block of 64."""
+    pytest.importorskip("lm_eval")
+    from types import SimpleNamespace
+
+    from toolkit.harness import GPTHarness
+    from toolkit.tokenizers import load_tokenizer
+    torch.manual_seed(0)
+    model = perturb(GPT(GPTConfig(block_size=64, vocab_size=257, n_layer=2, n_head=2,
+                                  n_embd=32)), std=0.3)
+    tok = load_tokenizer({"tokenizer": "byte", "vocab_size": 257, "eot_id": 256})
+    contexts = ["The cat sat on", "Q: 1+1?\nA:", "x", "一二三四五六七八九十" * 3, "def f(x):"]
+    requests = [SimpleNamespace(args=(context, {"until": [" ", "\n"], "max_gen_toks": 200}))
+                for context in contexts]
+    requests += [SimpleNamespace(args=(context, {"until": "q", "max_gen_toks": 6}))
+                 for context in contexts[:3]]
+    alone = GPTHarness(model, tok, 1, torch.device("cpu"), torch.float32)
+    replies = alone.generate_until(requests)
+    assert len(set(map(len, replies))) > 3 and max(map(len, replies[:5])) > 64
+    batched = GPTHarness(model, tok, 3, torch.device("cpu"), torch.float32)
+    assert batched.generate_until(requests) == replies
+    # a stop token (an instruction-tuned model's end of turn) ends a row's reply
+    first = model.generate(torch.tensor([tok.encode(contexts[0])]), 1, temperature=0)[0, -1]
+    batched.stops = alone.stops = [first.item()]
+    assert alone.generate_until(requests[:1]) == [""]
+    assert batched.generate_until(requests) == alone.generate_until(requests)
+
+
 def test_think_end_token_needs_a_harness_task_and_a_real_token(gpt2_model, tmp_path):
     ckpt = gpt2_model / "ckpt.pt"
     items = write_jsonl(tmp_path / "ok.jsonl", hellaswag_rows(2))
-    assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", items,
-                                   "--think-end-token", "</think>"),
-                          "--think-end-token is for lm-evaluation-harness's tasks")
+    for flag in (["--think-end-token", "</think>"], ["--compile"]):
+        assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", items, *flag),
+                              f"{flag[0]} is for lm-evaluation-harness's tasks")
     assert_one_line_error(run_main("eval.py", "--ckpt", ckpt, "--tasks", "hellaswag",
                                    "--think-end-token", ""), "--think-end-token is empty")
     pytest.importorskip("lm_eval")

@@ -8,7 +8,7 @@ import model
 from conftest import VOCAB, rel_err, tiny_config, tiny_gpt
 from model import GPT, GPTConfig
 from toolkit.train_config import PRESETS
-from toolkit.device import check_attn_kernel, check_memory, flops_per_token
+from toolkit.device import check_attn_kernel, check_memory, flops_per_token, num_params
 from toolkit.optim import make_optimizer
 
 
@@ -185,6 +185,33 @@ def test_a_finished_sequence_leaves_the_batch():
     assert torch.equal(out[1:], new[1:]) and (out[0, first:] == eos).all()
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@torch.no_grad()
+def test_left_padded_prompts_generate_what_each_generates_alone(arch):
+    """Prompts of three lengths in one batch, left-padded (eval.py's generation tasks batch them so):
+    each row's greedy tokens are those it gets alone, past the block (its context slides and the
+    cache is refilled), and with a stop token, after which a row leaves the batch."""
+    m = tiny_gpt(std=0.3, block_size=16, arch=arch, bias=arch == "gpt2")
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (9, 2, 5)]
+    pad = torch.tensor([9 - len(p) for p in prompts])
+    idx = torch.stack([torch.cat([torch.full((9 - len(p),), VOCAB - 1), p]) for p in prompts])
+    alone = [m.generate(p[None], 30, temperature=0)[0, len(p):] for p in prompts]
+    batched = m.generate(idx, 30, temperature=0, pad=pad)[:, 9:]
+    for row, tokens in enumerate(alone):
+        assert torch.equal(batched[row], tokens), row
+    eos = next(t for t in alone[1].tolist() if t not in alone[0].tolist() + alone[2].tolist())
+    first = alone[1].tolist().index(eos)
+    stopped = m.generate(idx, 30, temperature=0, pad=pad, eos_token=eos)[:, 9:]
+    assert torch.equal(stopped[1, : first + 1], alone[1][: first + 1])
+    assert torch.equal(stopped[::2], batched[::2])
+    for bad in (torch.tensor([0, 9, 0]), torch.tensor([0, 1]), torch.tensor([-1, 0, 0])):
+        with pytest.raises(ValueError, match="pad must be"):
+            m.generate(idx, 3, pad=bad)
+    with pytest.raises(ValueError, match="with the KV cache"):
+        m.generate(idx, 3, pad=pad, use_cache=False)
+
+
 def test_generate_stream_matches_generate_and_restores_mode():
     m = tiny_gpt(std=0.3).train()
     idx = torch.randint(0, VOCAB, (2, 3))
@@ -285,13 +312,13 @@ def test_chunked_loss_with_a_frozen_head_gives_the_same_gradients_and_none_for_t
 def test_param_count_and_flops():
     with torch.device("meta"):
         gpt2 = GPT(GPTConfig(**PRESETS["gpt2"]))
-    assert gpt2.config.num_params(non_embedding=False) == 124_439_808
-    assert gpt2.config.num_params() == 124_439_808 - 1024 * 768
-    assert flops_per_token(gpt2.config) == 6 * gpt2.config.num_params() + 12 * 12 * 12 * 64 * 1024
+    assert num_params(gpt2.config, non_embedding=False) == 124_439_808
+    assert num_params(gpt2.config) == 124_439_808 - 1024 * 768
+    assert flops_per_token(gpt2.config) == 6 * num_params(gpt2.config) + 12 * 12 * 12 * 64 * 1024
     # counted from the config (ZeRO-3 partitions the tensors), equal to the tensors
     for bias in (True, False):
         m = tiny_gpt(bias=bias)
-        assert m.config.num_params(non_embedding=False) == sum(p.numel() for p in m.parameters())
+        assert num_params(m.config, non_embedding=False) == sum(p.numel() for p in m.parameters())
 
 
 @pytest.mark.parametrize("change, message", [
@@ -321,7 +348,7 @@ def test_crop_block_size_and_optimizer():
     assert decay["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() < 2 for p in no_decay["params"])
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == \
-        m.config.num_params(non_embedding=False)
+        num_params(m.config, non_embedding=False)
 
 
 def test_sampling_distribution():
@@ -393,7 +420,7 @@ def test_the_llama_family_trains_both_loss_paths_alike_in_one_graph():
     compiled = torch.compile(m, fullgraph=True, backend="eager")
     assert torch.equal(compiled(idx, targets, chunked_loss=True)[1],
                        m(idx, targets, chunked_loss=True)[1])
-    assert m.config.num_params(non_embedding=False) == sum(p.numel() for p in m.parameters())
+    assert num_params(m.config, non_embedding=False) == sum(p.numel() for p in m.parameters())
 
 
 @pytest.mark.parametrize("config, message", [

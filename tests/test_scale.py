@@ -306,6 +306,7 @@ def test_16b_memory_estimate_without_allocating():
     """The source design's 16B on 32 nodes x 4 devices, TP 4 x PP 8, ZeRO-1, float32: nothing is
     allocated (its float32 weights alone would be 65 GB), and no process group is needed."""
     from model import GPTConfig
+    from toolkit.device import num_params
     from toolkit.train_config import PRESETS
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = run_main("train_ds.py", "--estimate-memory", "--preset", "gpt2-16b",
@@ -315,7 +316,7 @@ def test_16b_memory_estimate_without_allocating():
                       "--deepspeed_config", ROOT / "ds_config_zero1.json", env=ENV)
     assert result.returncode == 0, result.stderr
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak_before < 2**30
-    params = GPTConfig(**PRESETS["gpt2-16b"]).num_params(non_embedding=False)
+    params = num_params(GPTConfig(**PRESETS["gpt2-16b"]), non_embedding=False)
     assert f"{params:,} parameters (16.22B)" in result.stdout
     assert ("128 devices (32 nodes x 4) = 4 tensor-parallel x 8 pipeline stages x 4 data-parallel; "
             "ZeRO stage 1") in result.stdout

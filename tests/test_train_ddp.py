@@ -87,15 +87,26 @@ def workers(launcher_pid: int) -> dict[int, int]:
 
 def stop(proc: subprocess.Popen) -> None:
     """Kill a launcher that is still running and its workers (killing torchrun alone would orphan
-    them)."""
+    them), and wait until the workers are gone: their folder locks go only when they exit."""
     if proc.poll() is None:
-        for pid in workers(proc.pid).values():
+        pids = list(workers(proc.pid).values())
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         proc.kill()
         proc.wait()
+        wait_for(lambda: not any(alive(pid) for pid in pids), timeout=30, what="workers to exit")
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie, dead but not yet reaped, has closed its files: not alive)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def wait_for(condition, timeout=120, what="condition"):

@@ -14,7 +14,7 @@ from toolkit import flags
 from toolkit.checkpoint import CHECKPOINT_FILE, run_state
 from toolkit.cli import CLIError
 from toolkit.config import RunConfig, settle_run
-from toolkit.device import describe, run_device
+from toolkit.device import describe, num_params, run_device
 from toolkit.records import json_records
 from toolkit.embedding import (POOLINGS, embed, encoder_identity, load_encoder, read_corpus,
                                text_room, token_ids)
@@ -239,7 +239,7 @@ def setup_tune(cfg: TuneConfig) -> Trainer:
     engine.start(model, cfg, device, dtype, objective.loss)
     claim_out_dir(cfg.out_dir, path, resuming=False, overwrite=True)  # refuse_existing checked
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = model.config.num_params(non_embedding=False)
+    total = num_params(model.config, non_embedding=False)
     held = f", {len(objective.val):,} held out for the best checkpoint" if objective.val else ""
     print(f"tuning {trained / 1e6:.3f}M of {total / 1e6:.3f}M parameters on {len(pairs):,} "
           f"pairs and {len(documents):,} documents{held}, batch {objective.batch_size}, "

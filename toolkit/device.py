@@ -138,6 +138,20 @@ def generation_linears(model: GPT, device: torch.device, dtype: torch.dtype) -> 
     return mkldnn.to_mkldnn(model.eval())
 
 
+def compile_decoding(model: GPT, dtype: torch.dtype) -> None:
+    """model's one-token step (GPT.decode_step) compiled, its shapes dynamic; the prefill stays
+    eager. Greedy in float32 it gives eager's tokens; a temperature draws from inductor's RNG."""
+    import torch._inductor.config as inductor  # 1.3 s to import: --compile alone needs it
+    # inductor's own pass turns a (1, K) x (K, N) product on a CPU into a vectorised reduction:
+    # 21 GB/s of weights against 13 for MKL's GEMV on 2 cores. By default it stops at K, N of 2048
+    # (read when the pass first loads, so before the first compile)
+    inductor.post_grad_fusion_options["decompose_mm_pass"] = {
+        "cpu_max_other_dimension_decomposition": 1 << 30}
+    if dtype != torch.float32:  # compiled under autocast, float32 weights are cast at every step
+        model.to(dtype)
+    model.decode_step = torch.compile(model.decode_step, dynamic=True)
+
+
 def set_job_threads() -> None:
     """CPU threads of one process in a multi-process job: OMP_NUM_THREADS when set, else the cores
     shared out over this machine's processes (torchrun sets OMP_NUM_THREADS=1; the deepspeed
@@ -170,10 +184,25 @@ def keep_freed_memory_in_heap() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
+def num_params(config: GPTConfig, non_embedding: bool = True) -> int:
+    """Parameters of config's shape, counted without building it; non_embedding leaves out the
+    input embeddings that cost no FLOPs (GPT-2's positions; an untied model's token embedding)."""
+    C, D, b = config.n_embd, config.head_size, int(config.bias)
+    attention = C * (config.n_head + 2 * config.kv_heads) * D + config.n_head * D * C
+    mlp = (2 if config.arch == "gpt2" else 3) * C * config.mlp_width
+    norms = 2 * (1 + b) * C + 2 * D * config.qk_norm
+    biases = b * ((config.n_head + 2 * config.kv_heads) * D + C + config.mlp_width + C)
+    head = config.vocab_size * C
+    n = head + config.n_layer * (attention + mlp + norms + biases) + (1 + b) * C
+    inputs = (config.block_size * C if config.arch == "gpt2" else
+              0 if config.tie_embeddings else head)
+    return n if non_embedding else n + inputs
+
+
 def flops_per_token(config: GPTConfig) -> int:
     """Training FLOPs per token: 6N for the weights plus attention scores (PaLM, appendix B)."""
     attention = 12 * config.n_layer * config.n_head * config.head_size * config.block_size
-    return 6 * config.num_params() + attention
+    return 6 * num_params(config) + attention
 
 
 def peak_flops(device: torch.device, peak_tflops: float | None = None) -> float | None:
@@ -197,7 +226,7 @@ def available_memory() -> int | None:
 
 def check_memory(config: GPTConfig) -> None:
     """Refuse (ValueError) a config whose model's float32 weights alone exceed available memory."""
-    n, available = config.num_params(non_embedding=False), available_memory()
+    n, available = num_params(config, non_embedding=False), available_memory()
     if available is not None and 4 * n > available:
         raise ValueError(f"model config: {n:,} parameters need {4 * n / 2**30:,.1f} GiB for their "
                          f"float32 weights alone, more than the {available / 2**30:,.1f} GiB of "

@@ -26,7 +26,7 @@ from toolkit.chat import add_chat_tokens, can_chat
 from toolkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, run_state, save_checkpoint
 from toolkit.cli import CLIError
 from toolkit.config import settle_run
-from toolkit.device import describe, run_device
+from toolkit.device import describe, num_params, run_device
 from toolkit.files import atomic_open, check_output, claim_out_dir
 from toolkit.finetune_config import (EPOCHS, LATEST_FILE, LORA_LR, LR_WIDTH, MIN_STEPS,
                                      FinetuneConfig, check_outputs)
@@ -367,7 +367,7 @@ def describe_run(cfg: FinetuneConfig, objective: TaskObjective | ChatObjective, 
     if cfg.lora_rank:
         trained = sum(p.numel() for p in objective.model.parameters() if p.requires_grad)
         adapters = f", LoRA rank {cfg.lora_rank} on {cfg.lora_targets}: {trained:,} trained"
-    print(f"model: {body.config.num_params() / 1e6:.2f}M parameters{adapters}, block "
+    print(f"model: {num_params(body.config) / 1e6:.2f}M parameters{adapters}, block "
           f"{body.config.block_size}; {cfg.epochs} epochs x {objective.steps_per_epoch} steps of "
           f"{objective.global_batch} over {distributed.world_size()} process(es), lr {cfg.lr:.3g}; "
           f"device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}", flush=True)

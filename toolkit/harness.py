@@ -121,28 +121,50 @@ class GPTHarness(TemplateLM):
             totals[owner] += ll
         return totals
 
-    @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        out = []
+        """Requests of the same options decoded together, --batch-size at a time, the longest
+        contexts first (as lm-eval's hf model batches them), each left-padded."""
+        jobs = []
         for context, options in (request.args for request in requests):
             until = options.get("until") or []
-            until = [stop for stop in ([until] if isinstance(until, str) else until) if stop]
-            new_tokens = options.get("max_gen_toks", 256)
+            until = tuple(stop for stop in ([until] if isinstance(until, str) else until) if stop)
             temperature = options.get("temperature", 0.0) if options.get("do_sample") else 0.0
             ids = (self.tok_encode(context) or [self.eot_token_id])[-(self.max_length - 1):]
-            tokens = []
-            with autocast(self.where, self.dtype):
-                stream = self.model.generate_stream(torch.tensor([ids], device=self.where),
-                                                    new_tokens, temperature=temperature)
-                for step in stream:
-                    tokens.append(step[0].item())
-                    if tokens[-1] in self.stops:
-                        tokens.pop()
-                        break
-                    if any(stop in self.tok_decode(tokens) for stop in until):
-                        break
-            out.append(self.reply(tokens, until))
+            jobs.append((until, options.get("max_gen_toks", 256), temperature, ids))
+        out = [""] * len(jobs)
+        order = sorted(range(len(jobs)), key=lambda i: (*jobs[i][:3], -len(jobs[i][3])))
+        while order:
+            batch = [i for i in order[: self.batch_size] if jobs[i][:3] == jobs[order[0]][:3]]
+            order = order[len(batch):]
+            replies = self.generate_batch([jobs[i][3] for i in batch], *jobs[batch[0]][:3])
+            for i, reply in zip(batch, replies):
+                out[i] = reply
         return out
+
+    @torch.no_grad()
+    def generate_batch(self, prompts: list[list[int]], until: tuple[str, ...], new_tokens: int,
+                       temperature: float) -> list[str]:
+        """The replies to prompts, decoded as one batch: a row leaves at a stop token, and the batch
+        ends when every row has met one or an `until` string (as transformers' stopping
+        criteria)."""
+        width = max(map(len, prompts))
+        idx = torch.tensor([[ids[0]] * (width - len(ids)) + ids for ids in prompts],
+                           device=self.where)  # (the padding's ids are never attended to)
+        pad = torch.tensor([width - len(ids) for ids in prompts], device=self.where)
+        tokens, done = [[] for _ in prompts], [False] * len(prompts)
+        with autocast(self.where, self.dtype):
+            for step in self.model.generate_stream(idx, new_tokens, temperature=temperature,
+                                                   eos_token=self.stops or None, pad=pad):
+                for row, token in enumerate(step.tolist()):
+                    if done[row]:
+                        continue
+                    done[row] = token in self.stops
+                    if not done[row]:
+                        tokens[row].append(token)
+                        done[row] = any(stop in self.tok_decode(tokens[row]) for stop in until)
+                if all(done):
+                    break
+        return [self.reply(row, until) for row in tokens]
 
     def reply(self, tokens: list[int], until: list[str]) -> str:
         """The text of generated tokens as lm-eval's hf model returns it: from after the last end

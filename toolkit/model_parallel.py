@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from model import GPT, GPTConfig, chunked_cross_entropy, rotary
-from toolkit.device import flops_per_token
+from toolkit.device import flops_per_token, num_params
 
 # AutoTP's partition rules for model.py's names: (parameter pattern, column or row, sub-parameters)
 TP_RULES = [
@@ -283,7 +283,7 @@ def estimate_memory(config: GPTConfig, layout: Layout, zero_stage: int, dtype: s
     in_flight = min(layout.pipeline_stages, micro_steps)
     activations = activation_bytes(config, micro_batch, width, blocks * in_flight, layout.tp_size,
                                    recompute)
-    return MemoryEstimate(config.num_params(non_embedding=False), device_params, largest_layer,
+    return MemoryEstimate(num_params(config, non_embedding=False), device_params, largest_layer,
                           flops_per_token(config), weights, gradients, optimizer, activations, cpu)
 
 

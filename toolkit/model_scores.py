@@ -18,7 +18,8 @@ from model import GPT
 from toolkit.chat import can_chat, template_variables
 from toolkit.cli import CLIError
 from toolkit.data import load_corpus
-from toolkit.device import autocast, full_logits_fit, resolve_device, resolve_dtype
+from toolkit.device import (autocast, compile_decoding, full_logits_fit, resolve_device,
+                            resolve_dtype)
 from toolkit.evaluation import (ChoiceTask, gpt_logits_at, is_local_task, loss_metrics,
                                  refuse_same_names, task_name, window_losses)
 from toolkit.model_sources import load_model
@@ -151,6 +152,8 @@ def harness_results(specs: list[str], model: GPT, tok: Tokenizer, args: argparse
     except ImportError:
         raise CLIError(f"--tasks {','.join(specs)} needs lm-evaluation-harness: pip install "
                        f"lm_eval (a local .jsonl in HellaSwag's format needs nothing)") from None
+    if args.compile:
+        compile_decoding(model, dtype)
     lm = harness.GPTHarness(model, tok, args.batch_size, device, dtype,
                             chat=args.apply_chat_template,
                             variables=template_variables(args.chat_template_kwargs),

@@ -24,7 +24,7 @@ from toolkit.cli import CLIError
 from toolkit.config import replicas, settle_run
 from toolkit.data import DEFAULT_CORPUS_DIR, is_prepared, load_corpus
 from toolkit.device import (check_attn_kernel, check_memory, describe, flops_per_token,
-                            full_logits_fit, resolve_device, run_device)
+                            full_logits_fit, num_params, resolve_device, run_device)
 from toolkit.evaluation import ChoiceTask, loss_metrics, window_losses
 from toolkit.files import check_output, claim_out_dir
 from toolkit.lora import lora_base
@@ -313,7 +313,7 @@ def setup(cfg: TrainConfig, engine: Engine) -> Trainer:
             print(f"resumed from {engine.resumed_from} at iteration {step}"
                   + (f" after restart {restart}" if restart else ""))
         tokens = objective.global_batch * cfg.block_size
-        print(f"model: {model.config.num_params() / 1e6:.2f}M parameters, {model.config}")
+        print(f"model: {num_params(model.config) / 1e6:.2f}M parameters, {model.config}")
         print(f"global batch: {cfg.batch_size} micro x {objective.micro_steps} accumulation x "
               f"{replicas(dp_size)} = {objective.global_batch} sequences = {tokens:,} tokens per "
               f"step; device {describe(device)}, dtype {str(dtype).removeprefix('torch.')}, loss "

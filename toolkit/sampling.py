@@ -23,8 +23,8 @@ from toolkit.chat import (can_chat, chat_prompt, fit_history, is_chat_tokenizer,
                           template_variables)
 from toolkit import cli, flags
 from toolkit.cli import CLIError
-from toolkit.device import (autocast, check_attn_kernel, generation_linears, resolve_device,
-                            resolve_dtype)
+from toolkit.device import (autocast, check_attn_kernel, compile_decoding, generation_linears,
+                            resolve_device, resolve_dtype)
 from toolkit.textfiles import read_text
 from toolkit.files import atomic_open, check_output, refuse_special
 from toolkit.quantize import add_quantize_argument, check_quantize, quantize_model
@@ -300,20 +300,6 @@ def run_sampling(model: GPT, tok: Tokenizer, args: argparse.Namespace, source: s
             print(f"{args.genfile} holds the samples finished before the interrupt",
                   file=sys.stderr)
         raise KeyboardInterrupt
-
-
-def compile_decoding(model: GPT, dtype: torch.dtype) -> None:
-    """model's one-token step (GPT.decode_step) compiled, its shapes dynamic; the prefill stays
-    eager. Greedy in float32 it gives eager's tokens; a temperature draws from inductor's RNG."""
-    import torch._inductor.config as inductor  # 1.3 s to import: --compile alone needs it
-    # inductor's own pass turns a (1, K) x (K, N) product on a CPU into a vectorised reduction:
-    # 21 GB/s of weights against 13 for MKL's GEMV on 2 cores. By default it stops at K, N of 2048
-    # (read when the pass first loads, so before the first compile)
-    inductor.post_grad_fusion_options["decompose_mm_pass"] = {
-        "cpu_max_other_dimension_decomposition": 1 << 30}
-    if dtype != torch.float32:  # compiled under autocast, float32 weights are cast at every step
-        model.to(dtype)
-    model.decode_step = torch.compile(model.decode_step, dynamic=True)
 
 
 def chat(sampler: Sampler) -> None:
