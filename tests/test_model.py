@@ -188,9 +188,9 @@ def test_a_finished_sequence_leaves_the_batch():
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @torch.no_grad()
 def test_left_padded_prompts_generate_what_each_generates_alone(arch):
-    """Prompts of three lengths in one batch, left-padded (eval.py's generation tasks batch them so):
-    each row's greedy tokens are those it gets alone, past the block (its context slides and the
-    cache is refilled), and with a stop token, after which a row leaves the batch."""
+    """Prompts of three lengths in one batch, left-padded (as eval.py's generation tasks batch
+    them): each row's greedy tokens are those it gets alone, past the block (its context slides and
+    the cache is refilled), and with a stop token, after which a row leaves the batch."""
     m = tiny_gpt(std=0.3, block_size=16, arch=arch, bias=arch == "gpt2")
     prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n))
                for n in (9, 2, 5)]
