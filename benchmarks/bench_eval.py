@@ -11,9 +11,10 @@ same items. Throughput is tokens scored per second (context and ending tokens of
 accuracies printed must agree.
 
 --generate N times generation tasks instead (lm-eval's generate_until): the items' contexts, N
-new tokens each, greedy, decoded by toolkit/harness.py one request at a time, in batches of
---batch-size (left-padded, what eval.py runs), and by the `hf` model in batches of the same size;
-throughput is new tokens per second, and the replies must agree.
+new tokens each, greedy, decoded by toolkit/harness.py (on oneDNN's linears, as eval.py in float32
+on a CPU) one request at a time and in batches of --batch-size (left-padded, what eval.py runs), and
+by the `hf` model in batches of the same size; throughput is new tokens per second, and the replies
+must agree.
 
     python benchmarks/bench_eval.py --items 100 --rounds 2
     python benchmarks/bench_eval.py --generate 32 --items 32 --rounds 2
@@ -35,7 +36,7 @@ import torch
 from model import GPT, GPTConfig
 from toolkit.train_config import PRESETS
 from toolkit import cli
-from toolkit.device import cpu_kind
+from toolkit.device import cpu_kind, generation_linears
 from toolkit.evaluation import ChoiceTask, gpt_logits_at
 from toolkit.gpt2_vocab import GPT2_FACTS
 from toolkit.hf import save_gpt2
@@ -147,6 +148,7 @@ def generation(args, model: GPT, contexts: list[str], hf) -> None:
     batches, the hf model's."""
     from toolkit.harness import GPTHarness
     tok, cpu = load_tokenizer(GPT2_FACTS), torch.device("cpu")
+    model = generation_linears(model, cpu, torch.float32)  # as eval.py runs the harness
     # (an until string random weights never write: every request makes its N tokens)
     options = {"until": ["\u2603\u2603"], "max_gen_toks": args.generate, "do_sample": False}
     requests = [SimpleNamespace(args=(context, options)) for context in contexts]
