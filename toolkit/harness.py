@@ -18,6 +18,7 @@ import traceback
 import jinja2
 import torch
 from lm_eval import simple_evaluate, utils
+from tqdm import tqdm
 from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
 
@@ -133,12 +134,14 @@ class GPTHarness(TemplateLM):
             jobs.append((until, options.get("max_gen_toks", 256), temperature, ids))
         out = [""] * len(jobs)
         order = sorted(range(len(jobs)), key=lambda i: (*jobs[i][:3], -len(jobs[i][3])))
-        while order:
-            batch = [i for i in order[: self.batch_size] if jobs[i][:3] == jobs[order[0]][:3]]
-            order = order[len(batch):]
-            replies = self.generate_batch([jobs[i][3] for i in batch], *jobs[batch[0]][:3])
-            for i, reply in zip(batch, replies):
-                out[i] = reply
+        with tqdm(total=len(jobs), desc="generating", disable=disable_tqdm) as progress:
+            while order:
+                batch = [i for i in order[: self.batch_size] if jobs[i][:3] == jobs[order[0]][:3]]
+                order = order[len(batch):]
+                replies = self.generate_batch([jobs[i][3] for i in batch], *jobs[batch[0]][:3])
+                for i, reply in zip(batch, replies):
+                    out[i] = reply
+                progress.update(len(batch))
         return out
 
     @torch.no_grad()
