@@ -3,7 +3,7 @@ Decoding speed, side by side in one run: this toolkit's generation (model.py's g
 KV cache; its linears in eager PyTorch, and on oneDNN as test.py runs them on a CPU in float32,
 toolkit/device.py's generation_linears; with int8 or int4 weights, `--quantize int8|int4`,
 toolkit/quantize.py;
-its one-token step compiled, `--compile`, toolkit/sampling.py) and llama.cpp (llama-cpp-python) on
+its one-token step compiled, `--compile`, toolkit/device.py) and llama.cpp (llama-cpp-python) on
 the toolkit's own GGUF export of the same weights in the same precision. For each batch size: the
 prefill's latency, the decode rate, and the model bandwidth utilisation (MBU) against the machine's
 memory bandwidth, measured here.
