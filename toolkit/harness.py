@@ -154,6 +154,7 @@ class GPTHarness(TemplateLM):
         idx = torch.tensor([[ids[0]] * (width - len(ids)) + ids for ids in prompts],
                            device=self.where)  # (the padding's ids are never attended to)
         pad = torch.tensor([width - len(ids) for ids in prompts], device=self.where)
+        pad = pad if pad.any() else None  # (prompts of one length need no mask)
         tokens, done = [[] for _ in prompts], [False] * len(prompts)
         with autocast(self.where, self.dtype):
             for step in self.model.generate_stream(idx, new_tokens, temperature=temperature,
