@@ -66,6 +66,16 @@ def test_sampling_imports_neither_the_training_core_nor_deepspeed():
     assert out.stdout.strip() == "[]"
 
 
+def test_training_imports_fsdp_and_its_checkpoints_only_for_a_sharded_run():
+    """(0.8 s of every trainer's start, docs/performance.md)"""
+    code = ("import runpy, sys; runpy.run_path('train.py', run_name='training'); "
+            "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.checkpoint') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_torch_failing_to_allocate_host_memory_is_one_line(capsys):
     """The CPU allocator's failure (a LoRA rank of 10**9, a batch of 10**8 samples) is out of memory
     on the host, said as such, not a traceback."""

@@ -34,8 +34,6 @@ from toolkit.cli import CLIError
 from toolkit.config import RunConfig
 from toolkit.device import autocast, peak_flops
 from toolkit.files import refuse_special
-from toolkit.fsdp import local, shard_model, shard_optimizer_state
-from toolkit.fsdp_checkpoint import load_sharded, read_sharded, read_state, save_sharded
 from toolkit.optim import Schedule, make_optimizer
 from toolkit.runlog import RunLog
 from toolkit.signals import StopRequest
@@ -155,6 +153,7 @@ class TorchEngine:
         source = self.resumed_from = newest_checkpoint(self.file)
         if not is_sharded(source):
             return load_resume(self.file)
+        from toolkit.fsdp_checkpoint import read_sharded, read_state  # (0.8 s: see start())
         if not self.fsdp:
             return read_sharded(source)  # gathered whole in each process
         self.sharded_source = source  # each rank reads its shards in start()
@@ -175,6 +174,9 @@ class TorchEngine:
         if cfg.activation_checkpointing:
             checkpoint_activations(self.gpt.transformer.h)
         if self.fsdp:  # every rank read the whole weights: now each keeps its shard
+            # FSDP2 and DCP take 0.8 s to import (DTensor's ops): only FSDP runs pay it
+            from toolkit.fsdp import shard_model, shard_optimizer_state
+            from toolkit.fsdp_checkpoint import load_sharded
             shard_model(model, self.gpt.transformer.h, dtype)
         self.optimizer = make_optimizer(model, cfg.optimizer, cfg.lr, cfg.weight_decay,
                                         (cfg.beta1, cfg.beta2), cfg.muon_lr, device.type, dtype)
@@ -242,9 +244,10 @@ class TorchEngine:
             return self.gpt.lm_head(self.gpt.hidden_states(idx)[rows, cols]).float()
 
     def weights_finite(self) -> bool:
-        finite = all(bool(torch.isfinite(local(p)).all()) for p in self.model.parameters())
         if not self.fsdp:
-            return finite
+            return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        from toolkit.fsdp import local  # (see start())
+        finite = all(bool(torch.isfinite(local(p)).all()) for p in self.model.parameters())
         return distributed.all_reduce_sum([float(not finite)], self.device) == [0.0]  # all shards
 
     def save(self, state: dict, path: str | None = None, resumable: bool | None = None) -> None:
@@ -254,6 +257,7 @@ class TorchEngine:
         scaler = self.scaler.state_dict() if keep and self.scaler.is_enabled() else None
         rng = capture_rng(self.device) if keep else {}
         if self.fsdp:  # each rank writes its shards
+            from toolkit.fsdp_checkpoint import save_sharded  # (see start())
             save_sharded(self.path, state, weights, optimizer, scaler, rng)
         elif distributed.rank() == 0:
             save_checkpoint(make_checkpoint(state, weights, optimizer, scaler, rng),
