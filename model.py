@@ -438,7 +438,7 @@ class GPT(nn.Module):
                     caches = [KVCache(length, pad) for _ in self.transformer.h]
                 if use_cache and caches[0].len > 0:  # a filled cache: the last token alone
                     tok = self.decode_step(ctx[:, -1:], caches, ctx.size(1) - 1, **sampling)
-                else:  # the prefill, eager even where toolkit/sampling.py compiles decode_step
+                else:  # the prefill, eager even where --compile compiles decode_step
                     tok = sample(self.lm_head(self._trunk(ctx, caches)[:, -1]).float(), **sampling)
                 if stops is not None:
                     tok = stops[0].repeat(idx.size(0)).index_copy(0, rows, tok)

@@ -18,9 +18,9 @@ import traceback
 import jinja2
 import torch
 from lm_eval import simple_evaluate, utils
-from tqdm import tqdm
 from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
+from tqdm import tqdm
 
 from model import GPT
 from toolkit.chat import export_template, render, stop_ids

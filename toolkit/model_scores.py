@@ -154,7 +154,7 @@ def harness_results(specs: list[str], model: GPT, tok: Tokenizer, args: argparse
                        f"lm_eval (a local .jsonl in HellaSwag's format needs nothing)") from None
     if args.compile:
         compile_decoding(model, dtype)
-    elif not args.quantize:  # decoding 1.4x in float32 on a CPU (and opaque to the compiler)
+    elif not args.quantize:  # as test.py's: faster decoding in float32 on a CPU (performance.md)
         model = generation_linears(model, device, dtype)
     lm = harness.GPTHarness(model, tok, args.batch_size, device, dtype,
                             chat=args.apply_chat_template,
