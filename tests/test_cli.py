@@ -57,20 +57,13 @@ def test_underscore_spellings_are_the_kebab_case_flags():
     assert misspelt.returncode == 2 and "unrecognized arguments: --max_itrs=3" in misspelt.stderr
 
 
-def test_sampling_imports_neither_the_training_core_nor_deepspeed():
-    code = ("import runpy, sys; runpy.run_path('test.py', run_name='sampling'); "
-            "print(sorted(m for m in ('toolkit.training', 'toolkit.pretraining', 'deepspeed') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         check=True)
-    assert out.stdout.strip() == "[]"
-
-
-def test_training_imports_fsdp_and_its_checkpoints_only_for_a_sharded_run():
-    """(0.8 s of every trainer's start, docs/performance.md)"""
-    code = ("import runpy, sys; runpy.run_path('train.py', run_name='training'); "
-            "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.checkpoint') "
-            "if m in sys.modules))")
+@pytest.mark.parametrize("script, unused", [
+    ("test.py", ("toolkit.training", "toolkit.pretraining", "deepspeed")),
+    # FSDP2 and DCP: 0.8 s of every trainer's start (docs/performance.md), for sharded runs only
+    ("train.py", ("torch.distributed.fsdp", "torch.distributed.checkpoint"))])
+def test_a_script_imports_nothing_it_does_not_run(script, unused):
+    code = (f"import runpy, sys; runpy.run_path({script!r}, run_name='imported'); "
+            f"print(sorted(m for m in {unused!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
