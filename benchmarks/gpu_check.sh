@@ -7,7 +7,8 @@
 #     and data, compiled, right after ours
 #   - the quick start, `python train.py` with no flags: wall seconds and its val loss
 #   - sampling tokens/s with the KV cache, 124M, bfloat16
-#   - 2-process DDP (when there are 2 GPUs) and a single-GPU DeepSpeed ZeRO-3 step
+#   - 2-process DDP (when there are 2 GPUs), FSDP2 on one GPU with activation checkpointing (train_ddp.py
+#     --fsdp) and a single-GPU DeepSpeed ZeRO-3 step; each training run's peak GPU memory
 #   - with NANOGPT_DIR and SHAKESPEARE=Tiny Shakespeare's input.txt also the time-to-quality race against
 #     nanoGPT's GPU recipe (benchmarks/speedrun.py --recipe gpu: about 5 more minutes)
 # Training reads random GPT-2-vocabulary tokens: the speed does not depend on the text, and nothing needs
@@ -23,7 +24,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
     --out) OUT_DIR="$2"; shift ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument $1 (use --dry-run, --out DIR)" >&2; exit 2 ;;
   esac
   shift
@@ -76,6 +77,8 @@ with open(results, "a") as f:
         f.write(f"{name}\tfailed\tsee {log}\n")
         sys.exit()
     f.write(f"{name}\t{statistics.median(float(r[1]) for r in rows):.1f}\tms/iter\n")
+    peak = re.search(r"peak memory ([\d.]+) GiB", text)  # train.py's last line, on a GPU
+    f.write(f"{name}\t{peak[1]}\tGiB peak\n" if peak else "")
     if ours:
         mfu = [float(r[3]) for r in rows if r[3]]
         f.write(f"{name}\t{statistics.median(float(r[2].replace(',', '')) for r in rows):,.0f}\ttokens/s\n")
@@ -155,6 +158,11 @@ if [ "$GPUS" -ge 2 ]; then
 else
   result "DDP 2 GPUs" "skipped" "(fewer than 2 GPUs)"
 fi
+
+echo "== FSDP2, one process, with activation checkpointing"
+torchrun --standalone --nproc_per_node 1 train_ddp.py --fsdp --activation-checkpointing $COMMON $SHAPE \
+  --out-dir "$WORK/fsdp" --max-iters $ITERS 2>&1 | tee "$OUT_DIR/fsdp.log"
+step_figures "$OUT_DIR/fsdp.log" "FSDP2 1 GPU --activation-checkpointing"
 
 echo "== DeepSpeed ZeRO-3"
 if python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"; then

@@ -12,7 +12,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line.split("\t") for line in (tmp_path / "gpu_check.tsv").read_text().splitlines()]
     figures = {(name, unit): value for name, value, unit in rows}
-    for name in ("train gpt2 float32", "train gpt2 float32 --compile", "DeepSpeed ZeRO-3 1 GPU"):
+    for name in ("train gpt2 float32", "train gpt2 float32 --compile", "DeepSpeed ZeRO-3 1 GPU",
+                 "FSDP2 1 GPU --activation-checkpointing"):
         assert float(figures[(name, "ms/iter")]) > 0, figures
     assert float(figures[("sampling with KV cache", "tokens/s")].replace(",", "")) > 0
     assert figures[("DDP 2 GPUs", "(fewer than 2 GPUs)")] == "skipped"

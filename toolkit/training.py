@@ -353,7 +353,10 @@ class Trainer:
             return f"stopped by signal at iteration {self.step}; {saved}{resume}"
         metric = loop.metric.replace("_", " ")
         best = f", best {metric} {self.best[loop.metric]:.4f}" if self.best else ""
-        return f"done: {self.step} iterations{best}, {saved}"
+        # what the run's tensors held at most on a GPU, as nanochat reports it
+        peak = (f", peak memory {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB"
+                if self.device.type == "cuda" else "")
+        return f"done: {self.step} iterations{best}{peak}, {saved}"
 
     def check_finite(self, loss: float) -> None:
         """Stop on a NaN/inf loss, keeping the checkpoint written before; float16 overflow steps are
