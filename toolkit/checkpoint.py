@@ -134,13 +134,14 @@ def newest_checkpoint(path: str) -> str:
     sharded = os.path.join(folder, SHARDED_DIR)
     if not os.path.isfile(file):
         return sharded if is_sharded(sharded) else path
-    if sharded_iter(sharded) is None:  # none, or none complete: the file
+    sharded_step = sharded_iter(sharded)
+    if sharded_step is None:  # none, or none complete: the file
         return file
     try:  # (memory-mapped: the weights are not read)
         step = torch.load(file, map_location="cpu", mmap=True, weights_only=True)["iter_num"]
     except Exception:  # unreadable: the sharded one is the run's
         return sharded
-    return sharded if sharded_iter(sharded) > step else file
+    return sharded if sharded_step > step else file
 
 
 def read_pointer(folder: str) -> str | None:
