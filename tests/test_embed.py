@@ -464,6 +464,7 @@ def bad(corpus, tmp_path_factory):
                                            "vocab_size": len(chars), "eot_id": None})
     (folder / "blank.txt").write_text("\n  \n\n")
     (folder / "broken.jsonl").write_text('{"text": "fine"}\n{"text": "no end"\n')
+    write_jsonl(folder / "content.jsonl", [{"content": "猫坐在垫子上"}])
     write_jsonl(folder / "unknown.jsonl",
                 [{"query": "a kitty", "id": "d1"}, {"query": "a hound", "id": "d100"}])
     write_jsonl(folder / "no_positive.jsonl",
@@ -480,6 +481,8 @@ def bad(corpus, tmp_path_factory):
      ["no texts"]),
     (["index", "--ckpt", "{corpus}/ckpt.pt", "--input", "{bad}/broken.jsonl", "--out", "{out}"],
      ["broken.jsonl line 2", "invalid JSON"]),
+    (["index", "--ckpt", "{corpus}/ckpt.pt", "--input", "{bad}/content.jsonl", "--out", "{out}"],
+     ["content.jsonl line 1", "(its string keys: content)", "with --json-key"]),
     (["eval", "--index", "{corpus}/index", "--pairs", "{bad}/unknown.jsonl"],
      ["unknown.jsonl line 2", "'d100'"]),
     (["tune", "--ckpt", "{corpus}/ckpt.pt", "--pairs", "{bad}/no_positive.jsonl", "--out-dir",

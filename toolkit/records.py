@@ -141,15 +141,17 @@ class ArrayItems:
 
 # ----- JSON records -----
 
-def json_records(path: str, keys: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+def json_records(path: str, keys: tuple[str, ...], flag: str | None = None
+                 ) -> Iterator[tuple[int, dict]]:
     """(line number, JSON object) of every non-blank line, each with a string under each key, or a
-    one-line error naming file and line."""
+    one-line error naming file and line (and flag, the option that names the key)."""
     for number, record in json_lines(path):
         if not isinstance(record, dict):
             raise CLIError(f"{path} line {number}: expected a JSON object")
         for key in keys:
             if not isinstance(record.get(key), str):
-                raise missing_key(f"{path} line {number}", key, record)
+                error = missing_key(f"{path} line {number}", key, record)
+                raise CLIError(f"{error}; choose the field with {flag}") if flag else error
         yield number, record
 
 
