@@ -44,8 +44,7 @@ class GPTConfig:
     # high_freq_factor, original_max_position_embeddings; None: theta's alone
     rope_scaling: dict[str, float] | None = None
     norm_eps: float = 1e-5  # RMSNorm's epsilon
-    # the LM head is the token embedding (GPT-2; small Qwen3 and SmolLM)
-    tie_embeddings: bool = True
+    tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2; small Qwen3, SmolLM)
 
     @property
     def kv_heads(self) -> int:
@@ -114,16 +113,14 @@ def check_config(config: GPTConfig) -> None:
             raise ValueError(f"model config: {name} must be a finite number {wanted}, "
                              f"got {value!r}")
     scaling = config.rope_scaling
-    if scaling is not None and not is_rope_scaling(scaling):
+    if scaling is not None and not (
+            isinstance(scaling, dict) and set(scaling) == set(ROPE_SCALING)
+            and all(type(v) in (int, float) and 0 < v < math.inf for v in scaling.values())
+            and scaling["factor"] >= 1
+            and scaling["high_freq_factor"] > scaling["low_freq_factor"]):
         raise ValueError("model config: rope_scaling must be null or an object of "
                          f"{', '.join(ROPE_SCALING)}, factors of at least 1 with high_freq_factor "
                          f"above low_freq_factor, got {scaling!r:.200}")
-
-
-def is_rope_scaling(scaling) -> bool:
-    return (isinstance(scaling, dict) and set(scaling) == set(ROPE_SCALING)
-            and all(type(v) in (int, float) and 0 < v < math.inf for v in scaling.values())
-            and scaling["factor"] >= 1 and scaling["high_freq_factor"] > scaling["low_freq_factor"])
 
 
 class RMSNorm(nn.RMSNorm):
@@ -147,8 +144,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv_head = config.n_head, config.kv_heads
         self.head_dim, self.dropout = config.head_size, config.dropout
         self.kernel = config.attn_kernel
-        # queries, keys, values
-        qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_size
+        qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_size  # q, k, v
         self.c_attn = nn.Linear(config.n_embd, qkv_width, bias=config.bias)
         self.c_proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -157,7 +153,7 @@ class CausalSelfAttention(nn.Module):
             self.k_norm = norm(config, config.head_size)
 
     def forward(self, x: torch.Tensor, kv_cache: "KVCache | None" = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                rope: tuple | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.c_attn(x)
         # n_head, or this rank's tensor-parallel share; as many kv heads for GPT-2, fewer with GQA
@@ -171,27 +167,16 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = rotate(q, *rope), rotate(k, *rope)
-        past, pad = (kv_cache.len, kv_cache.pad) if kv_cache is not None else (0, None)
-        if kv_cache is not None:
-            k, v = kv_cache.append(k, v)
+        # with a cache: all its keys, masked (slots: x's places), so a step's shapes stay fixed
+        k, v, mask = (k, v, None) if kv_cache is None else kv_cache.update(k, v, slots)
         if kv_heads != heads:  # each key/value head serves heads // kv_heads query heads
-            k, v = (k.repeat_interleave(heads // kv_heads, 1),
-                    v.repeat_interleave(heads // kv_heads, 1))
+            k, v = (t.repeat_interleave(heads // kv_heads, 1) for t in (k, v))
         dropout_p = self.dropout if self.training else 0.0
         cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
         auto_manual = self.kernel == "auto" and cpu_bf16 and k.size(-2) <= MANUAL_MAX_KEYS
-        if (self.kernel == "manual" or auto_manual) and pad is None:
-            y = manual_attention(q, k, v, dropout_p)
+        if self.kernel == "manual" or auto_manual:
+            y = manual_attention(q, k, v, dropout_p, mask)
         else:
-            # is_causal aligns the mask top-left: right without cached keys; one new query sees
-            # every key; several after cached keys need a mask
-            mask = None
-            if past and T > 1:
-                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-            if pad is not None:  # left-padded rows: no query sees padding (a pad query, itself)
-                keys = torch.arange(past + T, device=x.device)
-                queries = keys[past:, None]
-                mask = (keys <= queries) & ((keys >= pad[:, None, None, None]) | (keys == queries))
             named = self.kernel in SDPA_KERNELS  # else SDPA chooses; toolkit/device.py checks it
             with sdpa_kernel([SDPA_KERNELS[self.kernel]]) if named else contextlib.nullcontext():
                 y = F.scaled_dot_product_attention(q, k, v, mask, dropout_p,
@@ -200,14 +185,15 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
-def manual_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
-                     ) -> torch.Tensor:
-    """Causal softmax(q k^T / sqrt(head_dim)) v, the T queries at the last T keys' positions: plain
-    bfloat16 matmuls beat SDPA's flash kernel on CPUs without AMX for short contexts."""
+def manual_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(head_dim)) v where mask (default: causal, queries at the last keys) is
+    True: plain bfloat16 matmuls beat SDPA's flash kernel on CPUs without AMX for short contexts."""
     T, S = q.size(-2), k.size(-2)
     # the mask is added as -inf rather than masked_fill'ed: one pass fewer over the scores
-    future = torch.full((T, S), float("-inf"), dtype=q.dtype, device=q.device).triu(S - T + 1)
-    att = torch.softmax((q * q.size(-1) ** -0.5) @ k.transpose(-2, -1) + future, dim=-1)
+    hidden = torch.full((T, S), float("-inf"), dtype=q.dtype, device=q.device).triu(S - T + 1) \
+        if mask is None else torch.zeros_like(mask, dtype=q.dtype).masked_fill(~mask, -math.inf)
+    att = torch.softmax((q * q.size(-1) ** -0.5) @ k.transpose(-2, -1) + hidden, dim=-1)
     if dropout_p:
         att = F.dropout(att, dropout_p)
     return att @ v
@@ -281,8 +267,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, kv_cache: "KVCache | None" = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache, rope)
+                rope: tuple | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, rope, slots)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -334,9 +320,9 @@ class GPT(nn.Module):
         return self._trunk(idx)
 
     def _trunk(self, idx: torch.Tensor, kv_caches: "list[KVCache] | None" = None,
-               start: int = 0) -> torch.Tensor:
+               start: int | torch.Tensor = 0) -> torch.Tensor:
         """Final-LayerNorm states of idx placed at positions start, start+1, ... (unchecked)."""
-        pos = torch.arange(start, start + idx.size(1), device=idx.device)
+        slots = pos = torch.arange(idx.size(1), device=idx.device) + start
         if kv_caches and kv_caches[0].pad is not None:  # a left-padded row counts from its prompt
             pos = (pos - kv_caches[0].pad[:, None]).clamp(min=0)
         x, rope = self.transformer.wte(idx), None
@@ -346,7 +332,7 @@ class GPT(nn.Module):
             rope = rotary(pos, self.config)
         x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, kv_caches[i] if kv_caches else None, rope)
+            x = block(x, kv_caches[i] if kv_caches else None, rope, slots)
         return self.transformer.ln_f(x)
 
     def _check_shape(self, idx: torch.Tensor) -> None:
@@ -433,12 +419,14 @@ class GPT(nn.Module):
             finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
             rows = torch.arange(idx.size(0), device=idx.device)  # the sequences still generating
             for step in range(max_new_tokens):
-                if use_cache and caches is None:  # as long as what is left needs, up to the block
-                    length = min(block_size, ctx.size(1) + max_new_tokens - step)
-                    caches = [KVCache(length, pad) for _ in self.transformer.h]
-                if use_cache and caches[0].len > 0:  # a filled cache: the last token alone
-                    tok = self.decode_step(ctx[:, -1:], caches, ctx.size(1) - 1, **sampling)
+                if use_cache and caches is not None:  # a filled cache: the last token alone
+                    start = torch.full((), ctx.size(1) - 1, device=ctx.device)
+                    # (a CUDA graph's output is overwritten by its next replay)
+                    tok = self.decode_step(ctx[:, -1:], caches, start, **sampling).clone()
                 else:  # the prefill, eager even where --compile compiles decode_step
+                    if use_cache:  # as long as what is left needs, up to the block
+                        length = min(block_size, ctx.size(1) + max_new_tokens - step)
+                        caches = [KVCache(length, pad) for _ in self.transformer.h]
                     tok = sample(self.lm_head(self._trunk(ctx, caches)[:, -1]).float(), **sampling)
                 if stops is not None:
                     tok = stops[0].repeat(idx.size(0)).index_copy(0, rows, tok)
@@ -461,9 +449,10 @@ class GPT(nn.Module):
         finally:
             self.train(was_training)
 
-    def decode_step(self, tok: torch.Tensor, caches: "list[KVCache]", start: int, **sampling
-                    ) -> torch.Tensor:
-        """The (B,) tokens after tok (B, 1) at position start, the cached positions before it."""
+    def decode_step(self, tok: torch.Tensor, caches: "list[KVCache]", start: torch.Tensor,
+                    **sampling) -> torch.Tensor:
+        """The (B,) tokens after tok (B, 1) at position start (0-d: compiled, an int would make a
+        graph per position), the cached positions before it."""
         return sample(self.lm_head(self._trunk(tok, caches, start)[:, -1]).float(), **sampling)
 
 
@@ -543,28 +532,39 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.
 
 
 class KVCache:
-    """Keys and values of one attention layer, preallocated for max_len positions (a step writes one
-    position, where torch.cat would copy the cache) in the dtype the layer produces (autocast)."""
+    """Keys and values of one attention layer, preallocated for max_len positions in the dtype the
+    layer produces (autocast). A step writes its positions in place and attends over all max_len,
+    masked, as gpt-fast's static cache: its shapes never change, so a CUDA graph replays it."""
 
     def __init__(self, max_len: int, pad: torch.Tensor | None = None):
-        self.max_len, self.len, self.pad = max_len, 0, pad  # pad: GPT.generate_stream's
+        self.max_len, self.pad = max_len, pad  # pad: GPT.generate_stream's
         self.k = self.v = None  # (B, H, max_len, D) tensors once the first keys come
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, H, T, D) after the cached positions; return all keys/values so far."""
-        if self.k is None:
+    def update(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store k, v (B, H, T, D) at positions slots (T,); return all keys and values, and which
+        keys each query sees (T, max_len; B, 1, T, max_len padded): none after it, no other pad."""
+        if self.k is None:  # zeros: a hidden key still enters q k^T, and NaN * 0 is NaN
             shape = (k.size(0), k.size(1), self.max_len, k.size(3))
-            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
-        end = self.len + k.size(2)  # past max_len the assignment below fails on its shapes
-        self.k[:, :, self.len:end], self.v[:, :, self.len:end] = k, v
-        self.len = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+            self._hold(k.new_zeros(shape), v.new_zeros(shape))
+        self.k.index_copy_(2, slots, k)  # (past max_len: an index error)
+        self.v.index_copy_(2, slots, v)
+        keys = torch.arange(self.max_len, device=slots.device)
+        seen = keys <= slots[:, None]
+        if self.pad is not None:
+            seen = seen & ((keys >= self.pad[:, None, None, None]) | (keys == slots[:, None]))
+        return self.k, self.v, seen
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep the sequences of the batch where rows (B,) is True."""
         if self.k is not None:
-            self.k, self.v = self.k[rows], self.v[rows]
+            self._hold(self.k[rows], self.v[rows])
         self.pad = None if self.pad is None else self.pad[rows]
+
+    def _hold(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+        for t in (k, v) if k.is_cuda else ():  # a CUDA graph (compile_decoding) writes them
+            torch._dynamo.mark_static_address(t)
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:

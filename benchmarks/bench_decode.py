@@ -31,24 +31,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model import GPT, GPTConfig  # noqa: E402
 from toolkit.train_config import PRESETS  # noqa: E402
-from toolkit.device import cpu_kind, generation_linears  # noqa: E402
+from toolkit.device import (cpu_kind, generation_linears,  # noqa: E402
+                            read_bandwidth)
 from toolkit.gguf_export import save_gguf  # noqa: E402
 from toolkit.device import compile_decoding  # noqa: E402
 from toolkit.gpt2_vocab import GPT2_FACTS  # noqa: E402
 from toolkit.model_sources import load_model  # noqa: E402
 from toolkit.quantize import quantize_model  # noqa: E402
-
-
-def read_bandwidth() -> float:
-    """GB/s of reading a 1 GiB float32 tensor (its dot product with itself, a pass over every byte
-    as a matrix-vector product makes one), best of 5."""
-    x = torch.ones(1 << 28)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        torch.dot(x, x).item()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best / 1e9
 
 
 def step_bytes(model: GPT, batch: int, context: float) -> float:
@@ -132,7 +121,7 @@ def main() -> None:
     int4_compiled = quantize_model(copy.deepcopy(model), "int4")
     compile_decoding(int4_compiled, torch.float32)
     quantized = {"int8": int8, "int4": int4}  # whose bytes a row's MBU counts
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(torch.device("cpu"))
     print(f"CPU {cpu_kind()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"float32; {model.config.n_layer} x {model.config.n_embd} {model.config.arch}, vocab "
           f"{model.config.vocab_size:,}; prompt {args.prompt}, decode {args.short} -> {args.long} "

@@ -95,13 +95,33 @@ def test_manual_attention_matches_sdpa_in_gradients_and_drops_attention_weights(
 @pytest.mark.parametrize("kernel", ["auto", "manual", "math", "flash"])
 @torch.no_grad()
 def test_kv_cache_forward_matches_full_forward(kernel):
+    """A prefill, one-token steps at a 0-d tensor position (as the compiled decode_step gets it),
+    then several tokens: the states of one forward over all. The cache is written in place and
+    read whole, masked, so every step sees the same shapes and storage (what a CUDA graph needs)."""
     m = tiny_gpt(attn_kernel=kernel)
     idx = torch.randint(0, VOCAB, (2, 20))
     full = m.hidden_states(idx)
     caches = [model.KVCache(32) for _ in m.transformer.h]
-    parts = [m._trunk(idx[:, :7], caches), m._trunk(idx[:, 7:8], caches, start=7),
-             m._trunk(idx[:, 8:], caches, start=8)]
+    parts = [m._trunk(idx[:, :7], caches)]
+    storage = [(c.k.data_ptr(), c.v.data_ptr(), c.k.shape) for c in caches]
+    for t in (7, 8):
+        parts.append(m._trunk(idx[:, t:t + 1], caches, start=torch.tensor(t)))
+        assert [(c.k.data_ptr(), c.v.data_ptr(), c.k.shape) for c in caches] == storage
+    parts.append(m._trunk(idx[:, 9:], caches, start=9))
     assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
+
+
+def test_a_step_sees_the_whole_cache_masked():
+    """Whatever the position, a step's keys are the whole preallocated cache, and the mask hides
+    the positions after it and a left-padded row's padding (a padding query sees itself)."""
+    cache = model.KVCache(6, pad=torch.tensor([0, 2]))
+    k = torch.randn(2, 1, 3, 4)
+    keys, values, seen = cache.update(k, -k, torch.arange(3))
+    assert keys.shape == values.shape == (2, 1, 6, 4) and torch.equal(keys[:, :, :3], k)
+    assert seen[0, 0].int().tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]]
+    assert seen[1, 0].int().tolist() == [[1, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0]]
+    keys, _, seen = cache.update(k[:, :, :1], k[:, :, :1], torch.tensor([3]))
+    assert keys.shape == (2, 1, 6, 4) and seen[1, 0].int().tolist() == [[0, 0, 1, 1, 0, 0]]
 
 
 def reference_greedy(m: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ import ctypes
 import functools
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -139,8 +140,9 @@ def generation_linears(model: GPT, device: torch.device, dtype: torch.dtype) -> 
 
 
 def compile_decoding(model: GPT, dtype: torch.dtype) -> None:
-    """model's one-token step (GPT.decode_step) compiled, its shapes dynamic; the prefill stays
-    eager. Greedy in float32 it gives eager's tokens; a temperature draws from inductor's RNG."""
+    """model's one-token step (GPT.decode_step) compiled, its shapes dynamic, on a GPU captured as
+    a CUDA graph; the prefill stays eager. Greedy in float32 it gives eager's tokens; a temperature
+    draws from inductor's RNG."""
     import torch._inductor.config as inductor  # 1.3 s to import: --compile alone needs it
     # inductor's own pass turns a (1, K) x (K, N) product on a CPU into a vectorised reduction:
     # 21 GB/s of weights against 13 for MKL's GEMV on 2 cores. By default it stops at K, N of 2048
@@ -152,7 +154,11 @@ def compile_decoding(model: GPT, dtype: torch.dtype) -> None:
     inductor.realize_cpu_opcount_threshold = 0
     if dtype != torch.float32:  # compiled under autocast, float32 weights are cast at every step
         model.to(dtype)
-    model.decode_step = torch.compile(model.decode_step, dynamic=True)
+    # on a GPU the step is replayed as one CUDA graph: one launch instead of hundreds (KVCache
+    # keeps the step's shapes fixed; each new batch size or cache length records another graph)
+    cuda = next(model.parameters()).is_cuda
+    model.decode_step = torch.compile(model.decode_step, dynamic=True,
+                                      mode="reduce-overhead" if cuda else None)
 
 
 def set_job_threads() -> None:
@@ -216,6 +222,18 @@ def peak_flops(device: torch.device, peak_tflops: float | None = None) -> float 
         gpu = torch.cuda.get_device_name(device)
         return next((t * 1e12 for key, t in PEAK_TFLOPS.items() if key in gpu), None)
     return None
+
+
+def read_bandwidth(device: torch.device) -> float:
+    """GB/s of reading a 1 GiB float32 tensor on device (its dot product with itself: one pass over
+    every byte, as a decode step's matrix-vector products make), best of 5; MBU's denominator."""
+    x = torch.ones(1 << 28, device=device)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.dot(x, x).item()  # (.item() waits for a GPU)
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
 
 
 def available_memory() -> int | None:

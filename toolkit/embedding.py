@@ -146,8 +146,8 @@ def corpus_documents(path: str, json_key: str, id_key: str, glob: str) -> Iterat
 
 
 def json_documents(path: str, json_key: str, id_key: str) -> Iterator[Document]:
-    array = holds_json_array(path)
-    for index, (number, record) in enumerate(json_records(path, (json_key,), "--json-key"), start=1):
+    array, records = holds_json_array(path), json_records(path, (json_key,), "--json-key")
+    for index, (number, record) in enumerate(records, start=1):
         default = str(index if array else number)  # an array's items may share a line
         doc_id = record_id(path, number, record[id_key]) if id_key in record else default
         yield Document(doc_id, record[json_key], path, number)
