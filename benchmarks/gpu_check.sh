@@ -6,7 +6,8 @@
 #     ms/iter, tokens/s, MFU; with NANOGPT_DIR=a checkout of karpathy/nanoGPT, its train.py on the same shape
 #     and data, compiled, right after ours
 #   - the quick start, `python train.py` with no flags: wall seconds and its val loss
-#   - sampling tokens/s with the KV cache, 124M, bfloat16
+#   - sampling tokens/s with the KV cache, 124M, bfloat16, eager and with test.py --compile's CUDA-graph step,
+#     each with its MBU against the GPU's measured read bandwidth
 #   - 2-process DDP (when there are 2 GPUs), FSDP2 on one GPU with activation checkpointing (train_ddp.py
 #     --fsdp) and a single-GPU DeepSpeed ZeRO-3 step; each training run's peak GPU memory
 #   - with NANOGPT_DIR and SHAKESPEARE=Tiny Shakespeare's input.txt also the time-to-quality race against
@@ -24,7 +25,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
     --out) OUT_DIR="$2"; shift ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument $1 (use --dry-run, --out DIR)" >&2; exit 2 ;;
   esac
   shift
@@ -41,7 +42,7 @@ if [ $DRY = 1 ]; then
   SHAPE="--n-layer 1 --n-head 2 --n-embd 32 --block-size 32 --batch-size 2"; ITERS=6; SKIP=2
   NANO_SHAPE="--n_layer=1 --n_head=2 --n_embd=32 --block_size=32 --batch_size=2"
   LOSS="--device cpu --n-layer 1 --n-head 2 --n-embd 32 --block-size 32 --batch-size 2 --repeats 2"
-  SAMPLE="--device cpu --dtype float32 --new-tokens 8 --block-size 32"
+  SAMPLE="--device cpu --dtype float32 --new-tokens 8 --block-size 32"  # (--compile's step: eager)
   QUICK="--n-layer 1 --n-head 2 --n-embd 32 --max-iters 4 --eval-iters 2"
   # the script's steps, not Inductor's C++ build: --compile runs eagerly (tests/test_model.py traces compile)
   export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1
@@ -146,9 +147,14 @@ result "quick start wall" "$(python -c "print(f'{$(date +%s.%N) - $START:.1f}')"
 result "quick start val loss" "$(grep -oP '^step \d+: .*val loss \K[\d.]+' "$OUT_DIR/quick_start.log" | tail -1)" ""
 
 echo "== sampling"
-python benchmarks/bench_sampling.py $SAMPLE --vocab-size 50257 --methods cache --repeats 3 | tee "$OUT_DIR/sampling.txt"
-result "sampling with KV cache" "$(grep -oP '^\s+generate\(use_cache=True\)\s+\K[\d,]+(?= tokens/s)' "$OUT_DIR/sampling.txt")" \
-  "tokens/s"
+python benchmarks/bench_sampling.py $SAMPLE --vocab-size 50257 --methods cache,compiled --repeats 3 \
+  | tee "$OUT_DIR/sampling.txt"
+for method in "generate(use_cache=True)" "generate, compiled step"; do
+  line=$(grep -F "  $method " "$OUT_DIR/sampling.txt")
+  name="sampling with KV cache"; [ "$method" = "generate(use_cache=True)" ] || name="sampling, compiled step"
+  result "$name" "$(grep -oP '\s\K[\d,]+(?= tokens/s)' <<< "$line")" "tokens/s"
+  result "$name MBU" "$(grep -oP 'MBU \K\d+(?=%)' <<< "$line")" "%"
+done
 
 echo "== DDP"
 if [ "$GPUS" -ge 2 ]; then

@@ -15,7 +15,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     for name in ("train gpt2 float32", "train gpt2 float32 --compile", "DeepSpeed ZeRO-3 1 GPU",
                  "FSDP2 1 GPU --activation-checkpointing"):
         assert float(figures[(name, "ms/iter")]) > 0, figures
-    assert float(figures[("sampling with KV cache", "tokens/s")].replace(",", "")) > 0
+    for name in ("sampling with KV cache", "sampling, compiled step"):
+        assert float(figures[(name, "tokens/s")].replace(",", "")) > 0, figures
+        assert int(figures[(f"{name} MBU", "%")]) >= 0, figures
     assert figures[("DDP 2 GPUs", "(fewer than 2 GPUs)")] == "skipped"
     assert "gpu_check results" in result.stdout
     # bench_sdpa.py's records, one per kernel: times and honest peak memory, or why a kernel cannot
