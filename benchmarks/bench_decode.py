@@ -11,6 +11,9 @@ memory bandwidth, measured here.
     python benchmarks/bench_decode.py            # 12 x 768 llama family, GPT-2's vocabulary
     python benchmarks/bench_decode.py --batch-sizes 1 4 16 64 --rounds 2
     python benchmarks/bench_decode.py --ckpt ckpt/ckpt.pt   # a checkpoint's model instead
+    python benchmarks/bench_decode.py --device cuda        # a GPU: eager and compiled, bfloat16
+
+On a GPU the rows are ours alone, in bfloat16 weights: eager, and the step compiled (a CUDA graph).
 
 The decode rate is (long - short) new tokens over the time between their arrival in one run, so
 the prefill and the start-up are left out; greedy, no end-of-text. MBU: the bytes one decode step
@@ -40,25 +43,26 @@ from toolkit.model_sources import load_model  # noqa: E402
 from toolkit.quantize import quantize_model  # noqa: E402
 
 
-def step_bytes(model: GPT, batch: int, context: float) -> float:
+def step_bytes(model: GPT, batch: int, context: float, element: int) -> float:
     """The bytes a decode step reads: the weights as stored (int8 or int4 ones with their scales;
     the input table's one row a sequence aside) and the KV cache of context positions for each
-    sequence."""
+    sequence, of element bytes a number."""
     c = model.config
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
     weights = sum(t.numel() * t.element_size() for name, t in tensors
                   if not name.startswith("transformer.wte."))
-    cache = 2 * c.n_layer * c.kv_heads * c.head_size * context * batch * 4
+    cache = 2 * c.n_layer * c.kv_heads * c.head_size * context * batch * element
     return weights + cache
 
 
-def stamps(tokens, short: int, long: int) -> tuple[float, float]:
+def stamps(tokens, short: int, long: int, sync=lambda: None) -> tuple[float, float]:
     """(seconds to the first new token, decode tokens/s between new tokens short and long) of
-    one run of a token stream, read as the tokens arrive."""
+    one run of a token stream, read as the tokens arrive (sync: waits for a GPU's queue)."""
     start = time.perf_counter()
     times = {}
     for made, _ in enumerate(tokens, start=1):
         if made in (1, short, long):
+            sync()
             times[made] = time.perf_counter() - start
         if made == long:
             break
@@ -68,9 +72,11 @@ def stamps(tokens, short: int, long: int) -> tuple[float, float]:
 @torch.no_grad()
 def ours(model: GPT, batch: int, prompt: int, short: int, long: int) -> tuple[float, float]:
     """(seconds to the first new token, decode tokens/s over all sequences)."""
+    device = model.lm_head.weight.device
     idx = torch.randint(0, model.config.vocab_size, (batch, prompt),
-                        generator=torch.Generator().manual_seed(0))
-    first, rate = stamps(model.generate_stream(idx, long, temperature=0.0), short, long)
+                        generator=torch.Generator().manual_seed(0)).to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    first, rate = stamps(model.generate_stream(idx, long, temperature=0.0), short, long, sync)
     return first, batch * rate
 
 
@@ -97,6 +103,7 @@ def main() -> None:
     p.add_argument("--short", type=int, default=16, help="(default: %(default)s new tokens)")
     p.add_argument("--long", type=int, default=80, help="(default: %(default)s new tokens)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="leave out test.py --compile's rows (each batch size compiles for seconds)")
     args = p.parse_args()
@@ -110,34 +117,39 @@ def main() -> None:
         model = GPT(GPTConfig(**shape, vocab_size=50257, block_size=1024, arch="llama",
                               bias=False, tie_embeddings=False))
         facts = dict(GPT2_FACTS)
-    model = model.float().eval()
-    onednn = generation_linears(copy.deepcopy(model), torch.device("cpu"), torch.float32)
-    int8 = quantize_model(copy.deepcopy(model), "int8")
-    compiled = copy.deepcopy(model)
-    compile_decoding(compiled, torch.float32)
-    int8_compiled = quantize_model(copy.deepcopy(model), "int8")
-    compile_decoding(int8_compiled, torch.float32)
-    int4 = quantize_model(copy.deepcopy(model), "int4")
-    int4_compiled = quantize_model(copy.deepcopy(model), "int4")
-    compile_decoding(int4_compiled, torch.float32)
-    quantized = {"int8": int8, "int4": int4}  # whose bytes a row's MBU counts
-    bandwidth = read_bandwidth(torch.device("cpu"))
-    print(f"CPU {cpu_kind()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
-          f"float32; {model.config.n_layer} x {model.config.n_embd} {model.config.arch}, vocab "
+    device = torch.device(args.device)
+    cuda, dtype = device.type == "cuda", torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = model.to(device, dtype).eval()
+    decoders = {"ours (eager, KV cache)": model}  # name: the model it decodes with
+    if not cuda:
+        decoders["ours (oneDNN linears)"] = generation_linears(copy.deepcopy(model), device, dtype)
+        decoders["ours (int8 weights)"] = quantize_model(copy.deepcopy(model), "int8")
+        decoders["ours (int4 weights)"] = quantize_model(copy.deepcopy(model), "int4")
+    compiled = [("ours (compiled step)", None)]
+    if not cuda:  # (int8 and int4 weights: CPU kernels)
+        compiled += [("ours (int8, compiled step)", "int8"), ("ours (int4, compiled step)", "int4")]
+    for name, quantize in compiled if args.compile else []:
+        decoders[name] = copy.deepcopy(model) if quantize is None else \
+            quantize_model(copy.deepcopy(model), quantize)
+        compile_decoding(decoders[name], dtype)  # (a CUDA graph on a GPU)
+    quantized = {kind: decoders[f"ours ({kind} weights)"]  # whose bytes a row's MBU counts
+                 for kind in ("int8", "int4") if not cuda}
+    bandwidth = read_bandwidth(device)
+    where = torch.cuda.get_device_name(device) if cuda else \
+        f"CPU {cpu_kind()}, {torch.get_num_threads()} threads"
+    print(f"{where}, torch {torch.__version__}; {str(dtype)[6:]}; {model.config.n_layer} x "
+          f"{model.config.n_embd} {model.config.arch}, vocab "
           f"{model.config.vocab_size:,}; prompt {args.prompt}, decode {args.short} -> {args.long} "
           f"new tokens; memory read bandwidth {bandwidth:.1f} GB/s", flush=True)
     best = {}
     with tempfile.TemporaryDirectory() as folder:
         gguf = os.path.join(folder, "model.gguf")
-        save_gguf(model, gguf, facts, "f32")
+        if not cuda:  # (llama.cpp's row: on a CPU)
+            save_gguf(model, gguf, facts, "f32")
         for _ in range(args.rounds):
-            runs = [("llama.cpp (f32 GGUF)", 1, None)]
-            for b in args.batch_sizes:
-                runs += [("ours (eager, KV cache)", b, model), ("ours (oneDNN linears)", b, onednn),
-                         ("ours (int8 weights)", b, int8), ("ours (int4 weights)", b, int4)]
-                runs += [("ours (compiled step)", b, compiled),
-                         ("ours (int8, compiled step)", b, int8_compiled),
-                         ("ours (int4, compiled step)", b, int4_compiled)] if args.compile else []
+            runs = [] if cuda else [("llama.cpp (f32 GGUF)", 1, None)]
+            runs += [(name, b, decoder) for b in args.batch_sizes
+                     for name, decoder in decoders.items()]
             for name, batch, decoder in runs:
                 first, rate = (llama_cpp(gguf, args.prompt, args.short, args.long,
                                          model.config.vocab_size) if decoder is None
@@ -150,7 +162,7 @@ def main() -> None:
     print("| decoder | batch | first token (ms) | decode tokens/s | MBU |\n|---|---|---|---|---|")
     for (name, batch), (first, rate) in best.items():
         read = step_bytes(next((q for kind, q in quantized.items() if kind in name), model),
-                          batch, context)
+                          batch, context, dtype.itemsize)
         mbu = read * rate / batch / (bandwidth * 1e9)
         print(f"| {name} | {batch} | {first * 1000:.0f} | {rate:.1f} | {mbu:.0%} |")
 

@@ -7,7 +7,8 @@
 #     and data, compiled, right after ours
 #   - the quick start, `python train.py` with no flags: wall seconds and its val loss
 #   - sampling tokens/s with the KV cache, 124M, bfloat16, eager and with test.py --compile's CUDA-graph step,
-#     each with its MBU against the GPU's measured read bandwidth
+#     each with its MBU against the GPU's measured read bandwidth; the same at batch 1, 4, 16 and 64
+#     (benchmarks/bench_decode.py --device cuda)
 #   - 2-process DDP (when there are 2 GPUs), FSDP2 on one GPU with activation checkpointing (train_ddp.py
 #     --fsdp) and a single-GPU DeepSpeed ZeRO-3 step; each training run's peak GPU memory
 #   - with NANOGPT_DIR and SHAKESPEARE=Tiny Shakespeare's input.txt also the time-to-quality race against
@@ -25,7 +26,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
     --out) OUT_DIR="$2"; shift ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument $1 (use --dry-run, --out DIR)" >&2; exit 2 ;;
   esac
   shift
@@ -155,6 +156,17 @@ for method in "generate(use_cache=True)" "generate, compiled step"; do
   result "$name" "$(grep -oP '\s\K[\d,]+(?= tokens/s)' <<< "$line")" "tokens/s"
   result "$name MBU" "$(grep -oP 'MBU \K\d+(?=%)' <<< "$line")" "%"
 done
+
+echo "== decoding sweep: batch 1, 4, 16, 64, eager and compiled (a CUDA graph), bfloat16"
+if [ $DRY = 1 ]; then  # (tests/test_benchmarks.py runs bench_decode.py on the CPU)
+  result "decode sweep" "skipped" "(on a GPU only)"
+else
+  python benchmarks/bench_decode.py --device cuda --rounds 1 | tee "$OUT_DIR/decode.txt"
+  grep -P '^\| ours' "$OUT_DIR/decode.txt" | while IFS='|' read -r _ name batch _ rate mbu _; do
+    result "decode, $(xargs <<< "$name") batch $(xargs <<< "$batch")" "$(xargs <<< "$rate")" \
+      "tokens/s, MBU $(xargs <<< "$mbu")"
+  done
+fi
 
 echo "== DDP"
 if [ "$GPUS" -ge 2 ]; then

@@ -19,6 +19,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         assert float(figures[(name, "tokens/s")].replace(",", "")) > 0, figures
         assert int(figures[(f"{name} MBU", "%")]) >= 0, figures
     assert figures[("DDP 2 GPUs", "(fewer than 2 GPUs)")] == "skipped"
+    assert figures[("decode sweep", "(on a GPU only)")] == "skipped"
     assert "gpu_check results" in result.stdout
     # bench_sdpa.py's records, one per kernel: times and honest peak memory, or why a kernel cannot
     # run here
