@@ -546,7 +546,7 @@ class KVCache:
         keys each query sees (T, max_len; B, 1, T, max_len padded): none after it, no other pad."""
         if self.k is None:  # zeros: a hidden key still enters q k^T, and NaN * 0 is NaN
             shape = (k.size(0), k.size(1), self.max_len, k.size(3))
-            self._hold(k.new_zeros(shape), v.new_zeros(shape))
+            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
         self.k.index_copy_(2, slots, k)  # (past max_len: an index error)
         self.v.index_copy_(2, slots, v)
         keys = torch.arange(self.max_len, device=slots.device)
@@ -558,13 +558,8 @@ class KVCache:
     def keep(self, rows: torch.Tensor) -> None:
         """Keep the sequences of the batch where rows (B,) is True."""
         if self.k is not None:
-            self._hold(self.k[rows], self.v[rows])
+            self.k, self.v = self.k[rows], self.v[rows]
         self.pad = None if self.pad is None else self.pad[rows]
-
-    def _hold(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = k, v
-        for t in (k, v) if k.is_cuda else ():  # a CUDA graph (compile_decoding) writes them
-            torch._dynamo.mark_static_address(t)
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:

@@ -157,8 +157,15 @@ def compile_decoding(model: GPT, dtype: torch.dtype) -> None:
     # on a GPU the step is replayed as one CUDA graph: one launch instead of hundreds (KVCache
     # keeps the step's shapes fixed; each new batch size or cache length records another graph)
     cuda = next(model.parameters()).is_cuda
-    model.decode_step = torch.compile(model.decode_step, dynamic=True,
-                                      mode="reduce-overhead" if cuda else None)
+    step = torch.compile(model.decode_step, dynamic=True, mode="reduce-overhead" if cuda else None)
+
+    def decode_step(tok: torch.Tensor, caches: list, start: torch.Tensor, **sampling):
+        for cache in caches if cuda else ():  # the graph writes them in place, at fixed addresses
+            torch._dynamo.mark_static_address(cache.k)
+            torch._dynamo.mark_static_address(cache.v)
+        return step(tok, caches, start, **sampling)
+
+    model.decode_step = decode_step
 
 
 def set_job_threads() -> None:
