@@ -80,8 +80,9 @@ def main() -> None:
     model = GPT(config).to(device).eval()  # random normal init (std 0.02), not zeros
     prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
     chosen = args.methods.split(",")
-    compiled = copy.deepcopy(model)
-    if "compiled" in chosen:
+    compiled = model
+    if "compiled" in chosen:  # a copy: compile_decoding replaces its step (and casts its weights)
+        compiled = copy.deepcopy(model)
         compile_decoding(compiled, DTYPES[args.dtype])
     every = {
         "nanogpt": ("nanogpt loop", lambda: nanogpt_sample(model, prompt, args.new_tokens, 1.0)),
