@@ -289,4 +289,5 @@ def test_compiled_decoding_gives_the_eager_tokens(char_ckpt):
     compiled = run_main("test.py", *args, "--compile")
     assert compiled.returncode == 0, compiled.stderr
     assert counters["frames"]["ok"] >= 1  # a frame was compiled, not run eagerly
+    assert counters["aot_autograd"]["total"] == 1  # traced once: a run's floats are constants
     assert compiled.stdout == eager.stdout and "def " in eager.stdout
