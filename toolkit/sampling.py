@@ -61,8 +61,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attention implementation")
     add_quantize_argument(parser)
     parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the one-token decoding step: some 20 s of compiling "
-                             "first (a minute on a machine's first run), then faster decoding of "
+                        help="torch.compile the one-token decoding step: some 5 s of compiling "
+                             "first (30 s on a machine's first run), then faster decoding of "
                              "one sequence (docs/performance.md)")
     parser.add_argument("--genfile",
                         help="write samples as JSONL lines {text, length, finished} (Megatron)")
