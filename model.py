@@ -169,18 +169,22 @@ class CausalSelfAttention(nn.Module):
             q, k = rotate(q, *rope), rotate(k, *rope)
         # with a cache: all its keys, masked (slots: x's places), so a step's shapes stay fixed
         k, v, mask = (k, v, None) if kv_cache is None else kv_cache.update(k, v, slots)
-        if kv_heads != heads:  # each key/value head serves heads // kv_heads query heads
-            k, v = (t.repeat_interleave(heads // kv_heads, 1) for t in (k, v))
         dropout_p = self.dropout if self.training else 0.0
         cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
         auto_manual = self.kernel == "auto" and cpu_bf16 and k.size(-2) <= MANUAL_MAX_KEYS
-        if self.kernel == "manual" or auto_manual:
+        manual = self.kernel == "manual" or auto_manual
+        # each key/value head serves heads // kv_heads query heads: SDPA on a CPU reads it in place
+        # (enable_gqa: decoding 1.3x), elsewhere it is copied for each (GPUs: not measured yet)
+        if kv_heads != heads and (manual or not q.is_cpu):
+            k, v = (t.repeat_interleave(heads // kv_heads, 1) for t in (k, v))
+        if manual:
             y = manual_attention(q, k, v, dropout_p, mask)
         else:
             named = self.kernel in SDPA_KERNELS  # else SDPA chooses; toolkit/device.py checks it
             with sdpa_kernel([SDPA_KERNELS[self.kernel]]) if named else contextlib.nullcontext():
                 y = F.scaled_dot_product_attention(q, k, v, mask, dropout_p,
-                                                   is_causal=T > 1 and mask is None)
+                                                   is_causal=T > 1 and mask is None,
+                                                   enable_gqa=k.size(1) != heads)
         y = y.transpose(1, 2).reshape(B, T, heads * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 

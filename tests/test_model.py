@@ -428,6 +428,23 @@ def test_the_llama_family_generates_the_same_tokens_with_and_without_its_cache()
         assert torch.equal(*outputs) and outputs[0].shape == (2, 50)
 
 
+def test_grouped_query_attention_on_a_cpu_reads_the_shared_heads_in_place():
+    """On a CPU, SDPA serves 2 query heads from each key/value head without copying it (no
+    repeat_interleave, with and without the KV cache): the outputs and gradients of the written-out
+    form, which copies them."""
+    copied, shared = tiny_llama(attn_kernel="manual"), tiny_llama(attn_kernel="flash")
+    shared.load_state_dict(copied.state_dict())
+    idx, targets = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
+    losses = [loss_and_grads(m, lambda m=m: m(idx, targets)[1]) for m in (copied, shared)]
+    assert torch.allclose(losses[0][0], losses[1][0], rtol=1e-6)
+    assert all(rel_err(losses[0][1][name], g) < 1e-5 for name, g in losses[1][1].items())
+    with torch.profiler.profile() as prof:
+        loss_and_grads(shared, lambda: shared(idx, targets)[1])
+        tokens = shared.generate(idx[:, :4], 8, temperature=0.0)
+    assert torch.equal(tokens, copied.generate(idx[:, :4], 8, temperature=0.0))
+    assert not any("repeat_interleave" in e.key for e in prof.key_averages())
+
+
 def test_the_llama_family_trains_both_loss_paths_alike_in_one_graph():
     m = tiny_llama().train()
     idx, targets = torch.randint(0, VOCAB, (3, 32)), torch.randint(0, VOCAB, (3, 32))
