@@ -174,7 +174,7 @@ class CausalSelfAttention(nn.Module):
         auto_manual = self.kernel == "auto" and cpu_bf16 and k.size(-2) <= MANUAL_MAX_KEYS
         manual = self.kernel == "manual" or auto_manual
         # each key/value head serves heads // kv_heads query heads: SDPA on a CPU reads it in place
-        # (enable_gqa: decoding 1.3x), elsewhere it is copied for each (GPUs: not measured yet)
+        # (enable_gqa: decoding 1.1x), elsewhere it is copied for each (GPUs: not measured yet)
         if kv_heads != heads and (manual or not q.is_cpu):
             k, v = (t.repeat_interleave(heads // kv_heads, 1) for t in (k, v))
         if manual:
